@@ -1,0 +1,30 @@
+"""Packaging for mpitf: distributed-TensorFlow-style parameter servers on MPI."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="mpitf",
+    version="0.1.0",
+    description="Parameter-server training (ps/worker jobs, sync and async replicas, "
+    "checkpoint recovery) on MPI through mpi4py",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=find_packages(include=["mpitf", "mpitf.*"]),
+    install_requires=["mpi4py>=4", "numpy", "h5py"],
+    extras_require={
+        # The MPICH wheel, for machines with no MPI of their own; on a cluster leave it
+        # out so mpi4py loads the site MPI library.
+        "mpich": ["mpich"],
+        "gpu": ["cupy-cuda12x"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn", "ruff"],
+        "bench": ["matplotlib"],
+        "data": ["scikit-learn"],
+    },
+    entry_points={"console_scripts": ["mpitf=mpitf.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Topic :: System :: Distributed Computing",
+    ],
+)
