@@ -1,0 +1,373 @@
+"""Choose the array module (numpy or CuPy) for this rank and say whether MPI is CUDA-aware.
+
+This is the only module of mpitf that imports CuPy. Everything else writes
+``be.xp`` for a :class:`Backend`, or :func:`array_module` for an array, so CPU
+and GPU share one code path.
+
+TensorFlow's ``ConfigProto`` maps onto :func:`select_backend` this way:
+
+* ``log_device_placement``: log :func:`describe_backend` (the caller does).
+* ``allow_soft_placement=True``: a rank that asked for a GPU it cannot have
+  falls back to numpy, with one warning on the ``mpitf`` logger.
+* ``gpu_options.per_process_gpu_memory_fraction``: ``memory_fraction``, which
+  caps CuPy's default memory pool with ``set_limit(fraction=...)``.
+* ``gpu_options.allow_growth=False``: with ``memory_fraction`` set, that much
+  is allocated once at start and kept in CuPy's pool; without a fraction
+  nothing is preallocated (grabbing the whole GPU, as TF did, would starve
+  the other ranks sharing it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from mpitf.errors import ConfigurationError
+
+__all__ = [
+    "Backend",
+    "array_module",
+    "cuda_aware_support",
+    "describe_backend",
+    "get_backend",
+    "numpy_backend",
+    "select_backend",
+    "set_backend",
+]
+
+_DEVICES = ("auto", "cpu", "gpu")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+# (local_rank, reason) pairs already warned about, so a fallback is logged once.
+_SOFT_PLACEMENT_WARNED: set = set()
+
+
+def array_module(a):
+    """Return the array module of ``a``: cupy for CuPy arrays, numpy otherwise.
+
+    Looks CuPy up in ``sys.modules`` instead of importing it: a CuPy array
+    cannot exist unless CuPy is already imported.
+    """
+    top = type(a).__module__.split(".", 1)[0]
+    if top == "cupy":
+        return sys.modules["cupy"]
+    return np
+
+
+@dataclass
+class Backend:
+    """The array module of one rank, with its device and how its buffers reach MPI."""
+
+    name: str  # "numpy" or "cupy"
+    xp: Any
+    device_id: Optional[int] = None  # CUDA ordinal, None on CPU
+    cuda_aware: bool = False  # device buffers may be handed to MPI as they are
+    cuda_aware_reason: str = field(default="", compare=False)
+
+    @property
+    def is_gpu(self):
+        """Whether arrays of this backend live on a GPU."""
+        return self.name == "cupy"
+
+    def _on_device(self):
+        """Return a context manager that makes this backend's GPU current (no-op on CPU)."""
+        if self.is_gpu:
+            return self.xp.cuda.Device(self.device_id)
+        return contextlib.nullcontext()
+
+    def empty(self, n, dtype):
+        """Return an uninitialised 1-D array of ``n`` elements on this backend."""
+        with self._on_device():
+            return self.xp.empty(n, dtype=dtype)
+
+    def zeros(self, n, dtype):
+        """Return a 1-D array of ``n`` zeros on this backend."""
+        with self._on_device():
+            return self.xp.zeros(n, dtype=dtype)
+
+    def to_host(self, a, out=None):
+        """Return ``a`` as a numpy array, without a copy when it already is one.
+
+        With ``out`` (a numpy array, e.g. from :meth:`pinned_empty`), copy into
+        it and return it.
+        """
+        if self.is_device_array(a):
+            if out is None:
+                return a.get()
+            a.get(out=out)
+            return out
+        if out is None:
+            return np.asarray(a)
+        np.copyto(out, a)
+        return out
+
+    def to_device(self, a, out=None):
+        """Return ``a`` as an array of this backend, without a copy when it already is one.
+
+        With ``out`` (an array of this backend), copy into it and return it.
+        """
+        if not self.is_gpu:
+            a = a.get() if self.is_device_array(a) else a
+            if out is None:
+                return np.asarray(a)
+            np.copyto(out, a)
+            return out
+        with self._on_device():
+            if out is None:
+                return self.xp.asarray(a)
+            if self.is_device_array(a):
+                self.xp.copyto(out, a)
+            else:
+                out.set(np.asarray(a))
+            return out
+
+    def pinned_empty(self, n, dtype):
+        """Return an uninitialised numpy array of ``n`` elements in page-locked memory.
+
+        Page-locked (pinned) host memory makes device-host copies fast and
+        lets them run asynchronously; on CPU this is a plain numpy array.
+        """
+        if not self.is_gpu:
+            return np.empty(n, dtype=dtype)
+        try:
+            import cupyx
+
+            return cupyx.empty_pinned(n, dtype=dtype)
+        except (ImportError, AttributeError):
+            dtype = np.dtype(dtype)
+            mem = self.xp.cuda.alloc_pinned_memory(max(n, 1) * dtype.itemsize)
+            # frombuffer keeps ``mem`` alive through the array's base.
+            return np.frombuffer(mem, dtype=dtype, count=n)
+
+    def synchronize(self):
+        """Wait for the current CUDA stream, so MPI sees finished data; no-op on numpy."""
+        if self.is_gpu:
+            self.xp.cuda.get_current_stream().synchronize()
+
+    def is_device_array(self, a):
+        """Whether ``a`` is a device array: it has ``__cuda_array_interface__`` and is not numpy."""
+        return hasattr(a, "__cuda_array_interface__") and not isinstance(a, np.ndarray)
+
+
+def numpy_backend():
+    """Return a CPU backend on numpy."""
+    return Backend("numpy", np, None, False, "CPU buffers")
+
+
+_current: Optional[Backend] = None
+
+
+def get_backend():
+    """Return this process's current backend (numpy until :func:`set_backend` is called)."""
+    global _current
+    if _current is None:
+        _current = numpy_backend()
+    return _current
+
+
+def set_backend(be):
+    """Make ``be`` this process's current backend and return it."""
+    global _current
+    if not isinstance(be, Backend):
+        raise TypeError(f"expecting a Backend, got {type(be).__name__}")
+    _current = be
+    return be
+
+
+# ------------------------------------------------------------------ selection
+
+
+def _load_cupy():
+    """Import CuPy and count the visible devices; return ``(cupy, count, why_not)``."""
+    try:
+        import cupy
+    except ImportError as exc:
+        return None, 0, f"CuPy is not installed ({exc})"
+    except Exception as exc:  # a broken CUDA install can fail in many ways on import
+        return None, 0, f"CuPy failed to import ({type(exc).__name__}: {exc})"
+    try:
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # CUDARuntimeError when there is no driver or device
+        return None, 0, f"CUDA reports no device ({exc})"
+    if count < 1:
+        return None, 0, "CUDA reports no device"
+    return cupy, count, ""
+
+
+def select_backend(
+    device="auto",
+    local_rank=0,
+    *,
+    allow_soft_placement=False,
+    memory_fraction=None,
+    allow_growth=True,
+    env=os.environ,
+    log=None,
+    rank=None,
+    mpi=None,
+):
+    """Choose this rank's backend: numpy on CPU, or CuPy on GPU ``local_rank % count``.
+
+    Args:
+        device: "auto" (a GPU when CuPy imports and a device is visible, else
+            CPU), "cpu" or "gpu".
+        local_rank: this rank's index on its node; picks the GPU. CuPy's
+            device count already respects ``CUDA_VISIBLE_DEVICES``.
+        allow_soft_placement: fall back to numpy, with one warning, when
+            "gpu" cannot be had, instead of raising ConfigurationError.
+        memory_fraction: cap on CuPy's memory pool as a fraction of the GPU.
+        allow_growth: when False and ``memory_fraction`` is set, preallocate
+            that much once.
+        env: the environment to read (CUDA-aware overrides and the like).
+        log: logger for the fallback warning; the "mpitf" logger by default.
+        rank: the world rank, only to name it in messages.
+        mpi: the ``mpi4py.MPI`` module or a stand-in, for
+            :func:`cuda_aware_support`.
+
+    Returns:
+        a :class:`Backend`; it does not become current until :func:`set_backend`.
+    """
+    log = log or logging.getLogger("mpitf")
+    kind = device.lower() if isinstance(device, str) else device
+    if kind not in _DEVICES:
+        raise ConfigurationError(f"unknown device {device!r}; expected one of {list(_DEVICES)}")
+    if memory_fraction is not None and not (0.0 < float(memory_fraction) <= 1.0):
+        raise ConfigurationError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
+    if kind == "cpu":
+        return numpy_backend()
+    cupy, count, why_not = _load_cupy()
+    if cupy is None:
+        if kind == "auto":
+            log.debug("device='auto' on local rank %s: %s; using CPU (numpy)", local_rank, why_not)
+            return numpy_backend()
+        who = (
+            f"local rank {local_rank}" if rank is None else f"rank {rank} (local rank {local_rank})"
+        )
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            why_not += f", CUDA_VISIBLE_DEVICES={visible!r}"
+        if not allow_soft_placement:
+            raise ConfigurationError(
+                f"{who} asked for a GPU (device='gpu') but {why_not}; install CuPy for your CUDA "
+                "(pip install cupy-cuda12x), request GPUs from the scheduler "
+                "(e.g. srun --gpus-per-task=1), or use device='cpu' or allow_soft_placement"
+            )
+        key = (local_rank, why_not)
+        if key not in _SOFT_PLACEMENT_WARNED:
+            _SOFT_PLACEMENT_WARNED.add(key)
+            log.warning("%s asked for a GPU but %s; falling back to CPU (numpy)", who, why_not)
+        return numpy_backend()
+
+    ordinal = int(local_rank) % count
+    cupy.cuda.Device(ordinal).use()
+    if memory_fraction is not None:
+        pool = cupy.get_default_memory_pool()
+        pool.set_limit(fraction=float(memory_fraction))
+        if not allow_growth:
+            # Round down to the pool's 512-byte unit so the block fits under the limit.
+            nbytes = (int(pool.get_limit()) // 512) * 512
+            if nbytes:
+                block = pool.malloc(nbytes)
+                del block  # back to the pool, which keeps it cached for later arrays
+    aware, reason = cuda_aware_support(mpi, env)
+    return Backend("cupy", cupy, ordinal, bool(aware), reason)
+
+
+# ---------------------------------------------------------------- CUDA-aware
+
+
+def _flag(env, name):
+    """Read a boolean environment flag: True, False, or None when unset or unreadable."""
+    value = env.get(name)
+    if value is None:
+        return None
+    value = value.strip().lower()
+    return True if value in _TRUE else False if value in _FALSE else None
+
+
+def cuda_aware_support(mpi=None, env=os.environ):
+    """Decide whether the MPI library takes device buffers, and say why.
+
+    In order: the ``MPITF_CUDA_AWARE=0|1`` override; ``MPI.Query_cuda_support()``
+    when mpi4py has it (MPIX_Query_cuda_support); then by library family,
+    Open MPI (``OMPI_MCA_opal_cuda_support``), MVAPICH2 (``MV2_USE_CUDA=1``),
+    Intel MPI (``I_MPI_OFFLOAD``), MPICH (``MPIR_CVAR_ENABLE_GPU=1``).
+
+    Args:
+        mpi: the ``mpi4py.MPI`` module (imported when None) or a stand-in with
+            ``Get_library_version()`` and optionally ``Query_cuda_support()``.
+        env: the environment to read.
+
+    Returns:
+        ``(True | False | None, reason)``; None means it cannot tell, which
+        callers treat as False.
+    """
+    override = env.get("MPITF_CUDA_AWARE")
+    if override is not None and override.strip() != "":
+        if override.strip() == "1":
+            return True, "MPITF_CUDA_AWARE=1"
+        if override.strip() == "0":
+            return False, "MPITF_CUDA_AWARE=0"
+        raise ConfigurationError(
+            f"MPITF_CUDA_AWARE must be 0 or 1 (or unset to detect), got {override!r}"
+        )
+    if mpi is None:
+        from mpi4py import MPI as mpi
+
+    query = getattr(mpi, "Query_cuda_support", None)
+    if query is not None:
+        try:
+            supported = bool(query())
+        except NotImplementedError:
+            pass  # the library lacks MPIX_Query_cuda_support: decide by family below
+        else:
+            return supported, f"MPIX_Query_cuda_support() = {int(supported)}"
+
+    version = str(mpi.Get_library_version())
+    first_line = version.strip().splitlines()[0] if version.strip() else "?"
+    if "Open MPI" in version:
+        flag = _flag(env, "OMPI_MCA_opal_cuda_support")
+        if flag is not None:
+            return flag, "Open MPI: " + _shown(env, "OMPI_MCA_opal_cuda_support")
+        return None, (
+            "Open MPI: OMPI_MCA_opal_cuda_support unset, cannot tell without ompi_info; "
+            "set MPITF_CUDA_AWARE=1 if it is built with CUDA"
+        )
+    if "MVAPICH" in version:  # before MPICH: MVAPICH2 descends from it
+        return env.get("MV2_USE_CUDA", "").strip() == "1", "MVAPICH2: " + _shown(
+            env, "MV2_USE_CUDA"
+        )
+    if "Intel(R) MPI" in version:
+        return bool(_flag(env, "I_MPI_OFFLOAD")), "Intel MPI: " + _shown(env, "I_MPI_OFFLOAD")
+    if "MPICH" in version:
+        # MPICH built with GPU support enables it by default, but the CPU-only
+        # builds (the pip wheel among them) say nothing either: unset is unknown.
+        reason = "MPICH: " + _shown(env, "MPIR_CVAR_ENABLE_GPU")
+        if "MPIR_CVAR_ENABLE_GPU" not in env:
+            return None, reason
+        return bool(_flag(env, "MPIR_CVAR_ENABLE_GPU")), reason
+    return None, f"unknown MPI library {first_line!r}"
+
+
+def _shown(env, name):
+    """Return ``NAME=value`` or ``NAME unset`` for a reason string."""
+    return f"{name}={env[name]}" if name in env else f"{name} unset"
+
+
+def describe_backend(be):
+    """Return one line for the log that says where arrays live and how they reach MPI."""
+    if not be.is_gpu:
+        return f"backend {be.name} on CPU"
+    answer = "yes" if be.cuda_aware else "no"
+    why = f" ({be.cuda_aware_reason})" if be.cuda_aware_reason else ""
+    how = (
+        "device buffers go to MPI as they are"
+        if be.cuda_aware
+        else "staging through pinned host buffers"
+    )
+    return f"backend {be.name} on GPU {be.device_id}, CUDA-aware MPI: {answer}{why}, {how}"

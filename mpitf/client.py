@@ -1,0 +1,280 @@
+"""The worker side: one flat parameter buffer and one flat gradient buffer, laid out ps by ps.
+
+Each ps's part is preceded by a header slot, so a push sends one contiguous view (header and
+gradient) and a pull receives one (header and parameters) straight into place. Model
+variables are views into these buffers: the model's backward pass writes gradients where
+the push reads them, and the pull writes parameters where the forward pass reads them.
+Only a variable partitioned over several ps needs a gather after each pull and a scatter
+before each push, since its slices are not adjacent.
+"""
+
+import numpy as np
+from mpi4py import MPI
+
+from . import protocol as P
+from .backend import get_backend
+from .errors import ConfigurationError, NonFiniteGradientError, PeerError
+
+
+class Reply:
+    """What the ps tasks answered to one push or pull."""
+
+    __slots__ = ("global_step", "flags", "dropped", "max_lead", "applied")
+
+    def __init__(self, global_step, flags, dropped, max_lead, applied):
+        self.global_step = global_step
+        self.flags = flags
+        self.dropped = dropped
+        self.max_lead = max_lead
+        self.applied = applied
+
+    @property
+    def pause(self):
+        """Return True when a ps asked this worker to pause for a checkpoint."""
+        return bool(self.flags & P.FLAG_PAUSE)
+
+
+class PushPullHandle:
+    """A push and pull in flight; :meth:`wait` completes it and returns a :class:`Reply`."""
+
+    def __init__(self, client, handle):
+        self.client = client
+        self.handle = handle
+        self.reply = None
+
+    def done(self):
+        """Return True when the round trip has completed (without blocking)."""
+        return self.reply is not None or self.handle.done()
+
+    def wait(self):
+        """Block until every ps answered; raise on a deadline or a refused gradient."""
+        if self.reply is None:
+            self.handle.wait()
+            self.reply = self.client._finish()
+        return self.reply
+
+
+class Client:
+    """A worker's view of the sharded parameters.
+
+    Args:
+        server: this rank's :class:`~mpitf.server.Server` (gives the communicator and ranks).
+        placement: the :class:`~mpitf.placement.Placement` of the model's variables.
+        backend: the array backend (numpy by default).
+        deadline: seconds to wait for a ps before ending the job; None waits forever.
+    """
+
+    def __init__(self, server, placement, backend=None, deadline=300.0):
+        self.server = server
+        self.placement = placement
+        self.backend = backend or get_backend()
+        self.deadline = deadline
+        self.comm = server.comm
+        self.worker = server.task_index
+        self.ps_ranks = server.ranks_of("ps")
+        if len(self.ps_ranks) != placement.num_ps:
+            raise ConfigurationError(
+                f"the placement has {placement.num_ps} ps but the cluster has "
+                f"{len(self.ps_ranks)}")
+        xp = self.backend.xp
+        dtype = placement.dtype
+        if P.HEADER_BYTES % dtype.itemsize:
+            raise ConfigurationError(f"unsupported parameter dtype {dtype}")
+        hdr = P.HEADER_BYTES // dtype.itemsize
+        self.segments = []  # (start of header, start of payload, end) per ps, in elements
+        pos = 0
+        for size in placement.shard_sizes:
+            self.segments.append((pos, pos + hdr, pos + hdr + size))
+            pos += hdr + size
+        self.params_flat = xp.zeros(pos, dtype)
+        self.grads_flat = xp.zeros(pos, dtype)
+        self.param_frames = [self._bytes(self.params_flat[a:c]) for a, _, c in self.segments]
+        self.grad_frames = [self._bytes(self.grads_flat[a:c]) for a, _, c in self.segments]
+        self.reply_headers = [self.params_flat[a:b].view(np.int64) for a, b, _ in self.segments]
+        self.push_headers = [self.grads_flat[a:b].view(np.int64) for a, b, _ in self.segments]
+        # Header-only requests (pull, done, paused) go from a small buffer of their own.
+        self.request_headers = np.zeros((len(self.segments), P.HEADER_WORDS), np.int64)
+        self.ps_steps = [0] * len(self.segments)
+        self.params, self.grads, self._partitioned = {}, {}, []
+        for name, shape, _ in placement.variables:
+            pieces = placement.owner(name)
+            if len(pieces) == 1:
+                s = pieces[0]
+                at = self.segments[s.ps_task][1] + s.offset
+                self.params[name] = self.params_flat[at:at + s.size].reshape(shape)
+                self.grads[name] = self.grads_flat[at:at + s.size].reshape(shape)
+            else:
+                self.params[name] = xp.zeros(shape, dtype)
+                self.grads[name] = xp.zeros(shape, dtype)
+                views = []
+                for s in pieces:
+                    at = self.segments[s.ps_task][1] + s.offset
+                    views.append((s, self.params_flat[at:at + s.size],
+                                  self.grads_flat[at:at + s.size]))
+                self._partitioned.append((name, views))
+        self._in_flight = None
+
+    @staticmethod
+    def _bytes(view):
+        return view.view(np.uint8)
+
+    def _describe_ps(self, p):
+        rank = self.ps_ranks[p]
+        return dict(rank=rank, job="ps", task=p, host=self.server.host_of(rank))
+
+    # -- the data path -------------------------------------------------------------------
+
+    def push_pull(self, data_position=(0, 0)):
+        """Start pushing the gradient buffer to every ps and pulling parameters back.
+
+        Returns a :class:`PushPullHandle`; parameters must not be read until it is waited.
+        ``data_position`` (epoch, cursor after this batch) travels in the header so each ps
+        can save it with the checkpoint that includes this gradient.
+        """
+        for name, views in self._partitioned:
+            flat = self.grads[name].reshape(-1)
+            for s, _, gview in views:
+                gview[...] = flat[s.start:s.stop]
+        self.backend.synchronize()  # MPI must see the finished gradient
+        epoch, cursor = data_position
+        requests = []
+        for p, rank in enumerate(self.ps_ranks):
+            count = self.segments[p][2] - self.segments[p][1]
+            P.set_header(self.push_headers[p], P.PUSH, self.ps_steps[p], self.worker, count,
+                         0, epoch, cursor)
+            requests.append(P.frame_op(self.comm.Irecv, self.param_frames[p], rank, P.TAG_REPLY))
+            requests.append(P.frame_op(self.comm.Isend, self.grad_frames[p], rank,
+                                       P.TAG_REQUEST))
+        handle = P.Handle(requests, (self.param_frames, self.grad_frames),
+                          lambda i: dict(self._describe_ps(i // 2), operation="push_pull"),
+                          self.deadline)
+        return PushPullHandle(self, handle)
+
+    def _request(self, kind, want_reply, flags=0, operation="pull"):
+        requests = []
+        for p, rank in enumerate(self.ps_ranks):
+            P.set_header(self.request_headers[p], kind, self.ps_steps[p], self.worker, 0, flags)
+            if want_reply:
+                requests.append(P.frame_op(self.comm.Irecv, self.param_frames[p], rank,
+                                           P.TAG_REPLY))
+            requests.append(P.frame_op(self.comm.Isend, self.request_headers[p], rank,
+                                       P.TAG_REQUEST))
+        per = 2 if want_reply else 1
+        handle = P.Handle(requests, self.request_headers,
+                          lambda i: dict(self._describe_ps(i // per), operation=operation),
+                          self.deadline)
+        handle.wait()
+        return self._finish() if want_reply else None
+
+    def pull(self, average=False):
+        """Fetch the current parameters (or their moving average) from every ps; blocking."""
+        kind = P.PULL_AVERAGE if average else P.PULL
+        return self._request(kind, True, operation="pull of the average" if average else "pull")
+
+    def _finish(self):
+        """Read the reply headers, gather partitioned variables, raise on refused gradients."""
+        step = None
+        flags = dropped = lead = applied = 0
+        for p, h in enumerate(self.reply_headers):
+            if h[0] != P.REPLY:
+                raise PeerError(f"unexpected message kind {int(h[0])} from a ps",
+                                **self._describe_ps(p))
+            self.ps_steps[p] = int(h[1])
+            step = int(h[1]) if step is None else min(step, int(h[1]))
+            flags |= int(h[4])
+            dropped += int(h[5])
+            lead = max(lead, int(h[6]))
+            applied += int(h[7])
+            if h[4] & P.FLAG_NONFINITE:
+                piece = self.placement.slices_for_ps(p)[int(h[5])]
+                raise NonFiniteGradientError(
+                    f"the gradient of variable {piece.name!r} holds NaN or Inf (found by "
+                    f"/job:ps/task:{p}); pass skip_nonfinite to drop such gradients instead")
+        for name, views in self._partitioned:
+            flat = self.params[name].reshape(-1)
+            for s, pview, _ in views:
+                flat[s.start:s.stop] = pview
+        return Reply(step or 0, flags, dropped, lead, applied)
+
+    # -- set-up and shutdown -------------------------------------------------------------
+
+    def set_gradients(self, grads):
+        """Copy a dict of gradients into the flat buffer, checking names, shapes and dtypes.
+
+        The zero-copy way is to write into :attr:`grads` directly; this one is for code
+        that computes gradients elsewhere. Nothing is sent.
+        """
+        for name, value in grads.items():
+            if name not in self.grads:
+                raise ConfigurationError(f"gradient for unknown variable {name!r}")
+            target = self.grads[name]
+            if tuple(value.shape) != tuple(target.shape):
+                raise ConfigurationError(
+                    f"gradient of {name!r} has shape {tuple(value.shape)}, the variable has "
+                    f"{tuple(target.shape)}")
+            if np.dtype(value.dtype) != target.dtype:
+                raise ConfigurationError(
+                    f"gradient of {name!r} has dtype {np.dtype(value.dtype).name}, the "
+                    f"variable has {target.dtype.name}")
+            target[...] = value
+        missing = set(self.grads) - set(grads)
+        if missing:
+            raise ConfigurationError(f"no gradient given for {sorted(missing)}")
+
+    def set_params(self, values):
+        """Copy initial values into the flat parameter buffer (names and shapes checked)."""
+        for name, target in self.params.items():
+            if name not in values:
+                raise ConfigurationError(f"no initial value for variable {name!r}")
+            value = values[name]
+            if tuple(value.shape) != tuple(target.shape):
+                raise ConfigurationError(
+                    f"initial value of {name!r} has shape {tuple(value.shape)}, the variable "
+                    f"has {tuple(target.shape)}")
+            target[...] = self.backend.to_device(np.asarray(value, dtype=target.dtype))
+        for name, views in self._partitioned:
+            flat = self.params[name].reshape(-1)
+            for s, pview, _ in views:
+                pview[...] = flat[s.start:s.stop]
+
+    def send_initial_values(self):
+        """Send the parameter buffer to every ps as its initial shard (the chief does this)."""
+        self.backend.synchronize()
+        requests = []
+        for p, rank in enumerate(self.ps_ranks):
+            count = self.segments[p][2] - self.segments[p][1]
+            P.set_header(self.reply_headers[p], P.INIT, 0, self.worker, count)
+            requests.append(P.frame_op(self.comm.Isend, self.param_frames[p], rank,
+                                       P.TAG_REQUEST))
+        P.Handle(requests, self.param_frames,
+                 lambda i: dict(self._describe_ps(i), operation="init"), self.deadline).wait()
+
+    def send_control(self, kind, flags=0):
+        """Send a header-only request (done, paused, save) to every ps."""
+        self._request(kind, False, flags, operation=P.KIND_NAMES.get(kind, "control"))
+
+    def done(self, flags=0):
+        """Tell every ps this worker has finished."""
+        self.send_control(P.DONE, flags)
+
+    def ps_counters(self):
+        """Return each ps's counters (global step, pushes applied, drops, staleness, bytes)."""
+        for p, rank in enumerate(self.ps_ranks):
+            self.comm.send(("counters", self.worker), dest=rank, tag=P.TAG_CONTROL)
+        return [P.recv_object(self.comm, rank, P.TAG_CONTROL, self.deadline,
+                              lambda p=p: dict(self._describe_ps(p), operation="counters"))
+                for p, rank in enumerate(self.ps_ranks)]
+
+    def send_config(self, config):
+        """Send the ps configuration (layout, optimizer, consistency) to every ps (chief)."""
+        for p, rank in enumerate(self.ps_ranks):
+            self.comm.send(dict(config, ps_task=p), dest=rank, tag=P.TAG_CONTROL)
+
+    @property
+    def num_elements(self):
+        """Return the number of parameter elements (without headers)."""
+        return sum(c - b for _, b, c in self.segments)
+
+    def wait_source(self):
+        """Return MPI.ANY_SOURCE (kept for symmetry with the ps side)."""
+        return MPI.ANY_SOURCE

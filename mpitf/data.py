@@ -1,0 +1,286 @@
+"""HDF5 data sets sharded over workers, with epoch-seeded shuffling and prefetch.
+
+Worker ``i`` of ``W`` owns the contiguous sample range ``[i*N//W, (i+1)*N//W)``
+of a split and reads only that range, once, into memory. Each epoch visits the
+shard in the order ``numpy.random.default_rng((seed, epoch, i)).permutation``,
+so a position ``(epoch, cursor)`` names the next batch exactly, and a job
+restarted from a checkpoint sees the very batches it would have seen.
+"""
+
+import os
+import queue
+import threading
+
+import numpy
+
+from .errors import ConfigurationError, DataError
+
+__all__ = ["ShardedDataset", "load_split"]
+
+
+def _open(path, split):
+    """Open ``path`` and return ``(file, x, y)`` h5py objects for ``split``, validated."""
+    import h5py
+
+    x_name, y_name = f"x_{split}", f"y_{split}"
+    if not os.path.isfile(path):
+        raise DataError(
+            f"data file {path} not found (looking for arrays {x_name}, {y_name}); "
+            "create it with `mpitf data` or mpitf.datasets.prepare_digits"
+        )
+    try:
+        f = h5py.File(path, "r")
+    except OSError as exc:
+        raise DataError(f"cannot open data file {path} as HDF5 (looking for {x_name}): {exc}") \
+            from None
+    try:
+        for name in (x_name, y_name):
+            if name not in f or not isinstance(f[name], h5py.Dataset):
+                raise DataError(
+                    f"data file {path} has no array {name!r} (it has: {', '.join(sorted(f))})"
+                )
+        x, y = f[x_name], f[y_name]
+        if x.ndim < 1 or y.ndim != 1:
+            raise DataError(
+                f"data file {path}: {y_name} must be 1-D and {x_name} at least 1-D, got "
+                f"shapes {x.shape} and {y.shape}"
+            )
+        if x.shape[0] != y.shape[0]:
+            raise DataError(
+                f"data file {path}: {x_name} has {x.shape[0]} samples but {y_name} has "
+                f"{y.shape[0]}"
+            )
+    except BaseException:
+        f.close()
+        raise
+    return f, x, y
+
+
+def _read(path, name, dset, start, stop):
+    """Read rows ``[start, stop)`` of ``dset``, turning HDF5 read errors into DataError."""
+    try:
+        return dset[start:stop]
+    except (OSError, RuntimeError) as exc:
+        raise DataError(f"data file {path}: cannot read {name}[{start}:{stop}]: {exc}") from None
+
+
+def load_split(path, split):
+    """Return the whole ``(x, y)`` of ``split`` ("train" or "test") as host arrays."""
+    f, x, y = _open(path, split)
+    with f:
+        n = x.shape[0]
+        return _read(path, f"x_{split}", x, 0, n), _read(path, f"y_{split}", y, 0, n)
+
+
+class _Failure:
+    """Carries an exception raised in the prefetch thread to the consumer."""
+
+    def __init__(self, exc):
+        self.exc = exc
+
+
+class ShardedDataset:
+    """One worker's shard of a split, served in shuffled batches forever.
+
+    Args:
+        path: HDF5 file in the mpitf layout (see :mod:`mpitf.datasets`).
+        split: ``"train"`` or ``"test"`` (arrays ``x_<split>``, ``y_<split>``).
+        shard_index: this worker's index in ``[0, num_shards)``.
+        num_shards: number of workers sharing the split.
+        batch_size: samples per batch.
+        seed: shuffling seed; epochs and shards get distinct streams from it.
+        prefetch: batches prepared ahead by a background thread; 0 = synchronous.
+        drop_remainder: end the epoch when fewer than ``batch_size`` samples are
+            left (True), or serve them as a last short batch (False).
+
+    Attributes:
+        num_samples: samples in this shard; ``start``, ``stop``: its range in the split.
+        total_samples: samples in the whole split.
+        batches_per_epoch: batches served per epoch.
+        num_classes, image_shape, name: the file's attributes (None where absent).
+    """
+
+    def __init__(self, path, split="train", shard_index=0, num_shards=1, batch_size=32, seed=0,
+                 prefetch=2, drop_remainder=True):
+        if num_shards < 1 or not 0 <= shard_index < num_shards:
+            raise ConfigurationError(
+                f"shard_index must be in [0, num_shards), got {shard_index} of {num_shards}"
+            )
+        if batch_size < 1 or prefetch < 0:
+            raise ConfigurationError(
+                f"batch_size must be >= 1 and prefetch >= 0, got {batch_size} and {prefetch}"
+            )
+        self.path, self.split = path, split
+        self.shard_index, self.num_shards = int(shard_index), int(num_shards)
+        self.batch_size, self.seed, self.prefetch = int(batch_size), seed, int(prefetch)
+        self.drop_remainder = bool(drop_remainder)
+        f, x, y = _open(path, split)
+        with f:
+            n = x.shape[0]
+            if n < num_shards:
+                raise DataError(
+                    f"data file {path}: x_{split} has {n} samples, fewer than the "
+                    f"{num_shards} shards (workers) that share it"
+                )
+            self.total_samples = n
+            self.start = shard_index * n // num_shards
+            self.stop = (shard_index + 1) * n // num_shards
+            self._x = _read(path, f"x_{split}", x, self.start, self.stop)
+            self._y = _read(path, f"y_{split}", y, self.start, self.stop)
+            self.name = _attr(f, "name")
+            self.num_classes = _attr(f, "num_classes")
+            self.image_shape = _attr(f, "image_shape")
+        self.num_samples = self.stop - self.start
+        if self.drop_remainder and self.num_samples < self.batch_size:
+            raise ConfigurationError(
+                f"data file {path}: shard {shard_index} of {num_shards} holds "
+                f"{self.num_samples} samples of x_{split}, fewer than batch_size="
+                f"{self.batch_size}; use a smaller batch or drop_remainder=False"
+            )
+        if self.drop_remainder:
+            self.batches_per_epoch = self.num_samples // self.batch_size
+        else:
+            self.batches_per_epoch = -(-self.num_samples // self.batch_size)
+        self._epoch, self._cursor = 0, 0
+        self._perms = {}  # permutation cache of synchronous mode
+        self._thread = None
+        self._stop = None
+        self._queue = None
+        self._closed = False
+
+    # --- positions -----------------------------------------------------------
+
+    def _normalize(self, epoch, cursor):
+        """Return the position of the next batch: roll over when the epoch is used up."""
+        left = self.num_samples - cursor
+        if left <= 0 or (self.drop_remainder and left < self.batch_size):
+            return epoch + 1, 0
+        return epoch, cursor
+
+    def _batch_at(self, epoch, cursor, perms):
+        """Return ``(x, y, next_epoch, next_cursor)`` for the batch at a normalized position.
+
+        ``perms`` is a one-entry cache ``{epoch: permutation}`` owned by the caller.
+        """
+        if epoch not in perms:
+            perms.clear()
+            rng = numpy.random.default_rng((self.seed, epoch, self.shard_index))
+            perms[epoch] = rng.permutation(self.num_samples)
+        idx = perms[epoch][cursor : cursor + self.batch_size]
+        x, y = self._x[idx], self._y[idx]
+        return (x, y, *self._normalize(epoch, cursor + len(idx)))
+
+    def state(self):
+        """Return ``{"epoch", "cursor"}``: the position of the next batch ``next_batch`` returns."""
+        return {"epoch": self._epoch, "cursor": self._cursor}
+
+    def restore(self, state):
+        """Reposition so the next batch is the one that followed ``state`` when it was taken.
+
+        Batches prefetched from the old position are dropped.
+        """
+        try:
+            epoch, cursor = int(state["epoch"]), int(state["cursor"])
+        except (KeyError, TypeError, ValueError):
+            raise ConfigurationError(
+                f"data position must be a dict with integer 'epoch' and 'cursor', got {state!r}"
+            ) from None
+        if epoch < 0 or not 0 <= cursor < self.num_samples:
+            raise ConfigurationError(
+                f"data position {state!r} out of range for a shard of {self.num_samples} samples"
+            )
+        self._stop_thread()
+        self._epoch, self._cursor = self._normalize(epoch, cursor)
+
+    # --- serving -------------------------------------------------------------
+
+    def next_batch(self):
+        """Return the next ``(x, y)`` batch as host numpy arrays."""
+        if self._closed:
+            raise ConfigurationError(f"ShardedDataset over {self.path} is closed")
+        if self.prefetch == 0:
+            x, y, self._epoch, self._cursor = self._batch_at(self._epoch, self._cursor,
+                                                             self._perms)
+            return x, y
+        if self._thread is None:
+            self._start_thread()
+        item = self._queue.get()
+        if isinstance(item, _Failure):
+            self._queue.put(item)  # keep failing on later calls instead of blocking
+            raise item.exc
+        x, y, self._epoch, self._cursor = item
+        return x, y
+
+    def __iter__(self):
+        """Yield batches forever."""
+        while True:
+            yield self.next_batch()
+
+    def _start_thread(self):
+        """Start the prefetch thread from the current position."""
+        self._queue = queue.Queue(maxsize=self.prefetch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._produce, args=(self._epoch, self._cursor, self._queue, self._stop),
+            name=f"mpitf-prefetch-{self.split}-{self.shard_index}", daemon=True,
+        )
+        self._thread.start()
+
+    def _produce(self, epoch, cursor, q, stop):
+        """Fill ``q`` with batches from ``(epoch, cursor)`` until ``stop`` is set."""
+        perms = {}
+        try:
+            while not stop.is_set():
+                x, y, epoch, cursor = self._batch_at(epoch, cursor, perms)
+                item = (x, y, epoch, cursor)
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.05)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            while not stop.is_set():
+                try:
+                    q.put(_Failure(exc), timeout=0.05)
+                    break
+                except queue.Full:
+                    continue
+
+    def _stop_thread(self):
+        """Stop the prefetch thread and drop what it prepared."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread, self._queue, self._stop = None, None, None
+
+    def close(self):
+        """Stop prefetching; later ``next_batch`` calls fail."""
+        self._stop_thread()
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def __repr__(self):
+        return (f"ShardedDataset({self.path!r}, split={self.split!r}, shard {self.shard_index} "
+                f"of {self.num_shards}: samples [{self.start}, {self.stop}), "
+                f"batch_size={self.batch_size}, position={self.state()})")
+
+
+def _attr(f, key):
+    """Return attribute ``key`` of ``f`` as a plain Python value, or None."""
+    if key not in f.attrs:
+        return None
+    value = f.attrs[key]
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, numpy.ndarray):
+        return tuple(int(v) for v in value)
+    if isinstance(value, numpy.generic):
+        return value.item()
+    return value

@@ -1,0 +1,90 @@
+"""Turn an exception on any rank into one clear message and a non-zero exit of every rank.
+
+The MPI runtime often fails to notice that one process raised and exited, and the others
+then wait forever for its messages. So an error that only this rank saw ends the whole job
+with ``MPI.Abort``; an error every rank saw alike (a bad cluster spec, checked after the
+ranks shared their host names) is printed once, by rank 0, and each rank exits on its own.
+"""
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+
+from .errors import MpitfError
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+# Exit code meaning "a checkpoint was written on a signal: requeue me" (sysexits' EX_TEMPFAIL).
+EXIT_REQUEUE = 75
+
+
+def world_rank():
+    """Return this process's rank in COMM_WORLD, from the launcher's environment if possible."""
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+class RankParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are printed by rank 0 only (each rank exits 2)."""
+
+    def error(self, message):
+        """Print the usage error once for the whole job and exit with code 2."""
+        if world_rank() == 0:
+            self.print_usage(sys.stderr)
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(EXIT_USAGE)
+
+    def print_help(self, file=None):
+        """Print help on rank 0 only."""
+        if world_rank() == 0:
+            super().print_help(file)
+
+
+def setup_logging(verbose=False):
+    """Log mpitf's notes to stderr, prefixed with the rank."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format=f"[rank {world_rank()}] %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def report(exc):
+    """Print one line naming the rank and the error."""
+    sys.stderr.write(f"mpitf: error on rank {world_rank()}: {exc}\n")
+    sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def abort_on_error():
+    """Run the body; on an exception print it and end every rank with a non-zero exit."""
+    try:
+        yield
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        _abort(130)
+    except BaseException as exc:  # noqa: BLE001 - every failure must end the whole job
+        if getattr(exc, "collective", False):
+            # Every rank raised this same error from the same shared facts: say it once.
+            if world_rank() == 0:
+                report(exc)
+            sys.exit(EXIT_USAGE)
+        report(exc)
+        if not isinstance(exc, MpitfError):
+            import traceback
+
+            traceback.print_exc()
+        _abort(EXIT_ERROR)
+
+
+def _abort(code):
+    sys.stderr.flush()
+    sys.stdout.flush()
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Abort(code)

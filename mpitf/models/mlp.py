@@ -1,0 +1,77 @@
+"""The reference multilayer perceptron, named as in TensorFlow's MNIST example."""
+
+import numpy
+
+from ..errors import ConfigurationError
+from .layers import (
+    ReferenceModel,
+    dense,
+    dense_backward,
+    relu,
+    relu_backward,
+    softmax_cross_entropy,
+)
+
+__all__ = ["MLP"]
+
+
+class MLP(ReferenceModel):
+    """Dense layers with ReLU, then a linear softmax layer.
+
+    Variables are ``hidden1/weights``, ``hidden1/biases``, ... ``hiddenK/...``
+    and ``softmax_linear/weights``, ``softmax_linear/biases``, in that order.
+
+    Args:
+        input_dim: features per sample (rows of ``x``).
+        hidden: widths of the hidden layers; ``()`` gives softmax regression.
+        num_classes: number of output classes.
+        dtype: floating dtype of the variables (and of the computation).
+    """
+
+    def __init__(self, input_dim=64, hidden=(128,), num_classes=10, dtype=numpy.float32):
+        super().__init__(dtype)
+        hidden = tuple(int(h) for h in hidden)
+        if input_dim < 1 or num_classes < 2 or any(h < 1 for h in hidden):
+            raise ConfigurationError(
+                "MLP needs input_dim >= 1, hidden widths >= 1 and num_classes >= 2, got "
+                f"input_dim={input_dim}, hidden={hidden}, num_classes={num_classes}"
+            )
+        self.input_dim, self.hidden, self.num_classes = int(input_dim), hidden, int(num_classes)
+        self._layers = [f"hidden{i + 1}" for i in range(len(hidden))] + ["softmax_linear"]
+        widths = (self.input_dim, *hidden, self.num_classes)
+        for name, fan_in, fan_out in zip(self._layers, widths[:-1], widths[1:]):
+            self._specs.append((f"{name}/weights", (fan_in, fan_out), fan_in))
+            self._specs.append((f"{name}/biases", (fan_out,), None))
+
+    def __repr__(self):
+        return (f"MLP(input_dim={self.input_dim}, hidden={self.hidden}, "
+                f"num_classes={self.num_classes}, dtype={self.dtype.name})")
+
+    def _forward(self, params, x):
+        """Return the logits and the per-layer caches."""
+        caches = []
+        h = x
+        for k, name in enumerate(self._layers):
+            h, dense_cache = dense(h, params[f"{name}/weights"], params[f"{name}/biases"])
+            relu_cache = None
+            if k < len(self._layers) - 1:
+                h, relu_cache = relu(h)
+            caches.append((dense_cache, relu_cache))
+        return h, caches
+
+    def logits(self, params, x):
+        """Return the unnormalised class scores for rows ``x``, shape ``(N, num_classes)``."""
+        _, x = self._stage(params, x)
+        return self._forward(params, x)[0]
+
+    def loss_and_grads(self, params, batch, grads):
+        """Write d(mean loss)/d(param) into ``grads[name]`` in place; return the mean loss."""
+        xp, x = self._stage(params, batch[0])
+        logits, caches = self._forward(params, x)
+        loss, d = softmax_cross_entropy(logits, xp.asarray(batch[1]))
+        for name, (dense_cache, relu_cache) in zip(reversed(self._layers), reversed(caches)):
+            if relu_cache is not None:
+                d = relu_backward(d, relu_cache)
+            d = dense_backward(d, dense_cache, params[f"{name}/weights"],
+                               grads[f"{name}/weights"], grads[f"{name}/biases"])
+        return loss

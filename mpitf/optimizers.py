@@ -1,0 +1,394 @@
+"""Apply TF 1.x optimizers in place to a parameter server's flat buffers.
+
+A ps holds its shard of every variable as one flat 1-D buffer ``params`` and
+receives a flat gradient of the same length. The kernels here update
+``params`` in place with ``xp`` ufuncs and ``out=``, so numpy and CuPy buffers
+share one code path and a step allocates nothing: the only scratch buffer is
+made once by :meth:`Optimizer.make_slots`, under a name starting with ``_``
+(private, not checkpointed).
+
+The update rules follow ``tf.train`` of TensorFlow 1.x exactly:
+GradientDescentOptimizer, MomentumOptimizer (with ``use_nesterov``),
+AdamOptimizer (bias correction folded into the learning rate, epsilon outside
+the square root) and AdagradOptimizer (no epsilon; the accumulator starts at
+``initial_accumulator_value``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+from mpitf.backend import array_module
+from mpitf.errors import ConfigurationError
+
+__all__ = [
+    "Adagrad",
+    "Adam",
+    "ExponentialDecay",
+    "ExponentialMovingAverage",
+    "GradientDescent",
+    "Momentum",
+    "NoOp",
+    "Optimizer",
+    "array_module",
+    "make_optimizer",
+    "make_schedule",
+]
+
+_SCRATCH = "_scratch"
+
+
+# --------------------------------------------------------------------- schedules
+
+
+class ExponentialDecay:
+    """Decay the learning rate exponentially with the global step.
+
+    As ``tf.train.exponential_decay``:
+    ``lr = initial_learning_rate * decay_rate ** (step / decay_steps)``, with the
+    exponent floored when ``staircase`` is true.
+    """
+
+    kind = "exponential_decay"
+
+    def __init__(self, initial_learning_rate, decay_steps, decay_rate, staircase=False):
+        _check_number("initial_learning_rate", initial_learning_rate, low=0.0)
+        _check_number("decay_steps", decay_steps, low=0.0)
+        if decay_steps == 0:
+            raise ConfigurationError("exponential_decay: decay_steps must be > 0, got 0")
+        _check_number("decay_rate", decay_rate, low=0.0)
+        if decay_rate == 0:
+            raise ConfigurationError("exponential_decay: decay_rate must be > 0, got 0")
+        self.initial_learning_rate = float(initial_learning_rate)
+        steps = float(decay_steps)
+        self.decay_steps = int(steps) if steps.is_integer() else steps
+        self.decay_rate = float(decay_rate)
+        self.staircase = bool(staircase)
+
+    def __call__(self, step):
+        """Return the learning rate at global step ``step``."""
+        p = step / self.decay_steps
+        if self.staircase:
+            p = math.floor(p)
+        return self.initial_learning_rate * self.decay_rate**p
+
+    def config(self):
+        """Return a JSON-able dict that :func:`make_schedule` turns back into this schedule."""
+        return {
+            "schedule": self.kind,
+            "initial_learning_rate": self.initial_learning_rate,
+            "decay_steps": self.decay_steps,
+            "decay_rate": self.decay_rate,
+            "staircase": self.staircase,
+        }
+
+    def __eq__(self, other):
+        return type(other) is type(self) and other.config() == self.config()
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "schedule")
+        return f"ExponentialDecay({args})"
+
+
+_SCHEDULES = {ExponentialDecay.kind: ExponentialDecay}
+
+
+def make_schedule(learning_rate):
+    """Turn a float, a schedule, or a schedule's config dict into a schedule or a float.
+
+    Returns a float for a constant rate, otherwise a callable ``step -> lr``
+    with a ``config()`` method.
+    """
+    if hasattr(learning_rate, "config") and callable(learning_rate):
+        return learning_rate
+    if isinstance(learning_rate, dict):
+        cfg = dict(learning_rate)
+        kind = cfg.pop("schedule", None)
+        if kind not in _SCHEDULES:
+            raise ConfigurationError(
+                f"unknown learning-rate schedule {kind!r}; expected one of {sorted(_SCHEDULES)}"
+            )
+        try:
+            return _SCHEDULES[kind](**cfg)
+        except TypeError as exc:
+            raise ConfigurationError(f"bad arguments for schedule {kind!r}: {exc}") from None
+    _check_number("learning_rate", learning_rate, low=0.0)
+    return float(learning_rate)
+
+
+# -------------------------------------------------------------------- optimizers
+
+
+class Optimizer:
+    """Base of the in-place optimizers; subclasses set ``name``, ``slot_names`` and ``_update``.
+
+    Args:
+        learning_rate: a float, a schedule (``step -> lr`` with ``config()``),
+            or a schedule's config dict such as
+            ``{"schedule": "exponential_decay", ...}``.
+    """
+
+    name = "base"
+    slot_names: tuple = ()
+    _hyper: tuple = ()  # names of the hyper-parameters config() reports
+    _uses_scratch = True
+
+    def __init__(self, learning_rate=0.01):
+        self._lr = make_schedule(learning_rate)
+
+    def learning_rate(self, step):
+        """Return the learning rate used by the update at global step ``step``."""
+        return self._lr if isinstance(self._lr, float) else float(self._lr(step))
+
+    def make_slots(self, size, xp, dtype):
+        """Allocate the persistent slots (initial values as TF) and the private scratch.
+
+        Returns a dict of 1-D ``xp`` arrays of ``size`` elements; names in
+        ``slot_names`` are state to checkpoint, names starting with ``_`` are
+        scratch.
+        """
+        slots = {name: xp.zeros(size, dtype=dtype) for name in self.slot_names}
+        if self._uses_scratch:
+            slots[_SCRATCH] = xp.empty(size, dtype=dtype)
+        return slots
+
+    def apply(self, params, grad, slots, step):
+        """Update ``params`` in place from ``grad``; ``step`` is the global step before it."""
+        if params.shape != grad.shape:
+            raise ValueError(
+                f"expecting grad of shape {params.shape}, got {grad.shape} ({self.name})"
+            )
+        self._update(array_module(params), params, grad, slots, int(step))
+
+    def _update(self, xp, params, grad, slots, step):
+        raise NotImplementedError
+
+    def config(self):
+        """Return a JSON-able dict; ``make_optimizer(**config)`` rebuilds an equal optimizer."""
+        lr = self._lr if isinstance(self._lr, float) else self._lr.config()
+        cfg = {"name": self.name, "learning_rate": lr}
+        cfg.update((k, getattr(self, k)) for k in self._hyper)
+        return cfg
+
+    def __eq__(self, other):
+        return type(other) is type(self) and other.config() == self.config()
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "name")
+        return f"{type(self).__name__}({args})"
+
+
+class NoOp(Optimizer):
+    """Leave the parameters as they are (benchmarks: the ps only echoes)."""
+
+    name = "none"
+    _uses_scratch = False
+
+    def _update(self, xp, params, grad, slots, step):
+        pass
+
+
+class GradientDescent(Optimizer):
+    """``var -= lr * grad`` (tf.train.GradientDescentOptimizer)."""
+
+    name = "sgd"
+
+    def _update(self, xp, params, grad, slots, step):
+        tmp = slots[_SCRATCH]
+        xp.multiply(grad, self.learning_rate(step), out=tmp)
+        xp.subtract(params, tmp, out=params)
+
+
+class Momentum(Optimizer):
+    """Momentum SGD as tf.train.MomentumOptimizer, Nesterov's form included.
+
+    ``accum = momentum * accum + grad``; then ``var -= lr * accum``, or with
+    Nesterov ``var -= lr * grad + lr * momentum * accum``.
+    """
+
+    name = "momentum"
+    slot_names = ("momentum",)
+    _hyper = ("momentum", "use_nesterov")
+
+    def __init__(self, learning_rate=0.01, momentum=0.9, use_nesterov=False):
+        super().__init__(learning_rate)
+        _check_number("momentum", momentum, low=0.0)
+        self.momentum = float(momentum)
+        self.use_nesterov = bool(use_nesterov)
+
+    def _update(self, xp, params, grad, slots, step):
+        lr, mu = self.learning_rate(step), self.momentum
+        accum, tmp = slots["momentum"], slots[_SCRATCH]
+        xp.multiply(accum, mu, out=accum)
+        xp.add(accum, grad, out=accum)
+        if self.use_nesterov:
+            # lr * grad + lr * mu * accum == lr * (mu * accum + grad)
+            xp.multiply(accum, mu, out=tmp)
+            xp.add(tmp, grad, out=tmp)
+            xp.multiply(tmp, lr, out=tmp)
+        else:
+            xp.multiply(accum, lr, out=tmp)
+        xp.subtract(params, tmp, out=params)
+
+
+class Adam(Optimizer):
+    """Adam as tf.train.AdamOptimizer.
+
+    With ``t = step + 1``: ``lr_t = lr * sqrt(1 - beta2**t) / (1 - beta1**t)``,
+    ``m += (1 - beta1) * (g - m)``, ``v += (1 - beta2) * (g*g - v)``,
+    ``var -= lr_t * m / (sqrt(v) + epsilon)``.
+    """
+
+    name = "adam"
+    slot_names = ("m", "v")
+    _hyper = ("beta1", "beta2", "epsilon")
+
+    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8):
+        super().__init__(learning_rate)
+        _check_number("beta1", beta1, low=0.0, high=1.0)
+        _check_number("beta2", beta2, low=0.0, high=1.0)
+        _check_number("epsilon", epsilon, low=0.0)
+        self.beta1, self.beta2, self.epsilon = float(beta1), float(beta2), float(epsilon)
+
+    def _update(self, xp, params, grad, slots, step):
+        b1, b2, t = self.beta1, self.beta2, step + 1
+        lr_t = self.learning_rate(step) * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
+        m, v, tmp = slots["m"], slots["v"], slots[_SCRATCH]
+        xp.subtract(grad, m, out=tmp)
+        xp.multiply(tmp, 1.0 - b1, out=tmp)
+        xp.add(m, tmp, out=m)
+        xp.multiply(grad, grad, out=tmp)
+        xp.subtract(tmp, v, out=tmp)
+        xp.multiply(tmp, 1.0 - b2, out=tmp)
+        xp.add(v, tmp, out=v)
+        xp.sqrt(v, out=tmp)
+        xp.add(tmp, self.epsilon, out=tmp)
+        xp.divide(m, tmp, out=tmp)
+        xp.multiply(tmp, lr_t, out=tmp)
+        xp.subtract(params, tmp, out=params)
+
+
+class Adagrad(Optimizer):
+    """Adagrad as tf.train.AdagradOptimizer: ``accum += g*g; var -= lr * g / sqrt(accum)``."""
+
+    name = "adagrad"
+    slot_names = ("accumulator",)
+    _hyper = ("initial_accumulator_value",)
+
+    def __init__(self, learning_rate=0.01, initial_accumulator_value=0.1):
+        super().__init__(learning_rate)
+        _check_number("initial_accumulator_value", initial_accumulator_value, low=0.0)
+        if initial_accumulator_value == 0:
+            # TF refuses 0 too: the first update would divide by sqrt(g*g) and
+            # any zero gradient entry would give 0/0.
+            raise ConfigurationError("adagrad: initial_accumulator_value must be > 0, got 0")
+        self.initial_accumulator_value = float(initial_accumulator_value)
+
+    def make_slots(self, size, xp, dtype):
+        """Allocate the accumulator filled with ``initial_accumulator_value``, and the scratch."""
+        slots = super().make_slots(size, xp, dtype)
+        slots["accumulator"].fill(self.initial_accumulator_value)
+        return slots
+
+    def _update(self, xp, params, grad, slots, step):
+        accum, tmp = slots["accumulator"], slots[_SCRATCH]
+        xp.multiply(grad, grad, out=tmp)
+        xp.add(accum, tmp, out=accum)
+        xp.sqrt(accum, out=tmp)
+        xp.divide(grad, tmp, out=tmp)
+        xp.multiply(tmp, self.learning_rate(step), out=tmp)
+        xp.subtract(params, tmp, out=params)
+
+
+_OPTIMIZERS = {cls.name: cls for cls in (GradientDescent, Momentum, Adam, Adagrad, NoOp)}
+
+
+def make_optimizer(name, learning_rate=0.01, **kwargs):
+    """Build an optimizer by name: "sgd", "momentum", "adam", "adagrad" or "none".
+
+    ``learning_rate`` is a float, a schedule, or a schedule config dict;
+    ``kwargs`` are the optimizer's hyper-parameters (``momentum``,
+    ``use_nesterov``; ``beta1``, ``beta2``, ``epsilon``;
+    ``initial_accumulator_value``). Raises ConfigurationError for an unknown
+    name, an unknown hyper-parameter, or a value out of range.
+    """
+    key = name.lower() if isinstance(name, str) else name
+    if key not in _OPTIMIZERS:
+        raise ConfigurationError(
+            f"unknown optimizer {name!r}; expected one of {sorted(_OPTIMIZERS)}"
+        )
+    cls = _OPTIMIZERS[key]
+    unknown = sorted(set(kwargs) - set(cls._hyper))
+    if unknown:
+        raise ConfigurationError(
+            f"optimizer {key!r} takes no option(s) {unknown}; "
+            f"valid options: {['learning_rate', *cls._hyper]}"
+        )
+    return cls(learning_rate, **kwargs)
+
+
+# ------------------------------------------------------------------------- EMA
+
+
+class ExponentialMovingAverage:
+    """Keep shadow copies of the parameters as tf.train.ExponentialMovingAverage.
+
+    ``shadow -= (1 - decay) * (shadow - params)``, where with ``num_updates``
+    the decay is ``min(decay, (1 + step) / (10 + step))``, so early averages
+    follow the parameters closely.
+    """
+
+    def __init__(self, decay, num_updates=True):
+        _check_number("decay", decay, low=0.0, high=1.0, high_inclusive=True)
+        self.decay = float(decay)
+        self.num_updates = bool(num_updates)
+
+    def decay_at(self, step):
+        """Return the decay used by the update at global step ``step``."""
+        if self.num_updates:
+            return min(self.decay, (1.0 + step) / (10.0 + step))
+        return self.decay
+
+    def make_shadow(self, params):
+        """Return a new shadow buffer initialised to ``params`` (as TF initialises it)."""
+        return params.copy()
+
+    def apply(self, ema, params, step):
+        """Move the shadow ``ema`` toward ``params`` in place and return the decay used.
+
+        Needs no scratch: ``ema = decay * (ema - params) + params``, which is
+        TF's ``ema - (1 - decay) * (ema - params)`` rearranged.
+        """
+        if ema.shape != params.shape:
+            raise ValueError(f"expecting params of shape {ema.shape}, got {params.shape}")
+        xp = array_module(ema)
+        d = self.decay_at(int(step))
+        xp.subtract(ema, params, out=ema)
+        xp.multiply(ema, d, out=ema)
+        xp.add(ema, params, out=ema)
+        return d
+
+    def config(self):
+        """Return a JSON-able dict; ``ExponentialMovingAverage(**config)`` rebuilds it."""
+        return {"decay": self.decay, "num_updates": self.num_updates}
+
+    def __eq__(self, other):
+        return type(other) is type(self) and other.config() == self.config()
+
+    def __repr__(self):
+        return f"ExponentialMovingAverage(decay={self.decay!r}, num_updates={self.num_updates!r})"
+
+
+# ---------------------------------------------------------------------- checks
+
+
+def _check_number(what, value, low=None, high=None, high_inclusive=False):
+    """Raise ConfigurationError unless ``value`` is a finite real in [low, high)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ConfigurationError(f"{what} must be a finite number, got {value!r}")
+    if low is not None and value < low:
+        raise ConfigurationError(f"{what} must be >= {low}, got {value!r}")
+    if high is not None and (value > high or (value == high and not high_inclusive)):
+        bracket = "]" if high_inclusive else ")"
+        raise ConfigurationError(f"{what} must be in [{low}, {high}{bracket}, got {value!r}")

@@ -1,0 +1,208 @@
+"""Which ps task owns which variable or slice: pure and deterministic, no messages.
+
+Every worker computes the same map from the same variable list, so nobody has to ask.
+Strategies follow TensorFlow's ``replica_device_setter``: round-robin in creation order is
+the default; :class:`GreedyLoadBalancingStrategy` balances bytes; a partitioner cuts a
+large variable into contiguous row blocks that are placed like variables of their own.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ConfigurationError
+
+
+@dataclass(frozen=True)
+class VariableSlice:
+    """One contiguous piece of a variable owned by one ps.
+
+    ``start``/``stop`` are offsets into the variable's flattened (row-major) elements;
+    ``offset`` is where the piece lives in its ps's shard, in elements.
+    """
+
+    name: str
+    shape: tuple
+    dtype: str
+    ps_task: int
+    start: int
+    stop: int
+    offset: int
+    part: int = 0
+    num_parts: int = 1
+
+    @property
+    def size(self):
+        """Return the number of elements in this slice."""
+        return self.stop - self.start
+
+    @property
+    def nbytes(self):
+        """Return the bytes in this slice."""
+        return self.size * np.dtype(self.dtype).itemsize
+
+
+class RoundRobinStrategy:
+    """Place variables on ps tasks in turn, in creation order (TensorFlow's default)."""
+
+    name = "round_robin"
+
+    def assign(self, sizes, num_ps):
+        """Return the ps task of each item given its size in bytes."""
+        return [i % num_ps for i in range(len(sizes))]
+
+
+class GreedyLoadBalancingStrategy:
+    """Place each variable on the ps with the fewest bytes so far, largest variables first.
+
+    TensorFlow's strategy walks variables in creation order, so its result depends on that
+    order; placing the largest first gives a better balance and does not.
+    """
+
+    name = "greedy"
+
+    def assign(self, sizes, num_ps):
+        """Return the ps task of each item given its size in bytes."""
+        load = [0] * num_ps
+        owner = [0] * len(sizes)
+        for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+            ps = min(range(num_ps), key=lambda p: (load[p], p))
+            owner[i] = ps
+            load[ps] += sizes[i]
+        return owner
+
+
+class MinMaxVariablePartitioner:
+    """Cut a variable into at most ``max_partitions`` row blocks of at least ``min_slice_size`` bytes.
+
+    The counterpart of ``tf.min_max_variable_partitioner``: small variables stay whole.
+    """
+
+    def __init__(self, max_partitions=1, min_slice_size=256 << 10):
+        if max_partitions < 1:
+            raise ConfigurationError("max_partitions must be at least 1")
+        if min_slice_size < 1:
+            raise ConfigurationError("min_slice_size must be positive")
+        self.max_partitions = int(max_partitions)
+        self.min_slice_size = int(min_slice_size)
+
+    def row_splits(self, shape, itemsize):
+        """Return the row boundaries [0, ..., rows] of the partitions of a variable."""
+        rows = shape[0] if shape else 1
+        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        parts = max(1, min(self.max_partitions, nbytes // self.min_slice_size, rows))
+        return [rows * k // parts for k in range(parts + 1)]
+
+
+def min_max_variable_partitioner(max_partitions=1, min_slice_size=256 << 10):
+    """Return a partitioner as TensorFlow's function of that name does."""
+    return MinMaxVariablePartitioner(max_partitions, min_slice_size)
+
+
+def _strategy(value):
+    if value is None or value == "round_robin":
+        return RoundRobinStrategy()
+    if value == "greedy":
+        return GreedyLoadBalancingStrategy()
+    if hasattr(value, "assign"):
+        return value
+    raise ConfigurationError(f"unknown ps_strategy {value!r}: use 'round_robin' or 'greedy'")
+
+
+class Placement:
+    """The map from variables to ps tasks and offsets inside each ps's shard."""
+
+    def __init__(self, variables, num_ps, strategy=None, partitioner=None):
+        variables = [(str(n), tuple(int(d) for d in s), np.dtype(t).str) for n, s, t in variables]
+        names = [v[0] for v in variables]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ConfigurationError(f"variable name {dup!r} is used twice")
+        dtypes = {t for _, _, t in variables}
+        if len(dtypes) > 1:
+            first = variables[0]
+            odd = next(v for v in variables if v[2] != first[2])
+            raise ConfigurationError(
+                f"variable {odd[0]!r} has dtype {np.dtype(odd[2]).name} but {first[0]!r} has "
+                f"{np.dtype(first[2]).name}: all trainable variables must share one dtype")
+        self.variables = variables
+        self.num_ps = max(1, int(num_ps))
+        self.dtype = np.dtype(variables[0][2]) if variables else np.dtype(np.float32)
+        self.strategy = _strategy(strategy)
+        # Cut into pieces, then let the strategy place every piece.
+        pieces = []
+        for name, shape, dtype in variables:
+            size = int(np.prod(shape, dtype=np.int64))
+            row = size // shape[0] if shape and shape[0] else size
+            if partitioner:
+                splits = partitioner.row_splits(shape, self.dtype.itemsize)
+            else:
+                splits = [0, shape[0] if shape else 1]
+            for k in range(len(splits) - 1):
+                start = splits[k] * row if shape else 0
+                stop = splits[k + 1] * row if shape else size
+                pieces.append((name, shape, dtype, start, stop, k, len(splits) - 1))
+        owners = self.strategy.assign(
+            [(p[4] - p[3]) * self.dtype.itemsize for p in pieces], self.num_ps)
+        fill = [0] * self.num_ps
+        self.slices = []
+        for (name, shape, dtype, start, stop, k, parts), ps in zip(pieces, owners):
+            self.slices.append(VariableSlice(name, shape, dtype, ps, start, stop, fill[ps],
+                                             k, parts))
+            fill[ps] += stop - start
+        self.shard_sizes = fill
+
+    def owner(self, name):
+        """Return the slices of variable ``name``, in order (one unless partitioned)."""
+        found = [s for s in self.slices if s.name == name]
+        if not found:
+            raise KeyError(f"no variable named {name!r}")
+        return found
+
+    def slices_for_ps(self, ps_task):
+        """Return the slices ps task ``ps_task`` owns, in shard order."""
+        return [s for s in self.slices if s.ps_task == ps_task]
+
+    def bytes_per_ps(self):
+        """Return the bytes each ps holds."""
+        return [n * self.dtype.itemsize for n in self.shard_sizes]
+
+    def describe(self):
+        """Return the map as a table: variable, shape, bytes, ps task, slice."""
+        lines = [f"{'variable':<32} {'shape':<16} {'bytes':>12}  {'device':<24} slice"]
+        for s in self.slices:
+            piece = f"{s.part}/{s.num_parts} [{s.start}:{s.stop}]" if s.num_parts > 1 else "-"
+            lines.append(f"{s.name:<32} {str(s.shape):<16} {s.nbytes:>12}  "
+                         f"{'/job:ps/task:%d' % s.ps_task:<24} {piece}")
+        for p, b in enumerate(self.bytes_per_ps()):
+            lines.append(f"/job:ps/task:{p} holds {b} bytes")
+        return "\n".join(lines)
+
+
+class DeviceSetter:
+    """What :func:`replica_device_setter` returns: place a model's variables on ps tasks."""
+
+    def __init__(self, num_ps, strategy=None, partitioner=None):
+        self.num_ps = num_ps
+        self.strategy = _strategy(strategy)
+        self.partitioner = partitioner
+
+    def place(self, variables):
+        """Return the :class:`Placement` of ``[(name, shape, dtype), ...]`` in creation order."""
+        return Placement(variables, self.num_ps, self.strategy, self.partitioner)
+
+
+def replica_device_setter(cluster=None, ps_tasks=None, ps_strategy=None, partitioner=None):
+    """Return a :class:`DeviceSetter` for the ps tasks of ``cluster`` (or ``ps_tasks`` of them).
+
+    Args:
+        cluster: a ClusterSpec (its ``ps`` job gives the ps count).
+        ps_tasks: the ps count, when no cluster is given.
+        ps_strategy: ``"round_robin"`` (default), ``"greedy"``, or an object with ``assign``.
+        partitioner: a :class:`MinMaxVariablePartitioner` for large variables, or None.
+    """
+    if ps_tasks is None:
+        if cluster is None:
+            raise ConfigurationError("give a cluster or ps_tasks")
+        ps_tasks = cluster.num_tasks("ps") if "ps" in cluster.jobs else 0
+    return DeviceSetter(int(ps_tasks), ps_strategy, partitioner)

@@ -1,0 +1,150 @@
+"""The wire protocol between workers and parameter servers, in one place.
+
+Every message on the data path is one *frame*: a 64-byte header of eight int64 words
+followed by the payload, in one contiguous buffer. A worker's flat parameter and gradient
+buffers are laid out ps by ps with a header slot in front of each ps's part, so a push or
+a pull sends or receives one contiguous view with no copy and one MPI call (two messages,
+header then payload, would double the per-message cost that dominates small models).
+
+Header words: ``kind, step, worker, count, flags, a, b, c``. Requests (worker -> ps) use
+``a``/``b`` for the worker's data position after the batch (epoch, cursor); replies
+(ps -> worker) carry the ps's counters in ``a``/``b``/``c``.
+
+Ordering: MPI does not let two messages between one pair of ranks on one tag overtake each
+other, so a worker's pushes reach each ps in the order sent and no sequence numbers are
+needed beyond the step.
+"""
+
+import time
+
+from mpi4py import MPI
+
+from .errors import DeadlineError
+
+HEADER_WORDS = 8
+HEADER_BYTES = HEADER_WORDS * 8
+
+# Tags. Requests and replies use separate tags so a worker's outstanding reply receive can
+# never match another worker's request.
+TAG_REQUEST = 11  # worker -> ps frames
+TAG_REPLY = 12  # ps -> worker frames
+TAG_CONTROL = 13  # pickled control objects (config, save, counters): rare, so objects are fine
+
+# Request kinds (worker -> ps).
+PUSH = 1  # payload: gradient; reply: parameters after the ps handled it
+PULL = 2  # no payload; reply: current parameters
+PULL_AVERAGE = 3  # no payload; reply: the moving average of the parameters
+INIT = 4  # payload: initial parameters (chief only); no reply
+DONE = 5  # no payload; the worker has finished; no reply
+PAUSED = 6  # no payload; the worker saw a pause flag and waits for the chief
+# Reply kinds (ps -> worker).
+REPLY = 21
+
+# Flags in replies.
+FLAG_PAUSE = 1  # stop after this step and wait for the chief (a checkpoint is being cut)
+FLAG_NONFINITE = 2  # your gradient held NaN/Inf (word a: index of the variable slice)
+FLAG_DROPPED = 4  # your gradient was stale and was dropped
+
+KIND_NAMES = {PUSH: "push", PULL: "pull", PULL_AVERAGE: "pull of the average", INIT: "init",
+              DONE: "done", PAUSED: "paused", REPLY: "reply"}
+
+
+def frame_op(mpi_call, frame, peer, tag):
+    """Send or receive one frame (header then payload, one buffer) with the MPI call given.
+
+    ``mpi_call`` is a bound method such as ``comm.Isend``, ``comm.Irecv``, ``comm.Send`` or
+    ``comm.Recv``; ``frame`` is a byte view over header and payload.
+    """
+    return mpi_call([frame, MPI.BYTE], peer, tag)
+
+
+def set_header(header, kind, step=0, worker=0, count=0, flags=0, a=0, b=0, c=0):
+    """Fill a preallocated int64 header in place (no allocation)."""
+    header[0] = kind
+    header[1] = step
+    header[2] = worker
+    header[3] = count
+    header[4] = flags
+    header[5] = a
+    header[6] = b
+    header[7] = c
+
+
+class Handle:
+    """A set of outstanding requests that keeps its buffers alive until completed.
+
+    Wait with :meth:`wait` (which enforces the deadline) or test with :meth:`done`.
+    """
+
+    __slots__ = ("requests", "buffers", "describe", "deadline")
+
+    def __init__(self, requests, buffers, describe, deadline):
+        self.requests = requests
+        self.buffers = buffers  # references only: MPI reads/writes them until completion
+        self.describe = describe  # callable(index) -> dict naming the peer and operation
+        self.deadline = deadline
+
+    def done(self):
+        """Return True once every request has completed (frees them then)."""
+        if MPI.Request.Testall(self.requests):
+            self.buffers = None
+            return True
+        return False
+
+    def wait(self):
+        """Block until every request completes, or raise DeadlineError naming a silent peer."""
+        wait_all(self.requests, self.deadline, self.describe)
+        self.buffers = None
+
+
+def _backoff(spins):
+    """Sleep a little longer the longer we have waited: spin first, then yield the core."""
+    if spins > 200:
+        time.sleep(min(0.002, 0.00001 * (spins - 200)))
+
+
+def wait_all(requests, deadline, describe):
+    """Wait for all requests with a deadline in seconds (None: none)."""
+    if deadline is None:
+        MPI.Request.Waitall(requests)
+        return
+    start = time.monotonic()
+    spins = 0
+    while not MPI.Request.Testall(requests):
+        spins += 1
+        _backoff(spins)
+        if time.monotonic() - start > deadline:
+            pending = [i for i, r in enumerate(requests) if r != MPI.REQUEST_NULL]
+            info = describe(pending[0]) if pending else {}
+            raise DeadlineError(f"no answer within {deadline:g} s", **info)
+
+
+def wait_any(requests, deadline, on_timeout):
+    """Return the index of a completed request, polling with backoff; None if none is active.
+
+    After ``deadline`` seconds with nothing completed, ``on_timeout()`` is called (it raises).
+    """
+    start = time.monotonic()
+    spins = 0
+    while True:
+        index, flag = MPI.Request.Testany(requests)
+        if flag:
+            return None if index == MPI.UNDEFINED else index
+        spins += 1
+        _backoff(spins)
+        if deadline is not None and time.monotonic() - start > deadline:
+            on_timeout()
+            start = time.monotonic()
+
+
+def recv_object(comm, source, tag, deadline, describe):
+    """Receive a pickled control object, raising DeadlineError after ``deadline`` seconds."""
+    start = time.monotonic()
+    spins = 0
+    status = MPI.Status()
+    while not comm.Iprobe(source, tag, status):
+        spins += 1
+        _backoff(spins)
+        if deadline is not None and time.monotonic() - start > deadline:
+            raise DeadlineError(f"no answer within {deadline:g} s", **describe())
+    return comm.recv(source=status.Get_source(), tag=tag)
