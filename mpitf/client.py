@@ -9,8 +9,6 @@ before each push, since its slices are not adjacent.
 """
 
 import numpy as np
-from mpi4py import MPI
-
 from . import protocol as P
 from .backend import get_backend
 from .errors import ConfigurationError, NonFiniteGradientError, PeerError
@@ -259,22 +257,39 @@ class Client:
 
     def ps_counters(self):
         """Return each ps's counters (global step, pushes applied, drops, staleness, bytes)."""
-        for p, rank in enumerate(self.ps_ranks):
-            self.comm.send(("counters", self.worker), dest=rank, tag=P.TAG_CONTROL)
+        self.send_control(P.COUNTERS)
         return [P.recv_object(self.comm, rank, P.TAG_CONTROL, self.deadline,
                               lambda p=p: dict(self._describe_ps(p), operation="counters"))
                 for p, rank in enumerate(self.ps_ranks)]
 
-    def send_config(self, config):
-        """Send the ps configuration (layout, optimizer, consistency) to every ps (chief)."""
-        for p, rank in enumerate(self.ps_ranks):
-            self.comm.send(dict(config, ps_task=p), dest=rank, tag=P.TAG_CONTROL)
+    def start(self, optimizer, mode="sync", initial_values=None, restore=None, **options):
+        """Configure every ps (chief only), then pull the starting parameters (every worker).
+
+        Args:
+            optimizer: the config dict of an optimizer (``Optimizer.config()``).
+            mode: "sync", "async" or "ssp".
+            initial_values: dict of starting values, sent by the chief unless restoring.
+            restore: a checkpoint directory every ps loads its shard from, or None.
+            options: replicas_to_aggregate, total_num_replicas, deterministic, staleness,
+                moving_average_decay, skip_nonfinite, checkpoint_dir, layout.
+        Returns the :class:`Reply` of the first pull (its ``global_step`` is where to start).
+        """
+        if self.server.is_chief:
+            for p, rank in enumerate(self.ps_ranks):
+                config = dict(options, optimizer=optimizer, mode=mode, restore=restore,
+                              slices=self.placement.slices_for_ps(p),
+                              shard_size=self.placement.shard_sizes[p],
+                              dtype=self.placement.dtype.str, num_ps=len(self.ps_ranks),
+                              deadline=self.deadline)
+                self.comm.send(config, dest=rank, tag=P.TAG_CONTROL)
+            if restore is None:
+                if initial_values is None:
+                    raise ConfigurationError("the chief needs initial values or a checkpoint")
+                self.set_params(initial_values)
+                self.send_initial_values()
+        return self.pull()
 
     @property
     def num_elements(self):
         """Return the number of parameter elements (without headers)."""
         return sum(c - b for _, b, c in self.segments)
-
-    def wait_source(self):
-        """Return MPI.ANY_SOURCE (kept for symmetry with the ps side)."""
-        return MPI.ANY_SOURCE

@@ -37,16 +37,19 @@ PULL_AVERAGE = 3  # no payload; reply: the moving average of the parameters
 INIT = 4  # payload: initial parameters (chief only); no reply
 DONE = 5  # no payload; the worker has finished; no reply
 PAUSED = 6  # no payload; the worker saw a pause flag and waits for the chief
+SAVE = 7  # no payload; the chief asks for a checkpoint cut
+COUNTERS = 8  # no payload; the ps answers with a pickled dict of counters on TAG_CONTROL
 # Reply kinds (ps -> worker).
 REPLY = 21
 
 # Flags in replies.
 FLAG_PAUSE = 1  # stop after this step and wait for the chief (a checkpoint is being cut)
 FLAG_NONFINITE = 2  # your gradient held NaN/Inf (word a: index of the variable slice)
-FLAG_DROPPED = 4  # your gradient was stale and was dropped
+FLAG_REQUEUE = 8  # (in done) the job ends on a signal: exit with the requeue code
 
 KIND_NAMES = {PUSH: "push", PULL: "pull", PULL_AVERAGE: "pull of the average", INIT: "init",
-              DONE: "done", PAUSED: "paused", REPLY: "reply"}
+              DONE: "done", PAUSED: "paused", SAVE: "save", COUNTERS: "counters",
+              REPLY: "reply"}
 
 
 def frame_op(mpi_call, frame, peer, tag):
@@ -119,7 +122,7 @@ def wait_all(requests, deadline, describe):
             raise DeadlineError(f"no answer within {deadline:g} s", **info)
 
 
-def wait_any(requests, deadline, on_timeout):
+def wait_any(requests, deadline, on_timeout, status=None):
     """Return the index of a completed request, polling with backoff; None if none is active.
 
     After ``deadline`` seconds with nothing completed, ``on_timeout()`` is called (it raises).
@@ -127,7 +130,7 @@ def wait_any(requests, deadline, on_timeout):
     start = time.monotonic()
     spins = 0
     while True:
-        index, flag = MPI.Request.Testany(requests)
+        index, flag = MPI.Request.Testany(requests, status)
         if flag:
             return None if index == MPI.UNDEFINED else index
         spins += 1

@@ -1,0 +1,202 @@
+"""Consistency modes: small policies that decide what the ps does with each pushed gradient.
+
+The service loop is the same for every mode; a policy only answers "a push arrived" and
+"a worker left", calling back into the service to apply, reply, drop or hold.
+"""
+
+from ..errors import ConfigurationError, PeerError
+
+
+class SyncReplicas:
+    """Aggregate gradients of the current step; apply their mean once enough have arrived.
+
+    The counterpart of ``tf.train.SyncReplicasOptimizer``: a gradient computed on an older
+    step is dropped (its sender still gets fresh parameters), and with
+    ``total_num_replicas > replicas_to_aggregate`` the slowest workers are not waited for.
+    ``deterministic`` sums in worker order, so runs are bit-for-bit equal; it holds one
+    receive buffer per worker to do so and needs every worker in every step.
+    """
+
+    name = "sync"
+
+    def __init__(self, replicas_to_aggregate, total_num_replicas, deterministic=False):
+        if not 1 <= replicas_to_aggregate <= total_num_replicas:
+            raise ConfigurationError(
+                f"replicas_to_aggregate must be between 1 and total_num_replicas "
+                f"({total_num_replicas}), got {replicas_to_aggregate}")
+        if deterministic and replicas_to_aggregate != total_num_replicas:
+            raise ConfigurationError(
+                "deterministic sync needs replicas_to_aggregate == total_num_replicas: with "
+                "backup workers, which gradients make a step depends on timing")
+        self.replicas_to_aggregate = replicas_to_aggregate
+        self.total_num_replicas = total_num_replicas
+        self.deterministic = deterministic
+        self.waiting = []  # workers whose gradient is in the accumulator, in arrival order
+        self.held = {}  # deterministic: worker -> (frame, pool index), summed in worker order
+        self.accum = None
+
+    def receive_buffers(self, num_workers):
+        """Return how many receive frames the ps needs."""
+        return num_workers + 2 if self.deterministic else 2
+
+    def needed(self, svc):
+        """Return how many gradients complete a step now (fewer once workers have left)."""
+        return min(self.replicas_to_aggregate, svc.num_active)
+
+    def on_push(self, svc, worker, step, frame, index):
+        """Handle one pushed gradient; return True when its frame may be reused at once."""
+        g = svc.global_step
+        if step < g:
+            svc.drop(worker, g - step)
+            return True
+        if step > g:
+            raise PeerError(f"push for step {step} but the ps is at step {g}",
+                            **svc.describe_worker(worker, "push"))
+        if not svc.check_finite(worker, frame.payload):
+            return True
+        svc.note_staleness(0)
+        if self.deterministic:
+            self.held[worker] = (frame, index)
+            self.waiting.append(worker)
+            self.maybe_step(svc)
+            return False
+        if self.accum is None:
+            self.accum = svc.xp.empty_like(frame.payload)
+        if not self.waiting:
+            self.accum[...] = frame.payload
+        else:
+            svc.xp.add(self.accum, frame.payload, out=self.accum)
+        self.waiting.append(worker)
+        self.maybe_step(svc)
+        return True
+
+    def maybe_step(self, svc):
+        """Apply the mean and answer the waiting workers once enough gradients are in."""
+        count = len(self.waiting)
+        if count == 0 or count < self.needed(svc):
+            return
+        if self.deterministic:
+            order = sorted(self.held)
+            if self.accum is None:
+                self.accum = svc.xp.empty_like(self.held[order[0]][0].payload)
+            self.accum[...] = self.held[order[0]][0].payload
+            for w in order[1:]:
+                svc.xp.add(self.accum, self.held[w][0].payload, out=self.accum)
+            for w in order:
+                svc.repost(self.held[w][1])
+            self.held.clear()
+        if count > 1:
+            svc.xp.divide(self.accum, count, out=self.accum)
+        svc.apply(self.accum)
+        waiting, self.waiting = self.waiting, []
+        for w in waiting:
+            svc.reply(w)
+
+    def on_worker_gone(self, svc, worker):
+        """A worker finished or paused: a step may now complete with fewer gradients."""
+        self.maybe_step(svc)
+
+    def is_waiting(self, worker):
+        """Return True if ``worker`` waits for this ps to finish a step."""
+        return worker in self.waiting
+
+
+class Async:
+    """Apply each gradient on arrival and answer with the current parameters."""
+
+    name = "async"
+
+    def receive_buffers(self, num_workers):
+        """Return how many receive frames the ps needs."""
+        return 2
+
+    def on_push(self, svc, worker, step, frame, index):
+        """Apply the gradient now; return True (the frame is free again)."""
+        if svc.check_finite(worker, frame.payload):
+            svc.note_staleness(svc.global_step - step)
+            svc.apply(frame.payload)
+            self.after_apply(svc, worker)
+        else:
+            svc.reply(worker)
+        return True
+
+    def after_apply(self, svc, worker):
+        """Answer the worker at once."""
+        svc.reply(worker)
+
+    def on_worker_gone(self, svc, worker):
+        """Nothing waits on other workers in async mode."""
+
+    def is_waiting(self, worker):
+        """Return False: no worker ever waits for others here."""
+        return False
+
+
+class BoundedStaleness(Async):
+    """Async, but a worker more than ``staleness`` pushes ahead of the slowest waits for it.
+
+    Each worker's clock counts its applied pushes; a worker whose clock would run more than
+    ``staleness`` ahead of the slowest active worker gets its reply only when the slowest
+    catches up. Workers that finished or paused for a checkpoint no longer hold others.
+    """
+
+    name = "ssp"
+
+    def __init__(self, staleness):
+        if staleness < 0:
+            raise ConfigurationError(f"staleness must be >= 0, got {staleness}")
+        self.staleness = staleness
+        self.clock = {}
+        self.held = []
+
+    def _slowest(self, svc):
+        active = [self.clock.get(w, 0) for w in svc.unblocked_workers()]
+        return min(active) if active else None
+
+    def on_push(self, svc, worker, step, frame, index):
+        """Record the worker's lead over the slowest, then apply as async does."""
+        slowest = self._slowest(svc)
+        if slowest is not None:
+            svc.note_lead(self.clock.get(worker, 0) - slowest)
+        return super().on_push(svc, worker, step, frame, index)
+
+    def after_apply(self, svc, worker):
+        """Advance the worker's clock; answer it unless it is now too far ahead."""
+        self.clock[worker] = self.clock.get(worker, 0) + 1
+        self.held.append(worker)
+        self.release(svc)
+
+    def release(self, svc):
+        """Answer every held worker that is within the bound again."""
+        slowest = self._slowest(svc)
+        still = []
+        for w in self.held:
+            if slowest is None or self.clock[w] - slowest <= self.staleness:
+                svc.reply(w)
+            else:
+                still.append(w)
+        self.held = still
+
+    def on_worker_gone(self, svc, worker):
+        """The slowest may have left: release whoever it held back."""
+        self.release(svc)
+
+    def is_waiting(self, worker):
+        """Return True if ``worker``'s reply is held back."""
+        return worker in self.held
+
+
+def make_policy(mode, num_workers, replicas_to_aggregate=None, total_num_replicas=None,
+                deterministic=False, staleness=0):
+    """Return the policy object for ``mode`` ("sync", "async" or "ssp")."""
+    if mode == "sync":
+        total = total_num_replicas or num_workers
+        if total != num_workers:
+            raise ConfigurationError(
+                f"total_num_replicas is {total} but the cluster has {num_workers} workers")
+        return SyncReplicas(replicas_to_aggregate or total, total, deterministic)
+    if mode == "async":
+        return Async()
+    if mode == "ssp":
+        return BoundedStaleness(staleness)
+    raise ConfigurationError(f"unknown mode {mode!r}: use 'sync', 'async' or 'ssp'")

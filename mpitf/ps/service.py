@@ -1,0 +1,294 @@
+"""The parameter-server event loop: serve whichever worker's message arrives first.
+
+The ps keeps a small, fixed pool of receive frames posted with ``MPI.ANY_SOURCE``; a
+message waits in MPI's queues (or at its sender) until a frame is free, so memory does not
+grow with the number of workers. Replies are sent from the shard's own parameter frame;
+before the parameters change, outstanding replies are completed (MPI forbids touching a
+buffer that is being sent).
+"""
+
+import logging
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import protocol as P
+from ..backend import get_backend
+from ..errors import DeadlineError, PeerError
+from ..guard import EXIT_REQUEUE
+from ..optimizers import ExponentialMovingAverage, make_optimizer
+from .consistency import make_policy
+from .shard import Frame, Shard
+
+_log = logging.getLogger("mpitf")
+
+
+class Service:
+    """One ps task serving the workers of a cluster under a consistency policy."""
+
+    def __init__(self, server, config, backend=None):
+        self.server = server
+        self.comm = server.comm
+        self.deadline = config.get("deadline", server.deadline)
+        self.ps_task = server.task_index
+        self.chief = config["chief_rank"]
+        self.worker_ranks = server.ranks_of("worker")
+        self.worker_of = {r: i for i, r in enumerate(self.worker_ranks)}
+        self.num_workers = len(self.worker_ranks)
+        self.backend = backend or get_backend()
+        self.xp = self.backend.xp
+        self.config = config
+        slices = config["slices"]
+        dtype = np.dtype(config["dtype"])
+        size = config["shard_size"]
+        ema = config.get("moving_average_decay")
+        optimizer = make_optimizer(**config["optimizer"])
+        self.shard = Shard(slices, size, dtype, optimizer, self.xp,
+                           ExponentialMovingAverage(ema) if ema else None)
+        self.policy = make_policy(config["mode"], self.num_workers,
+                                  config.get("replicas_to_aggregate"),
+                                  config.get("total_num_replicas"),
+                                  config.get("deterministic", False),
+                                  config.get("staleness", 0))
+        self.skip_nonfinite = config.get("skip_nonfinite", False)
+        self.pool = [Frame(self.xp, size, dtype)
+                     for _ in range(self.policy.receive_buffers(self.num_workers))]
+        self.recv_requests = [MPI.REQUEST_NULL] * len(self.pool)
+        self.reply_requests = []
+        self.nonfinite_reply = np.zeros(P.HEADER_WORDS, np.int64)
+        self.global_step = 0
+        self.initialized = False
+        self.pending_pulls = []
+        self.done, self.paused = set(), set()
+        self.requeue = False
+        self.pausing = False
+        self.positions = {}
+        self.last_seen = {w: time.monotonic() for w in range(self.num_workers)}
+        self.counters = dict(global_step=0, pushes_applied=0, stale_dropped=0,
+                             nonfinite_skipped=0, staleness_histogram={}, max_lead=0,
+                             bytes_in=0, bytes_out=0)
+        restore = config.get("restore")
+        if restore:
+            self._restore(restore)
+
+    # -- what policies call -------------------------------------------------------------
+
+    @property
+    def num_active(self):
+        """Return the number of workers that have not finished."""
+        return self.num_workers - len(self.done)
+
+    def unblocked_workers(self):
+        """Return the workers still training (neither finished nor paused)."""
+        return [w for w in range(self.num_workers) if w not in self.done and w not in self.paused]
+
+    def describe_worker(self, worker, operation):
+        """Return keyword arguments naming a worker for a PeerError."""
+        rank = self.worker_ranks[worker]
+        return dict(rank=rank, job="worker", task=worker, host=self.server.host_of(rank),
+                    operation=operation)
+
+    def note_staleness(self, staleness):
+        """Count a gradient of the given staleness (steps behind the ps) in the histogram."""
+        hist = self.counters["staleness_histogram"]
+        hist[staleness] = hist.get(staleness, 0) + 1
+
+    def note_lead(self, lead):
+        """Record how far a worker ran ahead of the slowest (bounded staleness)."""
+        if lead > self.counters["max_lead"]:
+            self.counters["max_lead"] = lead
+
+    def check_finite(self, worker, grad):
+        """Return True if ``grad`` is finite; otherwise count it or refuse it."""
+        bad = self.shard.first_nonfinite(grad)
+        if bad is None:
+            return True
+        if self.skip_nonfinite:
+            self.counters["nonfinite_skipped"] += 1
+            return False
+        h = self.nonfinite_reply
+        P.set_header(h, P.REPLY, self.global_step, self.ps_task, 0, P.FLAG_NONFINITE, bad)
+        self.comm.Send([h, MPI.BYTE], self.worker_ranks[worker], P.TAG_REPLY)
+        return False
+
+    def drop(self, worker, staleness):
+        """Drop a stale gradient, count it, and send its worker the current parameters."""
+        self.counters["stale_dropped"] += 1
+        self.note_staleness(staleness)
+        self.reply(worker)
+
+    def apply(self, grad):
+        """Apply a gradient (or an aggregated mean) and advance the global step."""
+        self._finish_replies()
+        self.shard.apply(grad, self.global_step)
+        self.global_step += 1
+        self.counters["pushes_applied"] += 1
+        self._write_header()
+
+    def reply(self, worker, frame=None):
+        """Send the parameters (or ``frame``) to ``worker`` without blocking."""
+        frame = frame or self.shard.reply
+        rank = self.worker_ranks[worker]
+        self.reply_requests.append(P.frame_op(self.comm.Isend, frame.bytes, rank, P.TAG_REPLY))
+        self.counters["bytes_out"] += frame.bytes.nbytes
+
+    def repost(self, index):
+        """Post the receive of pool frame ``index`` again."""
+        self.recv_requests[index] = P.frame_op(
+            self.comm.Irecv, self.pool[index].bytes, MPI.ANY_SOURCE, P.TAG_REQUEST)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _write_header(self):
+        """Refresh the reply header; only called when no reply is in flight."""
+        c = self.counters
+        c["global_step"] = self.global_step
+        P.set_header(self.shard.reply.header, P.REPLY, self.global_step, self.ps_task,
+                     self.shard.size, P.FLAG_PAUSE if self.pausing else 0,
+                     c["stale_dropped"], c["max_lead"], c["pushes_applied"])
+        if self.shard.average_frame is not None:
+            self.shard.average_frame.header[...] = self.shard.reply.header
+
+    def _finish_replies(self):
+        if self.reply_requests:
+            requests = self.reply_requests
+            P.wait_all(requests, self.deadline, lambda i: self._reply_peer(requests, i))
+            self.reply_requests = []
+
+    def _reply_peer(self, requests, i):
+        return dict(rank=None, operation="reply to a worker (it stopped receiving)")
+
+    def _timeout(self):
+        expected = [w for w in range(self.num_workers)
+                    if w not in self.done and w not in self.paused
+                    and not self.policy.is_waiting(w)]
+        if not expected:
+            return  # everyone waits on the chief's checkpoint; keep waiting
+        w = min(expected, key=lambda w: self.last_seen[w])
+        silent = time.monotonic() - self.last_seen[w]
+        raise DeadlineError(f"no message for {silent:.0f} s from a worker while "
+                            f"/job:ps/task:{self.ps_task} waited for its push",
+                            **self.describe_worker(w, "push"))
+
+    def _restore(self, ckpt_dir):
+        from ..checkpoint import load_shard, read_manifest  # storage layer, below the ps
+
+        manifest = read_manifest(ckpt_dir)
+        missing = load_shard(ckpt_dir, manifest, self.shard.slices, self.shard.params,
+                             self.shard.saved_slots(),
+                             self.shard.average_frame.payload if self.shard.average else None)
+        if self.shard.average is not None and missing.get("missing_average"):
+            self.shard.start_average()
+        self.global_step = int(manifest["global_step"])
+        self.positions = {int(k): (v["epoch"], v["cursor"])
+                          for k, v in manifest.get("workers", {}).items()}
+        self.initialized = True
+        self._write_header()
+
+    def _save(self):
+        from ..checkpoint import checkpoint_name, write_shard
+
+        root = self.config["checkpoint_dir"]
+        ckpt_dir = f"{root}/{checkpoint_name(self.global_step)}"
+        average = self.shard.average_frame.payload if self.shard.average else None
+        entry = write_shard(ckpt_dir, self.ps_task, self.config["num_ps"], self.global_step,
+                            self.shard.slices, self.backend.to_host(self.shard.params),
+                            {k: self.backend.to_host(v)
+                             for k, v in self.shard.saved_slots().items()},
+                            None if average is None else self.backend.to_host(average))
+        report = dict(entry=entry, ps_task=self.ps_task, global_step=self.global_step,
+                      positions={w: {"epoch": int(e), "cursor": int(c)}
+                                 for w, (e, c) in self.positions.items()},
+                      paused=sorted(self.paused), counters=self.counters)
+        self.comm.send(report, dest=self.chief, tag=P.TAG_CONTROL)
+
+    def _check_quiescent(self):
+        if self.pausing and all(w in self.done or w in self.paused
+                                for w in range(self.num_workers)):
+            self._finish_replies()
+            self._save()
+            self.pausing = False
+            self.paused.clear()
+            self._write_header()
+
+    def _handle(self, index, source):
+        frame = self.pool[index]
+        h = frame.header
+        kind, step = int(h[0]), int(h[1])
+        worker = self.worker_of.get(source)
+        if worker is None:
+            raise PeerError(f"request from rank {source}, which is not a worker")
+        self.last_seen[worker] = time.monotonic()
+        if kind == P.PUSH:
+            self.counters["bytes_in"] += frame.bytes.nbytes
+            self.positions[worker] = (int(h[5]), int(h[6]))
+            return self.policy.on_push(self, worker, step, frame, index)
+        if kind == P.PULL or kind == P.PULL_AVERAGE:
+            if not self.initialized:
+                self.pending_pulls.append((worker, kind))
+            else:
+                self._answer_pull(worker, kind)
+        elif kind == P.INIT:
+            self._finish_replies()
+            self.shard.params[...] = frame.payload
+            self.shard.start_average()
+            self.initialized = True
+            self._write_header()
+            for w, k in self.pending_pulls:
+                self._answer_pull(w, k)
+            self.pending_pulls = []
+        elif kind == P.DONE:
+            self.done.add(worker)
+            self.requeue = self.requeue or bool(h[4] & P.FLAG_REQUEUE)
+            self.policy.on_worker_gone(self, worker)
+            self._check_quiescent()
+        elif kind == P.PAUSED:
+            self.paused.add(worker)
+            self.policy.on_worker_gone(self, worker)
+            self._check_quiescent()
+        elif kind == P.SAVE:
+            self._finish_replies()
+            self.pausing = True
+            self._write_header()
+            self._check_quiescent()
+        elif kind == P.COUNTERS:
+            self.comm.send(dict(self.counters, ps_task=self.ps_task), dest=source,
+                           tag=P.TAG_CONTROL)
+        else:
+            raise PeerError(f"unknown request kind {kind}", **self.describe_worker(worker, "?"))
+        return True
+
+    def _answer_pull(self, worker, kind):
+        if kind == P.PULL_AVERAGE and self.shard.average_frame is not None:
+            self.reply(worker, self.shard.average_frame)
+        else:
+            self.reply(worker)
+
+    def run(self):
+        """Serve until every worker is done; return the process exit code."""
+        for i in range(len(self.pool)):
+            self.repost(i)
+        status = MPI.Status()
+        while len(self.done) < self.num_workers:
+            index = P.wait_any(self.recv_requests, self.deadline, self._timeout, status)
+            if self._handle(index, status.Get_source()):
+                self.repost(index)
+        self._finish_replies()
+        for i, req in enumerate(self.recv_requests):
+            if req != MPI.REQUEST_NULL:
+                req.Cancel()
+                req.Wait()
+        return EXIT_REQUEUE if self.requeue else 0
+
+
+def serve(server):
+    """Receive the configuration from the chief and serve until every worker is done."""
+    chief = server.rank_of("worker", min(server.cluster.task_indices("worker")))
+    config = P.recv_object(server.comm, chief, P.TAG_CONTROL, server.deadline,
+                           lambda: dict(rank=chief, job="worker", task=0,
+                                        host=server.host_of(chief),
+                                        operation="configuration of the ps"))
+    config["chief_rank"] = chief
+    service = Service(server, config)
+    return service.run()

@@ -1,0 +1,103 @@
+"""This rank's place in the cluster: its job and task, its communicators, and ``join()``.
+
+``Server(cluster)`` is collective over ``MPI.COMM_WORLD``: every rank shares its host name,
+every rank computes the same rank -> task map (see :mod:`mpitf.cluster`), and a spec that
+does not fit the world fails identically on every rank, so each exits without waiting for
+the others.
+"""
+
+import logging
+
+from mpi4py import MPI
+
+from .cluster import ClusterSpec, assign_roles, describe_roles
+from .device import device_name, local_rank
+
+_log = logging.getLogger("mpitf")
+
+
+class Server:
+    """An MPI rank acting as one task of a ``ps``/``worker`` cluster.
+
+    Args:
+        cluster: a :class:`ClusterSpec` or anything it accepts; None means
+            ``{"ps": 1, "worker": world_size - 1}`` (or one worker alone).
+        comm: the communicator the cluster spans (``MPI.COMM_WORLD``).
+        deadline: seconds a rank waits on a peer before ending the job with a message
+            naming it; set it above the longest step. None waits forever.
+    """
+
+    def __init__(self, cluster=None, comm=None, deadline=300.0):
+        self.deadline = deadline
+        world = comm if comm is not None else MPI.COMM_WORLD
+        if cluster is None:
+            size = world.Get_size()
+            cluster = {"ps": 1 if size > 1 else 0, "worker": size - 1 if size > 1 else 1}
+        self.cluster = cluster if isinstance(cluster, ClusterSpec) else ClusterSpec(cluster)
+        self.rank = world.Get_rank()
+        self.hosts = world.allgather(MPI.Get_processor_name())
+        try:
+            self.roles = assign_roles(self.cluster, self.hosts)
+        except Exception as exc:
+            exc.collective = True  # every rank raised this from the same facts
+            raise
+        self.job_name, self.task_index = self.roles[self.rank]
+        # A private duplicate keeps mpitf's messages apart from the user's own MPI traffic.
+        self.comm = world.Dup()
+        job_ids = {job: i for i, job in enumerate(sorted({j for j, _ in self.roles}))}
+        self.job_comm = self.comm.Split(job_ids[self.job_name], self.task_index)
+        self.local_rank, self.local_size = local_rank(self.comm)
+        self.exit_code = 0
+
+    @property
+    def is_chief(self):
+        """Return True on worker task 0, the rank that initialises, logs and checkpoints."""
+        return self.job_name == "worker" and self.task_index == min(
+            self.cluster.task_indices("worker"))
+
+    @property
+    def device(self):
+        """Return this task's device name, e.g. ``/job:ps/replica:0/task:1/device:CPU:0``."""
+        return device_name(self.job_name, self.task_index)
+
+    @property
+    def target(self):
+        """Return a TF-style target string naming this task (for logs; MPI needs none)."""
+        return f"mpi://{self.hosts[self.rank]}/job:{self.job_name}/task:{self.task_index}"
+
+    def ranks_of(self, job):
+        """Return the ranks running ``job``'s tasks, in task-index order."""
+        pairs = sorted((t, r) for r, (j, t) in enumerate(self.roles) if j == job)
+        return [r for _, r in pairs]
+
+    def rank_of(self, job, task_index):
+        """Return the rank that runs ``/job:job/task:task_index``."""
+        for r, role in enumerate(self.roles):
+            if role == (job, task_index):
+                return r
+        raise ValueError(f"no task /job:{job}/task:{task_index} in this cluster")
+
+    def host_of(self, rank):
+        """Return the host name rank ``rank`` runs on."""
+        return self.hosts[rank]
+
+    def describe(self, file=None):
+        """Print the rank -> device -> host table on rank 0 (``log_device_placement``)."""
+        text = describe_roles(self.roles, self.hosts)
+        if self.rank == 0:
+            print(text, file=file, flush=True)
+        return text
+
+    def join(self):
+        """Serve as a parameter server until every worker is done (ps tasks only).
+
+        The ps learns the model's layout, optimizer and consistency mode from the chief,
+        so a ps script needs nothing but this call, as in TensorFlow.
+        """
+        if self.job_name != "ps":
+            raise RuntimeError("join() is for ps tasks; workers train and then finish")
+        # The one forward reach of this module: the service builds on server, not the reverse.
+        from .ps.service import serve
+
+        self.exit_code = serve(self)
+        return None
