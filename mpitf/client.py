@@ -17,13 +17,13 @@ from .errors import ConfigurationError, NonFiniteGradientError, PeerError
 class Reply:
     """What the ps tasks answered to one push or pull."""
 
-    __slots__ = ("global_step", "flags", "dropped", "max_lead", "applied")
+    __slots__ = ("global_step", "flags", "dropped", "max_staleness", "applied")
 
-    def __init__(self, global_step, flags, dropped, max_lead, applied):
+    def __init__(self, global_step, flags, dropped, max_staleness, applied):
         self.global_step = global_step
         self.flags = flags
         self.dropped = dropped
-        self.max_lead = max_lead
+        self.max_staleness = max_staleness  # SSP: the largest lead over the slowest worker
         self.applied = applied
 
     @property

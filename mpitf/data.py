@@ -130,6 +130,7 @@ class ShardedDataset:
             self.name = _attr(f, "name")
             self.num_classes = _attr(f, "num_classes")
             self.image_shape = _attr(f, "image_shape")
+        self.x_dim = int(np_prod(x.shape[1:]))
         self.num_samples = self.stop - self.start
         if self.drop_remainder and self.num_samples < self.batch_size:
             raise ConfigurationError(
@@ -270,6 +271,14 @@ class ShardedDataset:
         return (f"ShardedDataset({self.path!r}, split={self.split!r}, shard {self.shard_index} "
                 f"of {self.num_shards}: samples [{self.start}, {self.stop}), "
                 f"batch_size={self.batch_size}, position={self.state()})")
+
+
+def np_prod(shape):
+    """Return the product of a shape (1 for a scalar shape)."""
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out
 
 
 def _attr(f, key):

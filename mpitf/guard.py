@@ -88,3 +88,35 @@ def _abort(code):
     from mpi4py import MPI
 
     MPI.COMM_WORLD.Abort(code)
+
+
+class CheckpointSignals:
+    """Catch SIGTERM and SIGUSR1 so a rank can finish its step, checkpoint and exit.
+
+    Slurm sends SIGUSR1 ahead of the time limit (``--signal=B:USR1@120``, forwarded by the
+    batch script) and SIGTERM when the job is cancelled or preempted; either default action
+    would kill the rank mid-step.
+    """
+
+    SIGNALS = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self):
+        self.received = None
+
+    def install(self):
+        """Install the handlers (main thread only); return self."""
+        import signal
+
+        for name in self.SIGNALS:
+            signal.signal(getattr(signal, name), self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        import signal
+
+        self.received = signal.Signals(signum).name
+
+    @property
+    def requested(self):
+        """Return True once a checkpoint-and-exit signal has arrived."""
+        return self.received is not None

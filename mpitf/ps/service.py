@@ -16,7 +16,7 @@ from mpi4py import MPI
 from .. import protocol as P
 from ..backend import get_backend
 from ..errors import DeadlineError, PeerError
-from ..guard import EXIT_REQUEUE
+from ..guard import EXIT_REQUEUE, CheckpointSignals
 from ..optimizers import ExponentialMovingAverage, make_optimizer
 from .consistency import make_policy
 from .shard import Frame, Shard
@@ -51,6 +51,7 @@ class Service:
                                   config.get("total_num_replicas"),
                                   config.get("deterministic", False),
                                   config.get("staleness", 0))
+        self.ssp = config["mode"] == "ssp"
         self.skip_nonfinite = config.get("skip_nonfinite", False)
         self.pool = [Frame(self.xp, size, dtype)
                      for _ in range(self.policy.receive_buffers(self.num_workers))]
@@ -66,7 +67,8 @@ class Service:
         self.positions = {}
         self.last_seen = {w: time.monotonic() for w in range(self.num_workers)}
         self.counters = dict(global_step=0, pushes_applied=0, stale_dropped=0,
-                             nonfinite_skipped=0, staleness_histogram={}, max_lead=0,
+                             nonfinite_skipped=0, staleness_histogram={}, max_staleness=0,
+                             max_lead=0,
                              bytes_in=0, bytes_out=0)
         restore = config.get("restore")
         if restore:
@@ -93,6 +95,8 @@ class Service:
         """Count a gradient of the given staleness (steps behind the ps) in the histogram."""
         hist = self.counters["staleness_histogram"]
         hist[staleness] = hist.get(staleness, 0) + 1
+        if staleness > self.counters["max_staleness"]:
+            self.counters["max_staleness"] = staleness
 
     def note_lead(self, lead):
         """Record how far a worker ran ahead of the slowest (bounded staleness)."""
@@ -146,7 +150,8 @@ class Service:
         c["global_step"] = self.global_step
         P.set_header(self.shard.reply.header, P.REPLY, self.global_step, self.ps_task,
                      self.shard.size, P.FLAG_PAUSE if self.pausing else 0,
-                     c["stale_dropped"], c["max_lead"], c["pushes_applied"])
+                     c["stale_dropped"], c["max_lead" if self.ssp else "max_staleness"],
+                     c["pushes_applied"])
         if self.shard.average_frame is not None:
             self.shard.average_frame.header[...] = self.shard.reply.header
 
@@ -284,6 +289,8 @@ class Service:
 
 def serve(server):
     """Receive the configuration from the chief and serve until every worker is done."""
+    # A checkpoint signal is the chief's to act on; the ps must only survive it.
+    CheckpointSignals().install()
     chief = server.rank_of("worker", min(server.cluster.task_indices("worker")))
     config = P.recv_object(server.comm, chief, P.TAG_CONTROL, server.deadline,
                            lambda: dict(rank=chief, job="worker", task=0,

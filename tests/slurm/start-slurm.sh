@@ -26,10 +26,10 @@ mkdir -p "$ROOT"/{etc,state,spool,run,log,munge/run}; chmod 755 "$ROOT" "$ROOT/m
 
 # 1. packages; libpmix-dev only supplies the libpmix.so that Slurm's mpi/pmix plugin dlopens
 need=$(for p in slurmctld slurmd slurm-client munge libpmix-dev; do
-  dpkg-query -W -f='${Status}' $p 2>/dev/null | grep -q 'ok installed' || echo $p; done)
+  dpkg-query -W -f='${Status}' $p 2>/dev/null | grep -q 'ok installed' || echo -n "$p "; done)
 if [ -n "$need" ]; then
-  command -v apt-get >/dev/null || unable "missing packages ($(echo $need)) and no apt-get"
-  log "installing" $need
+  command -v apt-get >/dev/null || unable "missing packages ($need) and no apt-get"
+  log "installing $need"
   # shellcheck disable=SC2086  # $need is a word list
   { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $need
   } >"$ROOT/log/apt.log" 2>&1 || unable "apt-get failed, see $ROOT/log/apt.log"

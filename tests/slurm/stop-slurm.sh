@@ -15,8 +15,10 @@ if alive "$ROOT/run/slurmctld.pid" slurmctld; then   # cancel all jobs, wait unt
   for _ in $(seq 100); do [ -z "$(squeue -h -o %A 2>/dev/null)" ] && break; sleep 0.5; done; fi
 stop "$ROOT/run/slurmd.pid" slurmd; stop "$ROOT/run/slurmctld.pid" slurmctld
 for d in /proc/[0-9]*; do   # orphaned slurmstepd of THIS cluster (fd open on our slurmd.log)
-  [ "$(cat "$d/comm" 2>/dev/null)" = slurmstepd ] && ls -l "$d/fd" 2>/dev/null | grep -q "$ROOT/log/slurmd.log" &&
-    kill -9 "${d#/proc/}"; done
+  [ "$(cat "$d/comm" 2>/dev/null)" = slurmstepd ] || continue
+  for fd in "$d"/fd/*; do
+    [ "$(readlink "$fd" 2>/dev/null)" = "$ROOT/log/slurmd.log" ] && { kill -9 "${d#/proc/}"; break; }
+  done; done
 stop "$ROOT/munge/run/munged.pid" munged
 if [ "${1:-}" = --purge ]; then
   rm -rf "$ROOT"/{state,spool,run,log,munge/run,munge/munged.log,env.sh}; fi

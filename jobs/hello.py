@@ -1,0 +1,118 @@
+"""Hello, distributed TensorFlow! -- on MPI.
+
+Every rank finds its task in the cluster and greets rank 0, which prints the placement
+table and then the greetings in task order (ps tasks, then workers)::
+
+    mpiexec -n 5 python jobs/hello.py \\
+        --cluster_spec='ps|localhost:2222;localhost:2223,worker|localhost:2224;localhost:2225;localhost:2226'
+    mpiexec -n 3 python jobs/hello.py --ps_hosts=localhost:2222 \\
+        --worker_hosts=localhost:2223,localhost:2224
+    mpiexec -n 4 python jobs/hello.py --num-ps 2
+
+Without a spec, one rank is a single worker and more ranks get ``--num-ps`` ps tasks
+(default 1). A spec that does not fit the world, or a bad flag, ends every rank with one
+message printed by rank 0; a greeting that does not come within ``--deadline`` seconds ends
+the job with a message naming the silent rank.
+"""
+
+import argparse
+import logging
+
+from mpi4py import MPI
+
+from mpitf.cluster import add_cluster_arguments, check_claimed_role, cluster_from_args
+from mpitf.errors import ConfigurationError, MpitfError
+from mpitf.guard import RankParser, abort_on_error, setup_logging, world_rank
+from mpitf.protocol import TAG_CONTROL, recv_object
+from mpitf.server import Server
+
+
+def parse_args(argv=None):
+    parser = RankParser(description="Print which MPI rank runs which ps/worker task.")
+    add_cluster_arguments(parser)
+    parser.set_defaults(num_ps=None)  # resolved below: 0 on one rank, else 1
+    parser.add_argument("--deadline", type=float, default=60.0,
+                        help="seconds rank 0 waits for a greeting before ending the job"
+                             " (default: 60)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log mpitf's notes")
+    # Test hook: this rank withholds its greeting, so tests can check the deadline.
+    parser.add_argument("--drop-greeting", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if not args.deadline > 0:
+        parser.error(f"argument --deadline: expecting seconds > 0, got {args.deadline:g}")
+    return args
+
+
+def collective(exc):
+    """Mark an error that every rank raised alike, so rank 0 alone prints it."""
+    exc.collective = True
+    return exc
+
+
+def check_roles(args, server):
+    """Check --job_name/--task_index on every rank; raise one error for the whole job."""
+    try:
+        check_claimed_role(args, server.job_name, server.task_index, rank=server.rank)
+        problem = None
+    except ConfigurationError as exc:
+        problem = str(exc)
+    problems = [p for p in server.comm.allgather(problem) if p]
+    if problems:
+        others = len(problems) - 1
+        more = "" if not others else (
+            f" (and {others} more rank{'s disagree' if others > 1 else ' disagrees'})")
+        raise collective(ConfigurationError(problems[0] + more))
+
+
+def greet(server):
+    """Return this rank's greeting."""
+    return (f"Hello, distributed TensorFlow! from {server.device} on "
+            f"{server.host_of(server.rank)} (rank {server.rank})")
+
+
+def collect_greetings(server):
+    """Receive every rank's greeting on rank 0, in task order, each within the deadline."""
+    greetings = []
+    for job in ("ps", "worker"):
+        for task, rank in enumerate(server.ranks_of(job)):
+            if rank == 0:
+                greetings.append(greet(server))
+                continue
+
+            def describe(rank=rank, job=job, task=task):
+                return {"rank": rank, "job": job, "task": task, "host": server.host_of(rank),
+                        "operation": "the hello greeting"}
+
+            greetings.append(recv_object(server.comm, rank, TAG_CONTROL, server.deadline,
+                                         describe))
+    return greetings
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    setup_logging(args.verbose)
+    if world_rank() != 0 and not args.verbose:  # one copy of each note is enough
+        logging.getLogger("mpitf").setLevel(logging.WARNING)
+    world = MPI.COMM_WORLD
+    with abort_on_error():
+        if args.num_ps is None:
+            args.num_ps = 1 if world.Get_size() > 1 else 0
+        try:
+            cluster = cluster_from_args(args, world.Get_size())
+        except MpitfError as exc:  # a function of the flags and the world size: same everywhere
+            raise collective(exc) from None
+        server = Server(cluster, deadline=args.deadline)
+        check_roles(args, server)
+        if server.rank == 0:
+            server.describe()
+            for line in collect_greetings(server):
+                print(line, flush=True)
+        elif server.rank == args.drop_greeting:
+            server.comm.barrier()  # never completes: rank 0 gives up at the deadline
+        else:
+            server.comm.send(greet(server), dest=0, tag=TAG_CONTROL)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,272 @@
+"""The ``mpitf`` command: run jobs, show rank maps, prepare data, inspect checkpoints, bench.
+
+Subcommands::
+
+    mpitf cluster --spec SPEC [-n N] [--hosts h1,h1,h2,...]   print the rank -> task map
+    mpitf run -n N [--dry-run] SCRIPT [ARGS...]             run a job under mpiexec
+    mpitf data digits|mnist ...                             write an HDF5 data set
+    mpitf ckpt ls|show|verify|export DIR ...                inspect checkpoints
+    mpitf bench [--quick] [--suite S] [--out DIR] [-n N]    run the benchmarks
+
+Exit codes: 0 success, 1 an error, 2 bad input (usage or configuration); ``run`` exits
+with the job's own code.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+from . import __version__
+from .errors import ConfigurationError, MpitfError
+from .guard import EXIT_ERROR, EXIT_USAGE
+
+__all__ = ["main", "build_parser", "parse_spec"]
+
+SPEC_FORMS = ("'ps|host:port;...,worker|host:port;...', a JSON dict such as "
+              "'{\"ps\": 2, \"worker\": [\"a:1\", \"b:1\"]}' or TF_CONFIG,"
+              " or counts 'ps=2,worker=3'")
+
+
+def _error(message, code):
+    sys.stderr.write(f"mpitf: error: {message}\n")
+    return code
+
+
+# --- cluster ----------------------------------------------------------------------------
+def parse_spec(text):
+    """Return the ClusterSpec a ``--spec`` value describes, in any of its three forms."""
+    from .cluster import ClusterSpec
+
+    text = (text or "").strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise ConfigurationError(f"--spec is not valid JSON ({exc}): {text!r}") from None
+        if isinstance(value, dict) and "cluster" in value:
+            return ClusterSpec.from_tf_config(value)
+        return ClusterSpec(value)
+    if "|" in text:
+        return ClusterSpec.from_string(text)
+    if "=" in text:
+        counts = {}
+        for token in text.split(","):
+            job, _, count = (t.strip() for t in token.partition("="))
+            if not count.isdigit():
+                raise ConfigurationError(
+                    f"bad count in {token.strip()!r}: expecting 'job=N' with N >= 0")
+            if job in counts:
+                raise ConfigurationError(f"job {job!r} is given twice in --spec {text!r}")
+            counts[job] = int(count)
+        return ClusterSpec(counts)
+    raise ConfigurationError(f"cannot read --spec {text!r}: expecting {SPEC_FORMS}")
+
+
+def cmd_cluster(args):
+    """Print which rank runs which task on which host, launching nothing."""
+    from .cluster import assign_roles, describe_roles
+
+    cluster = parse_spec(args.spec)
+    hosts = [h.strip() for h in args.hosts.split(",")] if args.hosts else None
+    if hosts is not None and not all(hosts):
+        raise ConfigurationError(f"empty host in --hosts={args.hosts!r}: expecting 'h1,h1,h2'")
+    n = args.n if args.n is not None else len(hosts) if hosts else cluster.total_tasks
+    if hosts is None:
+        hosts = ["localhost"] * n
+    elif len(hosts) != n:
+        raise ConfigurationError(
+            f"--hosts names {len(hosts)} ranks but -n is {n}: give one host per rank")
+    roles = assign_roles(cluster, hosts)
+    try:
+        shown = cluster.to_string()
+    except ConfigurationError:  # sparse task indices have no flag form
+        shown = repr(cluster.as_dict())
+    counts = ", ".join(f"{cluster.num_tasks(j)} {j}" for j in cluster.jobs)
+    nodes = len(set(hosts))
+    print(f"cluster: {shown}")
+    print(f"{n} ranks ({counts}) on {nodes} node{'s' if nodes != 1 else ''}")
+    print(describe_roles(roles, hosts))
+    return 0
+
+
+# --- run --------------------------------------------------------------------------------
+def run_command(n, script, script_args, mpiexec=None):
+    """Return the mpiexec argv that runs ``script`` (Python if it ends in .py) on n ranks."""
+    from .testing import mpiexec_command
+
+    argv = [sys.executable, script] if script.endswith(".py") else [script]
+    return mpiexec_command(n, argv + list(script_args), mpiexec=mpiexec)
+
+
+def cmd_run(args):
+    """Run a job under the installed MPI's mpiexec and return its exit code."""
+    from .testing import find_mpiexec
+
+    if args.n < 1:
+        raise ConfigurationError(f"-n {args.n}: expecting at least one rank")
+    if args.script.endswith(".py") and not os.path.isfile(args.script):
+        raise ConfigurationError(f"no such script: {args.script}")
+    if os.environ.get("SLURM_JOB_ID"):
+        sys.stderr.write(
+            f"mpitf: note: this is Slurm job {os.environ['SLURM_JOB_ID']}; inside an allocation"
+            f" launch with srun (srun -n {args.n} python {args.script} ...) so Slurm places"
+            " and tracks the ranks; see slurm/README.md\n")
+    try:
+        mpiexec = args.mpiexec or find_mpiexec()
+    except RuntimeError as exc:
+        return _error(str(exc), EXIT_ERROR)
+    cmd = run_command(args.n, args.script, args.args, mpiexec=mpiexec)
+    if args.dry_run:
+        print(shlex.join(cmd))
+        return 0
+    try:
+        code = subprocess.call(cmd)
+    except KeyboardInterrupt:  # mpiexec got the same SIGINT and ends the ranks
+        return 130
+    return 128 - code if code < 0 else code  # killed by a signal: the shell's convention
+
+
+# --- data -------------------------------------------------------------------------------
+def _report_dataset(path):
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        train, test = len(f["y_train"]), len(f["y_test"])
+        name = f.attrs.get("name", "?")
+    print(f"wrote {path}: {name}, {train} training and {test} test samples")
+
+
+def cmd_data(args):
+    """Write a data set in mpitf's HDF5 layout."""
+    from . import datasets
+
+    if args.dataset == "digits":
+        out = args.out or datasets.default_data_path()
+        datasets.prepare_digits(out, test_fraction=args.test_fraction, seed=args.seed)
+    else:
+        out = args.out
+        datasets.convert_mnist_idx(args.idx_dir, out)
+    _report_dataset(out)
+    return 0
+
+
+# --- ckpt -------------------------------------------------------------------------------
+def cmd_ckpt(args):
+    """List, show, verify or export checkpoints (mpitf.checkpoint does the work)."""
+    from . import checkpoint
+
+    if not os.path.exists(args.dir):
+        raise ConfigurationError(f"no such checkpoint directory: {args.dir}")
+    if args.action == "ls":
+        return checkpoint.cmd_ls(args.dir)
+    if args.action == "show":
+        return checkpoint.cmd_show(args.dir, step=args.step)
+    if args.action == "verify":
+        return checkpoint.cmd_verify(args.dir)
+    return checkpoint.cmd_export(args.dir, args.out, step=args.step)
+
+
+# --- bench ------------------------------------------------------------------------------
+def cmd_bench(args):
+    """Run the benchmark suites of mpitf.bench."""
+    if importlib.util.find_spec("mpitf.bench") is None:
+        return _error("the benchmarks (mpitf.bench) are not part of this mpitf installation;"
+                      " update mpitf, or run the scripts under benchmarks/ directly",
+                      EXIT_ERROR)
+    from . import bench
+
+    code = bench.main(args)
+    return 0 if code is None else code
+
+
+# --- parser -----------------------------------------------------------------------------
+def build_parser():
+    """Return the argparse parser of the ``mpitf`` command."""
+    parser = argparse.ArgumentParser(
+        prog="mpitf", description="Parameter-server training on MPI: tools around the jobs.")
+    parser.add_argument("--version", action="version", version=f"mpitf {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("cluster", help="print the rank -> task -> host map of a cluster spec",
+                       description="Print which MPI rank runs which task, launching nothing.")
+    p.add_argument("--spec", required=True, help=f"the cluster: {SPEC_FORMS}")
+    p.add_argument("-n", type=int, default=None,
+                   help="MPI ranks (default: one per host in --hosts, else one per task)")
+    p.add_argument("--hosts", default=None,
+                   help="comma-separated host of each rank, e.g. 'n1,n1,n2,n2'"
+                        " (default: all 'localhost')")
+    p.set_defaults(handler=cmd_cluster)
+
+    p = sub.add_parser("run", help="run a job under mpiexec on this workstation",
+                       description="Run SCRIPT on N ranks with the installed MPI's mpiexec;"
+                                   " exit with its exit code. Under Slurm, prefer srun.")
+    p.add_argument("-n", type=int, required=True, help="number of MPI ranks")
+    p.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    p.add_argument("--mpiexec", default=None,
+                   help="the mpiexec to use (default: the one next to this Python, else PATH)")
+    p.add_argument("script", help="the job: a .py file (run with this Python) or a program")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the job")
+    p.set_defaults(handler=cmd_run)
+
+    p = sub.add_parser("data", help="prepare an HDF5 data set",
+                       description="Write a data set in mpitf's HDF5 layout.")
+    data = p.add_subparsers(dest="dataset", metavar="DATASET", required=True)
+    d = data.add_parser("digits", help="scikit-learn's 8x8 digits (bundled, no download)")
+    d.add_argument("--out", default=None,
+                   help="output file (default: $MPITF_DATA_DIR/digits.h5 or ~/.cache/mpitf)")
+    d.add_argument("--test-fraction", type=float, default=0.2,
+                   help="share held out for testing (default: 0.2)")
+    d.add_argument("--seed", type=int, default=0, help="shuffle seed (default: 0)")
+    d = data.add_parser("mnist", help="convert the four MNIST IDX files (plain or .gz)")
+    d.add_argument("--idx-dir", required=True, help="directory holding the IDX files")
+    d.add_argument("--out", required=True, help="output file")
+    p.set_defaults(handler=cmd_data)
+
+    p = sub.add_parser("ckpt", help="list, show, verify or export checkpoints",
+                       description="Inspect the checkpoints under a directory.")
+    ckpt = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    c = ckpt.add_parser("ls", help="list the checkpoints, oldest first")
+    c.add_argument("dir", help="checkpoint directory")
+    c = ckpt.add_parser("show", help="describe the latest checkpoint (or the one at --step)")
+    c.add_argument("dir", help="checkpoint directory")
+    c.add_argument("--step", type=int, default=None, help="global step of the checkpoint")
+    c = ckpt.add_parser("verify", help="check every shard's checksums; exit 1 on damage")
+    c.add_argument("dir", help="checkpoint directory, or one checkpoint in it")
+    c = ckpt.add_parser("export", help="write a checkpoint's variables to an .npz file")
+    c.add_argument("dir", help="checkpoint directory")
+    c.add_argument("--out", required=True, help="output .npz file")
+    c.add_argument("--step", type=int, default=None, help="global step of the checkpoint")
+    p.set_defaults(handler=cmd_ckpt)
+
+    p = sub.add_parser("bench", help="run the push/pull, scaling and consistency benchmarks",
+                       description="Run mpitf's benchmarks and write reports.")
+    p.add_argument("--quick", action="store_true", help="short runs, for a smoke test")
+    p.add_argument("--out", default="benchmarks", help="report directory (default: benchmarks)")
+    p.add_argument("--suite", choices=("pushpull", "scaling", "modes", "all"), default="all",
+                   help="which benchmarks (default: all)")
+    p.add_argument("-n", type=int, default=None, help="MPI ranks (default: the suite's own)")
+    p.set_defaults(handler=cmd_bench)
+    return parser
+
+
+def main(argv=None):
+    """Run the ``mpitf`` command and return its exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # usage errors (2), --help and --version (0)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    try:
+        return args.handler(args)
+    except ConfigurationError as exc:
+        return _error(str(exc), EXIT_USAGE)
+    except (MpitfError, OSError) as exc:
+        return _error(str(exc), EXIT_ERROR)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

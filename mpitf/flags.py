@@ -1,0 +1,87 @@
+"""The training flags every job shares, with the TensorFlow example scripts' names kept."""
+
+import os
+
+from .cluster import add_cluster_arguments
+
+
+def add_training_arguments(parser, steps=300, batch_size=32, lr=0.3):
+    """Add data, optimiser, consistency, checkpoint and logging flags to ``parser``."""
+    add_cluster_arguments(parser)
+    g = parser.add_argument_group("training")
+    g.add_argument("--data", default=None,
+                   help="HDF5 data set (x_train, y_train, x_test, y_test); default: the digits "
+                        "set, prepared on first use under $MPITF_DATA_DIR or ~/.cache/mpitf")
+    g.add_argument("--model", choices=("mlp", "cnn"), default="mlp", help="reference model")
+    g.add_argument("--hidden", type=int, default=128, help="hidden units of the MLP")
+    g.add_argument("--steps", type=int, default=steps, help="stop at this global step")
+    g.add_argument("--batch-size", type=int, default=batch_size, help="examples per worker step")
+    g.add_argument("--lr", "--learning_rate", dest="lr", type=float, default=lr,
+                   help="learning rate")
+    g.add_argument("--lr-decay", type=float, default=None,
+                   help="exponential decay rate of the learning rate per --lr-decay-steps")
+    g.add_argument("--lr-decay-steps", type=int, default=100, help="steps per decay")
+    g.add_argument("--optimizer", choices=("sgd", "momentum", "adam", "adagrad"), default="sgd")
+    g.add_argument("--mode", choices=("sync", "async", "ssp"), default="sync",
+                   help="sync replicas, async, or bounded staleness (ssp)")
+    g.add_argument("--replicas-to-aggregate", "--replicas_to_aggregate", type=int, default=None,
+                   help="sync: gradients per step (default: all workers; fewer gives backups)")
+    g.add_argument("--staleness", type=int, default=2, help="ssp: largest lead over the slowest")
+    g.add_argument("--deterministic", action="store_true",
+                   help="sync: sum gradients in worker order so runs are bit-for-bit equal")
+    g.add_argument("--skip-nonfinite", action="store_true",
+                   help="drop NaN/Inf gradients and count them instead of stopping")
+    g.add_argument("--moving-average-decay", type=float, default=None,
+                   help="keep an exponential moving average of the variables for evaluation")
+    g.add_argument("--ps-strategy", choices=("round_robin", "greedy"), default="round_robin")
+    g.add_argument("--seed", type=int, default=0, help="seed of initial values and shuffling")
+    g.add_argument("--log-every", type=int, default=20, help="chief logs every N steps")
+    g.add_argument("--run-dir", default="runs/latest",
+                   help="where metrics.jsonl and summary.json go")
+    g.add_argument("--checkpoint-dir", default=os.environ.get("MPITF_CHECKPOINT_DIR"),
+                   help="checkpoint directory; the newest good checkpoint there is restored "
+                        "(default: $MPITF_CHECKPOINT_DIR, else none)")
+    g.add_argument("--checkpoint-every", type=int, default=None,
+                   help="checkpoint every N global steps")
+    g.add_argument("--checkpoint-secs", type=float, default=None,
+                   help="checkpoint every T seconds")
+    g.add_argument("--max-to-keep", type=int, default=5, help="checkpoints kept")
+    g.add_argument("--deadline", type=float, default=float(os.environ.get("MPITF_DEADLINE", 300)),
+                   help="seconds to wait on a silent rank before ending the job (default 300;"
+                        " set it above the longest step)")
+    g.add_argument("--timeline", default=None, help="write a Chrome trace of every rank here")
+    g.add_argument("--device", choices=("auto", "cpu", "gpu"), default="cpu",
+                   help="where variables and gradients live")
+    return parser
+
+
+def data_path(args, comm):
+    """Return the data file, preparing the digits set on rank 0 first if none was given."""
+    if args.data:
+        return args.data
+    from .datasets import default_data_path, ensure_digits
+
+    path = default_data_path()
+    if comm.Get_rank() == 0:
+        try:
+            ensure_digits(path)
+        except Exception as exc:
+            comm.bcast(exc, root=0)
+            raise
+        comm.bcast(None, root=0)
+    else:
+        exc = comm.bcast(None, root=0)
+        if exc is not None:
+            exc.collective = True
+            raise exc
+    return path
+
+
+def make_optimizer_from_args(args):
+    """Build the optimizer the flags ask for."""
+    from .optimizers import ExponentialDecay, make_optimizer
+
+    lr = args.lr
+    if args.lr_decay:
+        lr = ExponentialDecay(args.lr, args.lr_decay_steps, args.lr_decay)
+    return make_optimizer(args.optimizer, lr)

@@ -1,0 +1,400 @@
+"""``TrainingSession``: the ``MonitoredTrainingSession`` of mpitf, run on every worker.
+
+It configures the ps (chief), restores or initialises, runs steps (compute gradients into
+the client's views, push and pull), and calls hooks: stop at a step, logging, checkpoints
+every N steps or T seconds and at the end, and checkpoint-then-exit on SIGTERM/SIGUSR1.
+"""
+
+import json
+import logging
+import os
+import sys
+import time
+
+import numpy as np
+
+from . import protocol as P
+from .client import Client
+from .errors import ConfigurationError
+from .guard import EXIT_REQUEUE, CheckpointSignals
+from .placement import replica_device_setter
+from .timeline import Timeline
+
+_log = logging.getLogger("mpitf")
+
+
+class Hook:
+    """Base of session hooks; override what you need."""
+
+    def begin(self, session):
+        """Run once the session has its starting parameters."""
+
+    def after_run(self, session, loss):
+        """Run after every step with its loss."""
+
+    def end(self, session):
+        """Run once when the session closes."""
+
+
+class StopAtStepHook(Hook):
+    """Ask the session to stop once the global step reaches ``last_step``."""
+
+    def __init__(self, last_step):
+        self.last_step = last_step
+
+    def begin(self, session):
+        """Stop at once if the restored step is already there."""
+        if session.global_step >= self.last_step:
+            session.request_stop()
+
+    def after_run(self, session, loss):
+        """Stop when the global step has reached the last step."""
+        if session.global_step >= self.last_step:
+            session.request_stop()
+
+
+class LoggingHook(Hook):
+    """On the chief, log ``step N, loss = L (E examples/sec; S sec/batch)`` every few steps.
+
+    Also appends one JSON object per logged step to ``RUN_DIR/metrics.jsonl`` and shows a
+    progress bar when stderr is a terminal.
+    """
+
+    def __init__(self, every=20, run_dir=None, last_step=None, stream=sys.stdout):
+        self.every = max(1, every)
+        self.run_dir = run_dir
+        self.last_step = last_step
+        self.stream = stream
+        self.metrics = None
+
+    def begin(self, session):
+        """Open the metrics file and start the clocks."""
+        if self.run_dir:
+            os.makedirs(self.run_dir, exist_ok=True)
+            self.metrics = open(os.path.join(self.run_dir, "metrics.jsonl"), "a")
+        self._mark(session)
+        self.last_logged = None
+
+    def _mark(self, session):
+        self.t0, self.step0, self.batches0 = time.monotonic(), session.global_step, session.steps_run
+
+    def after_run(self, session, loss):
+        """Log when the global step crosses a multiple of ``every``."""
+        step = session.global_step
+        if step // self.every == (self.last_logged or self.step0) // self.every and \
+                not session.should_stop():
+            self._progress(session)
+            return
+        elapsed = max(time.monotonic() - self.t0, 1e-9)
+        batches = session.steps_run - self.batches0
+        examples = (step - self.step0) * session.examples_per_global_step
+        record = dict(step=step, time=time.time(), loss=float(loss),
+                      examples_per_sec=examples / elapsed,
+                      sec_per_batch=elapsed / max(batches, 1),
+                      stale_dropped=session.last_reply.dropped,
+                      max_staleness=session.last_reply.max_staleness)
+        if sys.stderr.isatty():
+            sys.stderr.write("\r\033[K")
+        print(f"step {step}, loss = {loss:.2f} ({record['examples_per_sec']:.1f} "
+              f"examples/sec; {record['sec_per_batch']:.3f} sec/batch)", file=self.stream,
+              flush=True)
+        if self.metrics:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+        self.last_logged = step
+        self._mark(session)
+
+    def _progress(self, session):
+        if self.last_step and sys.stderr.isatty():
+            done = min(1.0, session.global_step / self.last_step)
+            bar = "#" * int(30 * done)
+            sys.stderr.write(f"\r[{bar:<30}] {session.global_step}/{self.last_step}")
+            sys.stderr.flush()
+
+    def end(self, session):
+        """Close the metrics file."""
+        if self.metrics:
+            self.metrics.close()
+
+
+class CheckpointSaverHook(Hook):
+    """On the chief, cut a checkpoint every ``save_steps`` global steps or ``save_secs``."""
+
+    def __init__(self, save_steps=None, save_secs=None):
+        self.save_steps = save_steps
+        self.save_secs = save_secs
+
+    def begin(self, session):
+        """Start counting from the restored step."""
+        self.last_step = session.global_step
+        self.last_time = time.monotonic()
+
+    def due(self, session):
+        """Return True when the next step should carry a checkpoint request."""
+        if self.save_steps and session.global_step - self.last_step >= self.save_steps:
+            return True
+        return bool(self.save_secs and time.monotonic() - self.last_time >= self.save_secs)
+
+    def saved(self, session):
+        """Restart the counters after a checkpoint."""
+        self.last_step = session.global_step
+        self.last_time = time.monotonic()
+
+
+class TrainingSession:
+    """Train ``model`` on this worker against the ps tasks of ``server``'s cluster.
+
+    Args:
+        server: this rank's :class:`~mpitf.server.Server` (a worker task).
+        model: an object with ``variables()``, ``init(rng)`` and
+            ``loss_and_grads(params, batch, grads)`` (see :mod:`mpitf.models`).
+        optimizer: an :class:`~mpitf.optimizers.Optimizer`; it runs on the ps.
+        mode: "sync", "async" or "ssp" (bounded staleness).
+        dataset: a :class:`~mpitf.data.ShardedDataset`; its position is checkpointed.
+        last_step: stop at this global step (``StopAtStepHook``).
+        checkpoint_dir: where checkpoints live; the newest good one is restored.
+        save_checkpoint_steps / save_checkpoint_secs: checkpoint triggers (chief).
+        hooks: more :class:`Hook` objects.
+        options: replicas_to_aggregate, deterministic, staleness, moving_average_decay,
+            skip_nonfinite, ps_strategy, partitioner, seed, log_every, run_dir,
+            max_to_keep, timeline (a path), batch_size.
+    """
+
+    def __init__(self, server, model, optimizer, mode="sync", dataset=None, last_step=None,
+                 checkpoint_dir=None, save_checkpoint_steps=None, save_checkpoint_secs=None,
+                 hooks=(), **options):
+        if server.job_name != "worker":
+            raise ConfigurationError("TrainingSession runs on worker tasks; ps tasks join()")
+        self.server = server
+        self.model = model
+        self.dataset = dataset
+        self.mode = mode
+        self.options = options
+        self.checkpoint_dir = checkpoint_dir
+        self.num_workers = len(server.ranks_of("worker"))
+        self.batch_size = options.get("batch_size") or getattr(dataset, "batch_size", 1)
+        r = options.get("replicas_to_aggregate") or self.num_workers
+        self.examples_per_global_step = self.batch_size * (r if mode == "sync" else 1)
+        self.timeline = Timeline(server.rank, server.device, bool(options.get("timeline")))
+        self.signals = CheckpointSignals().install()
+        self._stop = False
+        self.requeue = False
+        self.steps_run = 0
+        self.loss = float("nan")
+        placement = replica_device_setter(server.cluster, ps_strategy=options.get("ps_strategy"),
+                                          partitioner=options.get("partitioner"))
+        self.placement = placement.place(model.variables())
+        self.client = Client(server, self.placement, deadline=server.deadline)
+        self.hooks = []
+        if last_step is not None:
+            self.hooks.append(StopAtStepHook(last_step))
+        self.saver = None
+        if server.is_chief:
+            if options.get("log_every", 20):
+                self.hooks.append(LoggingHook(options.get("log_every", 20),
+                                              options.get("run_dir"), last_step))
+            if checkpoint_dir and (save_checkpoint_steps or save_checkpoint_secs):
+                self.saver = CheckpointSaverHook(save_checkpoint_steps, save_checkpoint_secs)
+                self.hooks.append(self.saver)
+        self.hooks.extend(hooks)
+        self._start(optimizer)
+
+    # -- start -----------------------------------------------------------------------------
+
+    def _start(self, optimizer):
+        restore = None
+        if self.server.is_chief and self.checkpoint_dir:
+            from .checkpoint import find_restorable
+
+            found = find_restorable(self.checkpoint_dir, log=lambda m: _log.warning("%s", m))
+            restore = found[0] if found else None
+        # Every worker learns the chief's choice, so positions come from the same checkpoint.
+        restore = self.server.job_comm.bcast(restore, root=0)
+        values = None
+        if restore is None:
+            rng = np.random.default_rng(self.options.get("seed", 0))
+            values = self.model.init(rng)
+        opts = {k: self.options.get(k) for k in (
+            "replicas_to_aggregate", "deterministic", "staleness", "moving_average_decay",
+            "skip_nonfinite")}
+        opts.update(checkpoint_dir=self.checkpoint_dir, total_num_replicas=self.num_workers)
+        with self.timeline.span("pull"):
+            self.last_reply = self.client.start(optimizer.config(), self.mode, values, restore,
+                                                **{k: v for k, v in opts.items()
+                                                   if v is not None})
+        self.global_step = self.last_reply.global_step
+        self.optimizer = optimizer
+        if restore is not None:
+            self._restore_position(restore)
+            if self.server.is_chief:
+                print(f"restored {restore} at step {self.global_step}", flush=True)
+        for hook in self.hooks:
+            hook.begin(self)
+        self._started = time.monotonic()
+        self._start_step = self.global_step
+
+    @property
+    def elapsed(self):
+        """Return the seconds since training started (or resumed)."""
+        return time.monotonic() - self._started
+
+    @property
+    def examples_seen(self):
+        """Return the examples all workers fed into applied steps since the start."""
+        return (self.global_step - self._start_step) * self.examples_per_global_step
+
+    def _restore_position(self, restore):
+        from .checkpoint import read_manifest
+
+        workers = read_manifest(restore).get("workers", {})
+        state = workers.get(str(self.server.task_index))
+        if self.dataset is None:
+            return
+        if state is None:
+            first = next(iter(workers.values()), {"epoch": 0})
+            state = {"epoch": first["epoch"], "cursor": 0}
+            _log.info("no saved data position for worker %d (the checkpoint had %d workers); "
+                      "starting epoch %d from its beginning", self.server.task_index,
+                      len(workers), state["epoch"])
+        self.dataset.restore(state)
+
+    # -- the loop --------------------------------------------------------------------------
+
+    @property
+    def params(self):
+        """Return the model's parameters (views into the pulled buffer)."""
+        return self.client.params
+
+    def request_stop(self):
+        """Ask the loop to end after this step."""
+        self._stop = True
+
+    def should_stop(self):
+        """Return True once a hook or a signal asked to stop."""
+        return self._stop or self.requeue
+
+    def run(self, batch=None):
+        """Run one step: gradients on ``batch`` (or the dataset's next), push, pull, hooks."""
+        tl = self.timeline
+        with tl.span("compute", step=self.global_step):
+            if batch is None:
+                batch = self.dataset.next_batch()
+            self.loss = self.model.loss_and_grads(self.client.params, batch, self.client.grads)
+        state = self.dataset.state() if self.dataset is not None else {"epoch": 0, "cursor": 0}
+        cutting = self.server.is_chief and self._cut_due()
+        if cutting:
+            self.client.send_control(P.SAVE)
+        with tl.span("push_pull", step=self.global_step):
+            reply = self.client.push_pull((state["epoch"], state["cursor"])).wait()
+        self.last_reply = reply
+        self.global_step = reply.global_step
+        self.steps_run += 1
+        if reply.pause:
+            self._pause()
+        for hook in self.hooks:
+            hook.after_run(self, self.loss)
+        return self.loss
+
+    def _cut_due(self):
+        if not self.checkpoint_dir:
+            return False
+        if self.signals.requested:
+            return True
+        return self.saver is not None and self.saver.due(self)
+
+    def _pause(self):
+        """Stop for a checkpoint cut; the chief writes the manifest and releases the others."""
+        self.client.send_control(P.PAUSED)
+        with self.timeline.span("checkpoint", step=self.global_step):
+            if self.server.is_chief:
+                message = self._collect_checkpoint()
+            else:
+                chief = self.server.ranks_of("worker")[0]
+                message = P.recv_object(
+                    self.server.comm, chief, P.TAG_CONTROL, self.server.deadline,
+                    lambda: dict(rank=chief, job="worker", task=0,
+                                 host=self.server.host_of(chief), operation="checkpoint"))
+        if message.get("stop"):
+            self.requeue = True
+
+    def _collect_checkpoint(self):
+        from .checkpoint import write_manifest
+
+        comm = self.server.comm
+        reports = [P.recv_object(comm, rank, P.TAG_CONTROL, self.server.deadline,
+                                 lambda p=p, rank=rank: dict(
+                                     rank=rank, job="ps", task=p,
+                                     host=self.server.host_of(rank),
+                                     operation="checkpoint write"))
+                   for p, rank in enumerate(self.client.ps_ranks)]
+        steps = {r["global_step"] for r in reports}
+        if len(steps) > 1:
+            _log.warning("ps tasks cut the checkpoint at different steps %s", sorted(steps))
+        step = reports[0]["global_step"]
+        layout = dict(num_ps=len(reports), num_workers=self.num_workers, mode=self.mode,
+                      cluster=repr(self.server.cluster), optimizer=self.optimizer.config())
+        path = write_manifest(self.checkpoint_dir, step, [r["entry"] for r in reports],
+                              [{"name": n, "shape": list(s), "dtype": str(np.dtype(t))}
+                               for n, s, t in self.placement.variables],
+                              layout, reports[0]["positions"],
+                              max_to_keep=self.options.get("max_to_keep") or 5)
+        print(f"checkpoint {path} at step {step}", flush=True)
+        if self.saver is not None:
+            self.saver.saved(self)
+        stop = self.signals.requested
+        if stop:
+            print(f"{self.signals.received}: checkpointed at step {step}; exiting with code "
+                  f"{EXIT_REQUEUE} so the job is requeued", flush=True)
+        message = {"stop": stop, "step": step}
+        chief = self.server.rank
+        waiting = {w for r in reports for w in r["paused"]}
+        for w in sorted(waiting):
+            rank = self.server.ranks_of("worker")[w]
+            if rank != chief:
+                comm.send(message, dest=rank, tag=P.TAG_CONTROL)
+        return message
+
+    # -- the end ---------------------------------------------------------------------------
+
+    def final_checkpoint(self):
+        """Cut a checkpoint at the end of training (chief), if a directory is set."""
+        if self.server.is_chief and self.checkpoint_dir and not self.requeue:
+            self.client.send_control(P.SAVE)
+            self._pause()
+
+    def evaluate(self, x, y, average=False):
+        """Pull the newest parameters (or their average) and return (loss, accuracy)."""
+        from .models import evaluate
+
+        self.last_reply = self.client.pull(average=average)
+        return evaluate(self.model, self.client.params, x, y)
+
+    def close(self):
+        """Checkpoint at the end (chief), tell every ps this worker is done, run end hooks."""
+        try:
+            if not self.requeue and self.signals.requested and self.checkpoint_dir:
+                self.requeue = True  # the signal came after the last step: cut and requeue
+                if self.server.is_chief:
+                    self.client.send_control(P.SAVE)
+                    self._pause()
+            else:
+                self.final_checkpoint()
+        finally:
+            self.client.done(P.FLAG_REQUEUE if self.requeue else 0)
+            for hook in self.hooks:
+                hook.end(self)
+            path = self.options.get("timeline")
+            self.timeline.gather_and_write(self.server.job_comm, path if path else None)
+
+    @property
+    def exit_code(self):
+        """Return the code this rank should exit with (the requeue code after a signal)."""
+        return EXIT_REQUEUE if self.requeue else 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        return False

@@ -1,0 +1,63 @@
+"""Shared test helpers: run scripts under mpiexec with a deadline, and the ``gpu`` marker.
+
+Tests marked ``gpu`` skip without CuPy and a CUDA device, unless ``MPITF_TEST_GPU=1`` is
+set: then they run, and fail where CUDA is missing.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpitf.testing import find_mpiexec, run_mpi
+
+REPO = Path(__file__).resolve().parent.parent
+_MPIEXEC_PROBLEM = []  # filled at session start when no mpiexec is found
+
+
+def pytest_sessionstart(session):
+    venv_mpiexec = Path(sys.executable).parent / "mpiexec"
+    if venv_mpiexec.exists():
+        return
+    try:
+        find_mpiexec()
+    except RuntimeError as exc:
+        _MPIEXEC_PROBLEM.append(
+            f"{exc}. The multi-rank tests expect {venv_mpiexec}: create the venv with"
+            f" `{sys.executable} -m pip install -e '.[mpich,test]'` from {REPO}")
+
+
+def _uses_mpi(item):
+    return item.get_closest_marker("mpi") is not None or "mpirun" in getattr(
+        item, "fixturenames", ())
+
+
+def _cuda_problem():
+    """Return why CUDA cannot be used here, or "" when it can."""
+    from mpitf.backend import _load_cupy
+
+    return _load_cupy()[2]
+
+
+def pytest_collection_modifyitems(config, items):
+    if _MPIEXEC_PROBLEM and any(_uses_mpi(item) for item in items):
+        raise pytest.UsageError(_MPIEXEC_PROBLEM[0])
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items or os.environ.get("MPITF_TEST_GPU") == "1":
+        return  # with MPITF_TEST_GPU=1 they run, and fail where CUDA is missing
+    why = _cuda_problem()
+    if why:
+        skip = pytest.mark.skip(reason=f"needs CUDA: {why} (MPITF_TEST_GPU=1 makes this fail)")
+        for item in gpu_items:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def mpirun():
+    """Return ``mpirun(n, script, *args, timeout=60, env=None)``: an MPIRun, from the repo root."""
+    def run(n, script, *args, timeout=60, env=None, tag_output=False):
+        return run_mpi(n, [str(script), *map(str, args)], timeout=timeout, env=env,
+                       cwd=str(REPO), tag_output=tag_output)
+
+    return run

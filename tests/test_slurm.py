@@ -1,0 +1,173 @@
+"""slurm/train.sbatch on a real single-node Slurm: checkpoint on SIGUSR1, requeue, resume.
+
+The session fixture starts Slurm with tests/slurm/start-slurm.sh (root and Debian's packages).
+Where this machine cannot run it, the tests skip; with MPITF_TEST_SLURM=1 they fail instead.
+About 1.5 minutes in all, most of it Slurm's delay before a requeued job starts again.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parent.parent
+SBATCH_SCRIPT = REPO / "slurm" / "train.sbatch"
+# The job under test; swap for REPO / "jobs" / "mnist_mlp.py" (and its args) once it exists.
+JOB_SCRIPT = REPO / "tests" / "slurm" / "fake_job.py"
+JOB_ARGS = ["--steps", "60"]
+FINAL_STEP = 60
+START = REPO / "tests" / "slurm" / "start-slurm.sh"
+STOP = REPO / "tests" / "slurm" / "stop-slurm.sh"
+SLURM_ROOT = os.environ.get("SLURM_TEST_ROOT", "/tmp/mpitf-slurm")
+EXIT_CANNOT = 3  # start-slurm.sh: this machine cannot run Slurm (not root, no apt, no packages)
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+            "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+
+
+def _unavailable(reason):
+    if os.environ.get("MPITF_TEST_SLURM") == "1":
+        pytest.fail(f"MPITF_TEST_SLURM=1 but Slurm cannot run here: {reason}")
+    pytest.skip(f"cannot run Slurm here: {reason}")
+
+
+def _slurmctld_alive():
+    try:
+        pid = Path(SLURM_ROOT, "run", "slurmctld.pid").read_text().strip()
+        return Path("/proc", pid, "comm").read_text().strip() == "slurmctld"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def slurm_env():
+    """Start the local Slurm; give the environment for its clients; stop it if we started it."""
+    if sys.platform != "linux" or not hasattr(os, "geteuid") or os.geteuid() != 0:
+        _unavailable("needs root on Linux")
+    if shutil.which("apt-get") is None and shutil.which("slurmctld") is None:
+        _unavailable("no apt-get to install Slurm and no Slurm installed")
+    was_running = _slurmctld_alive()
+    env = dict(os.environ, SLURM_TEST_ROOT=SLURM_ROOT)
+    try:
+        res = subprocess.run(["bash", str(START)], env=env, capture_output=True, text=True,
+                             timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail("start-slurm.sh did not finish in 300 s")
+    if res.returncode == EXIT_CANNOT:
+        _unavailable(res.stderr.strip())
+    assert res.returncode == 0, f"start-slurm.sh failed:\n{res.stdout}\n{res.stderr}"
+    env["SLURM_CONF"] = str(Path(SLURM_ROOT, "etc", "slurm.conf"))
+    yield env
+    if not was_running and os.environ.get("MPITF_SLURM_KEEP") != "1":
+        subprocess.run(["bash", str(STOP)], env=env, capture_output=True, timeout=120)
+
+
+def _job_env(slurm_env, tmp_path):
+    return dict(slurm_env, MPITF_PYTHON=sys.executable, MPITF_CKPT_ROOT=str(tmp_path / "ckpt"))
+
+
+def _submit(env, tmp_path, *args):
+    cmd = ["sbatch", "--parsable", "-n", "2", "--time=3", f"--chdir={tmp_path}",
+           str(SBATCH_SCRIPT), str(JOB_SCRIPT), *args]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, f"sbatch failed: {res.stderr}"
+    jobid = res.stdout.strip().split(";")[0]
+    return jobid, tmp_path / f"mpitf-{jobid}.out"
+
+
+def _job_info(env, jobid):
+    res = subprocess.run(["scontrol", "show", "job", "-o", jobid], env=env,
+                         capture_output=True, text=True, timeout=30)
+    return dict(re.findall(r"(\w+)=(\S*)", res.stdout))
+
+
+def _read(out):
+    return out.read_text(errors="replace") if out.exists() else ""
+
+
+def _steps(text):
+    return [int(n) for n in re.findall(r"^step (\d+)\b", text, re.M)]
+
+
+def _wait_for(what, cond, deadline_s, out):
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.5)
+    pytest.fail(f"timed out after {deadline_s} s waiting for {what}; log so far:\n{_read(out)}")
+
+
+def _wait_terminal(env, jobid, deadline_s, out):
+    return _wait_for(f"job {jobid} to end",
+                     lambda: (i := _job_info(env, jobid)).get("JobState") in TERMINAL and i,
+                     deadline_s, out)
+
+
+@pytest.fixture
+def submitted(slurm_env, tmp_path):
+    """Yield a submit function; cancel whatever it submitted when the test ends."""
+    env, jobs = _job_env(slurm_env, tmp_path), []
+
+    def submit(*args):
+        jobid, out = _submit(env, tmp_path, *args)
+        jobs.append(jobid)
+        return env, jobid, out
+
+    yield submit
+    for jobid in jobs:
+        subprocess.run(["scancel", jobid], env=env, capture_output=True, timeout=30)
+
+
+def test_usr1_checkpoints_requeues_and_resumes(submitted, tmp_path):
+    env, jobid, out = submitted(*JOB_ARGS)
+    _wait_for("10 steps", lambda: max(_steps(_read(out)), default=0) >= 10, 90, out)
+    # What --signal=B:USR1@120 does before the time limit, now: USR1 to the batch shell only.
+    subprocess.run(["scancel", "--signal=USR1", "--batch", jobid], env=env, check=True,
+                   timeout=30)
+    info = _wait_terminal(env, jobid, 150, out)
+    log = _read(out)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, log)
+    assert info["Restarts"] == "1", log
+
+    ckpt_dir = tmp_path / "ckpt" / jobid
+    assert ckpt_dir.is_dir() and any(ckpt_dir.iterdir()), f"no checkpoint in {ckpt_dir}"
+    assert re.search(r"srun exited with 75 after SIGUSR1: .*requeueing job", log), log
+    runs = re.split(r"^.*\] start: job \d+ ", log, flags=re.M)[1:]
+    assert len(runs) == 2, log
+    assert runs[0].startswith("SLURM_RESTART_COUNT=unset"), log
+    assert runs[1].startswith("SLURM_RESTART_COUNT=1 "), log
+    first, second = _steps(runs[0]), _steps(runs[1])
+    assert first and second, log
+    # Resumed from the checkpoint, not from 0: the second run starts after the first one's steps.
+    assert second[0] > max(first) >= 10, log
+    final = json.loads(re.search(r"^final: (.*)$", runs[1], re.M).group(1))
+    assert final["step"] == FINAL_STEP, log
+    assert final.get("restart_count", 1) == 1, log
+    assert "srun exited with 0: training finished" in log, log
+
+
+def test_scancel_does_not_requeue(submitted):
+    env, jobid, out = submitted("--steps", "400")
+    _wait_for("3 steps", lambda: max(_steps(_read(out)), default=0) >= 3, 90, out)
+    subprocess.run(["scancel", jobid], env=env, check=True, timeout=30)
+    info = _wait_terminal(env, jobid, 60, out)
+    # The batch shell logs its decision just after the job turns CANCELLED: give it a moment.
+    log = _wait_for("the batch shell's decision", lambda: re.search(
+        r"srun exited with \d+.*NOT requeueing|job failed", _read(out)) and _read(out), 20, out)
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", (info, log)
+    assert "requeueing job" not in log, log
+    assert len(re.findall(r"\] start: job ", log)) == 1, log
+    assert "final:" not in log, log
+    # Nothing brings it back: still cancelled, not requeued, a few seconds later.
+    time.sleep(3)
+    info = _job_info(env, jobid)
+    assert info.get("JobState", "CANCELLED") == "CANCELLED" and info.get("Restarts", "0") == "0"
