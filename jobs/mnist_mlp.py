@@ -8,6 +8,8 @@ import json
 import os
 import sys
 
+import numpy as np
+
 from mpi4py import MPI
 
 from mpitf.cluster import check_claimed_role, cluster_from_args
@@ -22,6 +24,8 @@ from mpitf.session import TrainingSession
 def main(argv=None):
     parser = RankParser(description=__doc__.splitlines()[0])
     add_training_arguments(parser)
+    parser.add_argument("--export", default=None,
+                        help="after training, the chief writes every variable to this .npz")
     args = parser.parse_args(argv)
     setup_logging()
     world = MPI.COMM_WORLD
@@ -63,6 +67,9 @@ def main(argv=None):
                        max_staleness=max(c["max_staleness"] for c in counters),
                        max_lead=max(c["max_lead"] for c in counters))
         print("final: " + json.dumps(summary), flush=True)
+        if args.export:
+            sess.client.pull()
+            np.savez(args.export, **{k: np.asarray(v) for k, v in sess.params.items()})
         if args.run_dir:
             os.makedirs(args.run_dir, exist_ok=True)
             with open(os.path.join(args.run_dir, "summary.json"), "w") as f:

@@ -172,6 +172,10 @@ class TrainingSession:
         self.options = options
         self.checkpoint_dir = checkpoint_dir
         self.num_workers = len(server.ranks_of("worker"))
+        self.clients = options.get("clients")  # in-graph: the worker tasks that talk to the ps
+        workers = server.ranks_of("worker")
+        self.client_ranks = [workers[i] for i in self.clients or range(len(workers))]
+        self.num_workers = len(self.client_ranks)
         self.batch_size = options.get("batch_size") or getattr(dataset, "batch_size", 1)
         r = options.get("replicas_to_aggregate") or self.num_workers
         self.examples_per_global_step = self.batch_size * (r if mode == "sync" else 1)
@@ -217,7 +221,8 @@ class TrainingSession:
         opts = {k: self.options.get(k) for k in (
             "replicas_to_aggregate", "deterministic", "staleness", "moving_average_decay",
             "skip_nonfinite")}
-        opts.update(checkpoint_dir=self.checkpoint_dir, total_num_replicas=self.num_workers)
+        opts.update(checkpoint_dir=self.checkpoint_dir, total_num_replicas=self.num_workers,
+                    clients=self.clients, timeline=self.options.get("timeline"))
         with self.timeline.span("pull"):
             self.last_reply = self.client.start(optimizer.config(), self.mode, values, restore,
                                                 **{k: v for k, v in opts.items()
@@ -309,7 +314,7 @@ class TrainingSession:
             if self.server.is_chief:
                 message = self._collect_checkpoint()
             else:
-                chief = self.server.ranks_of("worker")[0]
+                chief = self.client_ranks[0]
                 message = P.recv_object(
                     self.server.comm, chief, P.TAG_CONTROL, self.server.deadline,
                     lambda: dict(rank=chief, job="worker", task=0,
@@ -349,7 +354,7 @@ class TrainingSession:
         chief = self.server.rank
         waiting = {w for r in reports for w in r["paused"]}
         for w in sorted(waiting):
-            rank = self.server.ranks_of("worker")[w]
+            rank = self.client_ranks[w]
             if rank != chief:
                 comm.send(message, dest=rank, tag=P.TAG_CONTROL)
         return message
@@ -384,7 +389,8 @@ class TrainingSession:
             for hook in self.hooks:
                 hook.end(self)
             path = self.options.get("timeline")
-            self.timeline.gather_and_write(self.server.job_comm, path if path else None)
+            if path:  # collective with the ps tasks, which gather after serving
+                self.timeline.gather_and_write(self.server.comm, path)
 
     @property
     def exit_code(self):

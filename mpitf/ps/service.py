@@ -18,6 +18,7 @@ from ..backend import get_backend
 from ..errors import DeadlineError, PeerError
 from ..guard import EXIT_REQUEUE, CheckpointSignals
 from ..optimizers import ExponentialMovingAverage, make_optimizer
+from ..timeline import Timeline
 from .consistency import make_policy
 from .shard import Frame, Shard
 
@@ -33,7 +34,10 @@ class Service:
         self.deadline = config.get("deadline", server.deadline)
         self.ps_task = server.task_index
         self.chief = config["chief_rank"]
-        self.worker_ranks = server.ranks_of("worker")
+        # The workers that talk to the ps: all of them, or (in-graph replication) the clients.
+        all_workers = server.ranks_of("worker")
+        self.worker_ranks = [all_workers[i] for i in config.get("clients") or
+                             range(len(all_workers))]
         self.worker_of = {r: i for i, r in enumerate(self.worker_ranks)}
         self.num_workers = len(self.worker_ranks)
         self.backend = backend or get_backend()
@@ -53,6 +57,7 @@ class Service:
                                   config.get("staleness", 0))
         self.ssp = config["mode"] == "ssp"
         self.skip_nonfinite = config.get("skip_nonfinite", False)
+        self.timeline = Timeline(server.rank, server.device, bool(config.get("timeline")))
         self.pool = [Frame(self.xp, size, dtype)
                      for _ in range(self.policy.receive_buffers(self.num_workers))]
         self.recv_requests = [MPI.REQUEST_NULL] * len(self.pool)
@@ -125,7 +130,9 @@ class Service:
     def apply(self, grad):
         """Apply a gradient (or an aggregated mean) and advance the global step."""
         self._finish_replies()
+        start = time.perf_counter()
         self.shard.apply(grad, self.global_step)
+        self.timeline.add("apply", start, time.perf_counter(), step=self.global_step)
         self.global_step += 1
         self.counters["pushes_applied"] += 1
         self._write_header()
@@ -298,4 +305,7 @@ def serve(server):
                                         operation="configuration of the ps"))
     config["chief_rank"] = chief
     service = Service(server, config)
-    return service.run()
+    code = service.run()
+    if config.get("timeline"):  # collective with the workers' end of training
+        service.timeline.gather_and_write(server.comm, config["timeline"])
+    return code
