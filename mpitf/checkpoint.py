@@ -160,6 +160,27 @@ def prepare_save(root, global_step):
     return True
 
 
+def set_aside_newer(root, global_step, log=print):
+    """Rename checkpoints newer than ``global_step`` out of the way; return the new names.
+
+    After a restore falls back past a damaged or incomplete checkpoint, training reaches
+    its step again and must be able to save there. The skipped directories are renamed
+    (``ckpt-00000300.skipped-1``), never deleted, so nothing on disk is lost.
+    """
+    moved = []
+    for info in list_checkpoints(root):
+        if info["global_step"] > global_step:
+            n = 1
+            while os.path.exists(f"{info['path']}.skipped-{n}"):
+                n += 1
+            target = f"{info['path']}.skipped-{n}"
+            os.replace(info["path"], target)
+            moved.append(target)
+            log(f"set aside {info['name']} (newer than the restored step {global_step}) "
+                f"as {os.path.basename(target)}")
+    return moved
+
+
 def write_manifest(root, global_step, shard_entries, variables, layout, workers, extra=None,
                    max_to_keep=5):
     """Check the shards, write ``manifest.json``, move ``latest``, prune; return the dir.

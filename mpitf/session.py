@@ -208,10 +208,13 @@ class TrainingSession:
     def _start(self, optimizer):
         restore = None
         if self.server.is_chief and self.checkpoint_dir:
-            from .checkpoint import find_restorable
+            from .checkpoint import find_restorable, set_aside_newer
 
             found = find_restorable(self.checkpoint_dir, log=lambda m: _log.warning("%s", m))
             restore = found[0] if found else None
+            if found:
+                set_aside_newer(self.checkpoint_dir, int(found[1]["global_step"]),
+                                log=lambda m: _log.warning("%s", m))
         # Every worker learns the chief's choice, so positions come from the same checkpoint.
         restore = self.server.job_comm.bcast(restore, root=0)
         values = None
