@@ -149,9 +149,45 @@ class Backend:
         if self.is_gpu:
             self.xp.cuda.get_current_stream().synchronize()
 
+    def copy_to_host_async(self, src, dst):
+        """Start copying device array ``src`` into pinned host array ``dst``; return an event.
+
+        On numpy the copy is done at once and the event is already complete.
+        """
+        if not self.is_gpu:
+            np.copyto(dst, src)
+            return _DONE
+        stream = self.xp.cuda.get_current_stream()
+        src.get(out=dst, stream=stream, blocking=False)
+        return self._record(stream)
+
+    def copy_to_device_async(self, src, dst):
+        """Start copying pinned host array ``src`` into device array ``dst``; return an event."""
+        if not self.is_gpu:
+            np.copyto(dst, src)
+            return _DONE
+        stream = self.xp.cuda.get_current_stream()
+        dst.set(src, stream=stream)
+        return self._record(stream)
+
+    def _record(self, stream):
+        event = self.xp.cuda.Event(block=False, disable_timing=True)
+        event.record(stream)
+        return event
+
     def is_device_array(self, a):
         """Whether ``a`` is a device array: it has ``__cuda_array_interface__`` and is not numpy."""
         return hasattr(a, "__cuda_array_interface__") and not isinstance(a, np.ndarray)
+
+
+class _Done:
+    """An event that has already happened (numpy copies are synchronous)."""
+
+    def synchronize(self):
+        """Return at once."""
+
+
+_DONE = _Done()
 
 
 def numpy_backend():

@@ -9,9 +9,12 @@ before each push, since its slices are not adjacent.
 """
 
 import numpy as np
+from mpi4py import MPI
+
 from . import protocol as P
 from .backend import get_backend
 from .errors import ConfigurationError, NonFiniteGradientError, PeerError
+from .frames import make_frames
 
 
 class Reply:
@@ -33,21 +36,42 @@ class Reply:
 
 
 class PushPullHandle:
-    """A push and pull in flight; :meth:`wait` completes it and returns a :class:`Reply`."""
+    """Requests in flight that keep their buffers alive; :meth:`wait` completes them.
 
-    def __init__(self, client, handle):
+    Waiting returns a :class:`Reply` built from the ps headers (or None when nothing was
+    asked back). Every wait carries the client's deadline and names the silent ps.
+    """
+
+    def __init__(self, client, receives, sends, operation):
         self.client = client
-        self.handle = handle
+        self.receives = receives  # per ps: the requests of its reply frame
+        self.sends = sends
+        self.operation = operation
         self.reply = None
+
+    def _describe(self, p):
+        return dict(self.client._describe_ps(p), operation=self.operation)
 
     def done(self):
         """Return True when the round trip has completed (without blocking)."""
-        return self.reply is not None or self.handle.done()
+        if self.reply is not None:
+            return True
+        return all(MPI.Request.Testall(r) for r in self.receives) and \
+            MPI.Request.Testall(self.sends)
+
+    def wait_sends(self):
+        """Wait until every request has left this rank."""
+        n = max(1, len(self.sends) // max(1, len(self.client.ps_ranks)))
+        P.wait_all(self.sends, self.client.deadline, lambda i: self._describe(i // n))
 
     def wait(self):
         """Block until every ps answered; raise on a deadline or a refused gradient."""
         if self.reply is None:
-            self.handle.wait()
+            io = self.client.param_io
+            for p, requests in enumerate(self.receives):
+                io.finish_recv(p, requests, self.client.deadline,
+                               lambda i, p=p: self._describe(p))
+            self.wait_sends()
             self.reply = self.client._finish()
         return self.reply
 
@@ -60,9 +84,11 @@ class Client:
         placement: the :class:`~mpitf.placement.Placement` of the model's variables.
         backend: the array backend (numpy by default).
         deadline: seconds to wait for a ps before ending the job; None waits forever.
+        chunk_bytes: chunk size when device buffers are staged through host memory.
     """
 
-    def __init__(self, server, placement, backend=None, deadline=300.0):
+    def __init__(self, server, placement, backend=None, deadline=300.0,
+                 chunk_bytes=P.DEFAULT_CHUNK_BYTES):
         self.server = server
         self.placement = placement
         self.backend = backend or get_backend()
@@ -84,12 +110,13 @@ class Client:
         for size in placement.shard_sizes:
             self.segments.append((pos, pos + hdr, pos + hdr + size))
             pos += hdr + size
-        self.params_flat = xp.zeros(pos, dtype)
-        self.grads_flat = xp.zeros(pos, dtype)
-        self.param_frames = [self._bytes(self.params_flat[a:c]) for a, _, c in self.segments]
-        self.grad_frames = [self._bytes(self.grads_flat[a:c]) for a, _, c in self.segments]
-        self.reply_headers = [self.params_flat[a:b].view(np.int64) for a, b, _ in self.segments]
-        self.push_headers = [self.grads_flat[a:b].view(np.int64) for a, b, _ in self.segments]
+        self.params_flat = self.backend.zeros(pos, dtype)
+        self.grads_flat = self.backend.zeros(pos, dtype)
+        self.chunk_bytes = chunk_bytes
+        # How frames reach MPI: as they are, or staged through pinned host memory.
+        self.param_io = make_frames(self.backend, self.params_flat, self.segments, chunk_bytes)
+        self.grad_io = make_frames(self.backend, self.grads_flat, self.segments, chunk_bytes)
+        self.request_flags = P.FLAG_CHUNKED if self.param_io.chunked else 0
         # Header-only requests (pull, done, paused) go from a small buffer of their own.
         self.request_headers = np.zeros((len(self.segments), P.HEADER_WORDS), np.int64)
         self.ps_steps = [0] * len(self.segments)
@@ -110,11 +137,6 @@ class Client:
                     views.append((s, self.params_flat[at:at + s.size],
                                   self.grads_flat[at:at + s.size]))
                 self._partitioned.append((name, views))
-        self._in_flight = None
-
-    @staticmethod
-    def _bytes(view):
-        return view.view(np.uint8)
 
     def _describe_ps(self, p):
         rank = self.ps_ranks[p]
@@ -133,36 +155,30 @@ class Client:
             flat = self.grads[name].reshape(-1)
             for s, _, gview in views:
                 gview[...] = flat[s.start:s.stop]
-        self.backend.synchronize()  # MPI must see the finished gradient
         epoch, cursor = data_position
-        requests = []
-        for p, rank in enumerate(self.ps_ranks):
+        for p in range(len(self.ps_ranks)):
             count = self.segments[p][2] - self.segments[p][1]
-            P.set_header(self.push_headers[p], P.PUSH, self.ps_steps[p], self.worker, count,
-                         0, epoch, cursor)
-            requests.append(P.frame_op(self.comm.Irecv, self.param_frames[p], rank, P.TAG_REPLY))
-            requests.append(P.frame_op(self.comm.Isend, self.grad_frames[p], rank,
-                                       P.TAG_REQUEST))
-        handle = P.Handle(requests, (self.param_frames, self.grad_frames),
-                          lambda i: dict(self._describe_ps(i // 2), operation="push_pull"),
-                          self.deadline)
-        return PushPullHandle(self, handle)
+            P.set_header(self.grad_io.headers[p], P.PUSH, self.ps_steps[p], self.worker, count,
+                         self.request_flags, epoch, cursor)
+            self.grad_io.commit(p)
+        self.backend.synchronize()  # MPI must see the finished gradient
+        receives, sends = [], []
+        for p, rank in enumerate(self.ps_ranks):
+            receives.append(self.param_io.irecv(self.comm, p, rank, P.TAG_REPLY))
+            sends.extend(self.grad_io.isend(self.comm, p, rank, P.TAG_REQUEST))
+        return PushPullHandle(self, receives, sends, "push_pull")
 
     def _request(self, kind, want_reply, flags=0, operation="pull"):
-        requests = []
+        receives, sends = [], []
         for p, rank in enumerate(self.ps_ranks):
-            P.set_header(self.request_headers[p], kind, self.ps_steps[p], self.worker, 0, flags)
+            P.set_header(self.request_headers[p], kind, self.ps_steps[p], self.worker, 0,
+                         flags | self.request_flags)
             if want_reply:
-                requests.append(P.frame_op(self.comm.Irecv, self.param_frames[p], rank,
-                                           P.TAG_REPLY))
-            requests.append(P.frame_op(self.comm.Isend, self.request_headers[p], rank,
-                                       P.TAG_REQUEST))
-        per = 2 if want_reply else 1
-        handle = P.Handle(requests, self.request_headers,
-                          lambda i: dict(self._describe_ps(i // per), operation=operation),
-                          self.deadline)
-        handle.wait()
-        return self._finish() if want_reply else None
+                receives.append(self.param_io.irecv(self.comm, p, rank, P.TAG_REPLY))
+            sends.append(P.frame_op(self.comm.Isend, self.request_headers[p], rank,
+                                    P.TAG_REQUEST))
+        handle = PushPullHandle(self, receives, sends, operation)
+        return handle.wait() if want_reply else handle.wait_sends()
 
     def pull(self, average=False):
         """Fetch the current parameters (or their moving average) from every ps; blocking."""
@@ -173,7 +189,7 @@ class Client:
         """Read the reply headers, gather partitioned variables, raise on refused gradients."""
         step = None
         flags = dropped = lead = applied = 0
-        for p, h in enumerate(self.reply_headers):
+        for p, h in enumerate(self.param_io.headers):
             if h[0] != P.REPLY:
                 raise PeerError(f"unexpected message kind {int(h[0])} from a ps",
                                 **self._describe_ps(p))
@@ -237,15 +253,16 @@ class Client:
 
     def send_initial_values(self):
         """Send the parameter buffer to every ps as its initial shard (the chief does this)."""
-        self.backend.synchronize()
-        requests = []
-        for p, rank in enumerate(self.ps_ranks):
+        for p in range(len(self.ps_ranks)):
             count = self.segments[p][2] - self.segments[p][1]
-            P.set_header(self.reply_headers[p], P.INIT, 0, self.worker, count)
-            requests.append(P.frame_op(self.comm.Isend, self.param_frames[p], rank,
-                                       P.TAG_REQUEST))
-        P.Handle(requests, self.param_frames,
-                 lambda i: dict(self._describe_ps(i), operation="init"), self.deadline).wait()
+            P.set_header(self.param_io.headers[p], P.INIT, 0, self.worker, count,
+                         self.request_flags)
+            self.param_io.commit(p)
+        self.backend.synchronize()
+        sends = []
+        for p, rank in enumerate(self.ps_ranks):
+            sends.extend(self.param_io.isend(self.comm, p, rank, P.TAG_REQUEST))
+        PushPullHandle(self, [], sends, "init").wait_sends()
 
     def send_control(self, kind, flags=0):
         """Send a header-only request (done, paused, save) to every ps."""
@@ -280,7 +297,7 @@ class Client:
                               slices=self.placement.slices_for_ps(p),
                               shard_size=self.placement.shard_sizes[p],
                               dtype=self.placement.dtype.str, num_ps=len(self.ps_ranks),
-                              deadline=self.deadline)
+                              deadline=self.deadline, chunk_bytes=self.chunk_bytes)
                 self.comm.send(config, dest=rank, tag=P.TAG_CONTROL)
             if restore is None:
                 if initial_values is None:

@@ -29,6 +29,8 @@ HEADER_BYTES = HEADER_WORDS * 8
 TAG_REQUEST = 11  # worker -> ps frames
 TAG_REPLY = 12  # ps -> worker frames
 TAG_CONTROL = 13  # pickled control objects (config, save, counters): rare, so objects are fine
+CHUNK_TAG_OFFSET = 100  # continuation chunks of a staged frame: TAG_REQUEST/TAG_REPLY + 100
+DEFAULT_CHUNK_BYTES = 4 << 20  # chunk size of frames staged through pinned host memory
 
 # Request kinds (worker -> ps).
 PUSH = 1  # payload: gradient; reply: parameters after the ps handled it
@@ -46,6 +48,7 @@ REPLY = 21
 FLAG_PAUSE = 1  # stop after this step and wait for the chief (a checkpoint is being cut)
 FLAG_NONFINITE = 2  # your gradient held NaN/Inf (word a: index of the variable slice)
 FLAG_REQUEUE = 8  # (in done) the job ends on a signal: exit with the requeue code
+FLAG_CHUNKED = 16  # (in requests) this worker stages through host memory: frames in chunks
 
 KIND_NAMES = {PUSH: "push", PULL: "pull", PULL_AVERAGE: "pull of the average", INIT: "init",
               DONE: "done", PAUSED: "paused", SAVE: "save", COUNTERS: "counters",

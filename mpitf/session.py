@@ -130,8 +130,14 @@ class CheckpointSaverHook(Hook):
         self.last_time = time.monotonic()
 
     def due(self, session):
-        """Return True when the next step should carry a checkpoint request."""
-        if self.save_steps and session.global_step - self.last_step >= self.save_steps:
+        """Return True when the next step should carry a checkpoint request.
+
+        A cut requested with a step lands after that step (at ``global_step + 1`` in sync
+        mode), so ``save_steps`` N asks for it one step early: checkpoints fall on the
+        multiples of N, also after a restore or a signal cut at another step.
+        """
+        n = self.save_steps
+        if n and (session.global_step + 1) // n > self.last_step // n:
             return True
         return bool(self.save_secs and time.monotonic() - self.last_time >= self.save_secs)
 
@@ -289,9 +295,8 @@ class TrainingSession:
                 batch = self.dataset.next_batch()
             self.loss = self.model.loss_and_grads(self.client.params, batch, self.client.grads)
         state = self.dataset.state() if self.dataset is not None else {"epoch": 0, "cursor": 0}
-        cutting = self.server.is_chief and self._cut_due()
-        if cutting:
-            self.client.send_control(P.SAVE)
+        if self.server.is_chief and self._cut_due():
+            self._send_save(self.global_step + 1)
         with tl.span("push_pull", step=self.global_step):
             reply = self.client.push_pull((state["epoch"], state["cursor"])).wait()
         self.last_reply = reply
@@ -309,6 +314,26 @@ class TrainingSession:
         if self.signals.requested:
             return True
         return self.saver is not None and self.saver.due(self)
+
+    def _send_save(self, step):
+        """Chief: clear where a cut at ``step`` lands, then ask every ps for the cut.
+
+        A directory there left by a crash, or by a run that fell back to an older
+        checkpoint, is removed first (``prepare_save``). Returns False, sending nothing, when
+        the checkpoint at ``step`` is already the verified one ``latest`` names.
+        """
+        from .checkpoint import list_checkpoints, prepare_save
+
+        # Outside sync mode other workers' pushes may move the cut a few steps further.
+        reach = 0 if self.mode == "sync" else 2 * self.num_workers
+        ahead = [c["global_step"] for c in list_checkpoints(self.checkpoint_dir)
+                 if step < c["global_step"] <= step + reach]
+        for later in ahead:
+            prepare_save(self.checkpoint_dir, later)
+        if not prepare_save(self.checkpoint_dir, step):
+            return False
+        self.client.send_control(P.SAVE)
+        return True
 
     def _pause(self):
         """Stop for a checkpoint cut; the chief writes the manifest and releases the others."""
@@ -367,8 +392,8 @@ class TrainingSession:
     def final_checkpoint(self):
         """Cut a checkpoint at the end of training (chief), if a directory is set."""
         if self.server.is_chief and self.checkpoint_dir and not self.requeue:
-            self.client.send_control(P.SAVE)
-            self._pause()
+            if self._send_save(self.global_step):
+                self._pause()
 
     def evaluate(self, x, y, average=False):
         """Pull the newest parameters (or their average) and return (loss, accuracy)."""
@@ -382,8 +407,7 @@ class TrainingSession:
         try:
             if not self.requeue and self.signals.requested and self.checkpoint_dir:
                 self.requeue = True  # the signal came after the last step: cut and requeue
-                if self.server.is_chief:
-                    self.client.send_control(P.SAVE)
+                if self.server.is_chief and self._send_save(self.global_step):
                     self._pause()
             else:
                 self.final_checkpoint()

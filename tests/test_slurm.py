@@ -5,6 +5,7 @@ Where this machine cannot run it, the tests skip; with MPITF_TEST_SLURM=1 they f
 About 1.5 minutes in all, most of it Slurm's delay before a requeued job starts again.
 """
 
+import fcntl
 import json
 import os
 import re
@@ -48,25 +49,44 @@ def _slurmctld_alive():
 
 @pytest.fixture(scope="session")
 def slurm_env():
-    """Start the local Slurm; give the environment for its clients; stop it if we started it."""
+    """Start the local Slurm; give the environment for its clients; stop it if a test started it.
+
+    Several pytest sessions may share this Slurm: each holds a shared lock on a file while it
+    uses it, and the last one out stops the daemons, if a test session (not a person) started
+    them. MPITF_SLURM_KEEP=1 leaves them running.
+    """
     if sys.platform != "linux" or not hasattr(os, "geteuid") or os.geteuid() != 0:
         _unavailable("needs root on Linux")
     if shutil.which("apt-get") is None and shutil.which("slurmctld") is None:
         _unavailable("no apt-get to install Slurm and no Slurm installed")
-    was_running = _slurmctld_alive()
+    os.makedirs(SLURM_ROOT, exist_ok=True)
+    marker = Path(SLURM_ROOT, "started-by-pytest")
     env = dict(os.environ, SLURM_TEST_ROOT=SLURM_ROOT)
-    try:
-        res = subprocess.run(["bash", str(START)], env=env, capture_output=True, text=True,
-                             timeout=300)
-    except subprocess.TimeoutExpired:
-        pytest.fail("start-slurm.sh did not finish in 300 s")
-    if res.returncode == EXIT_CANNOT:
-        _unavailable(res.stderr.strip())
-    assert res.returncode == 0, f"start-slurm.sh failed:\n{res.stdout}\n{res.stderr}"
-    env["SLURM_CONF"] = str(Path(SLURM_ROOT, "etc", "slurm.conf"))
-    yield env
-    if not was_running and os.environ.get("MPITF_SLURM_KEEP") != "1":
+    with open(Path(SLURM_ROOT, "pytest.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one session starts or stops Slurm at a time
+        started_here = not _slurmctld_alive()
+        try:
+            res = subprocess.run(["bash", str(START)], env=env, capture_output=True, text=True,
+                                 timeout=300)
+        except subprocess.TimeoutExpired:
+            pytest.fail("start-slurm.sh did not finish in 300 s")
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+        if res.returncode == EXIT_CANNOT:
+            _unavailable(res.stderr.strip())
+        assert res.returncode == 0, f"start-slurm.sh failed:\n{res.stdout}\n{res.stderr}"
+        if started_here:
+            marker.touch()
+        env["SLURM_CONF"] = str(Path(SLURM_ROOT, "etc", "slurm.conf"))
+        yield env
+        if os.environ.get("MPITF_SLURM_KEEP") == "1" or not marker.exists():
+            return
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # another session still uses it and will stop it
         subprocess.run(["bash", str(STOP)], env=env, capture_output=True, timeout=120)
+        marker.unlink(missing_ok=True)
 
 
 def _job_env(slurm_env, tmp_path):
@@ -129,7 +149,7 @@ def submitted(slurm_env, tmp_path):
 
 def test_usr1_checkpoints_requeues_and_resumes(submitted, tmp_path):
     env, jobid, out = submitted(*JOB_ARGS)
-    _wait_for("10 steps", lambda: max(_steps(_read(out)), default=0) >= 10, 90, out)
+    _wait_for("10 steps", lambda: max(_steps(_read(out)), default=0) >= 10, 120, out)
     # What --signal=B:USR1@120 does before the time limit, now: USR1 to the batch shell only.
     subprocess.run(["scancel", "--signal=USR1", "--batch", jobid], env=env, check=True,
                    timeout=30)
@@ -157,7 +177,7 @@ def test_usr1_checkpoints_requeues_and_resumes(submitted, tmp_path):
 
 def test_scancel_does_not_requeue(submitted):
     env, jobid, out = submitted("--steps", "400")
-    _wait_for("3 steps", lambda: max(_steps(_read(out)), default=0) >= 3, 90, out)
+    _wait_for("3 steps", lambda: max(_steps(_read(out)), default=0) >= 3, 120, out)
     subprocess.run(["scancel", jobid], env=env, check=True, timeout=30)
     info = _wait_terminal(env, jobid, 60, out)
     # The batch shell logs its decision just after the job turns CANCELLED: give it a moment.

@@ -16,6 +16,7 @@ from mpi4py import MPI
 from .. import protocol as P
 from ..backend import get_backend
 from ..errors import DeadlineError, PeerError
+from ..frames import chunk_ranges, chunk_tag
 from ..guard import EXIT_REQUEUE, CheckpointSignals
 from ..optimizers import ExponentialMovingAverage, make_optimizer
 from ..timeline import Timeline
@@ -48,7 +49,7 @@ class Service:
         size = config["shard_size"]
         ema = config.get("moving_average_decay")
         optimizer = make_optimizer(**config["optimizer"])
-        self.shard = Shard(slices, size, dtype, optimizer, self.xp,
+        self.shard = Shard(slices, size, dtype, optimizer, self.backend,
                            ExponentialMovingAverage(ema) if ema else None)
         self.policy = make_policy(config["mode"], self.num_workers,
                                   config.get("replicas_to_aggregate"),
@@ -58,7 +59,9 @@ class Service:
         self.ssp = config["mode"] == "ssp"
         self.skip_nonfinite = config.get("skip_nonfinite", False)
         self.timeline = Timeline(server.rank, server.device, bool(config.get("timeline")))
-        self.pool = [Frame(self.xp, size, dtype)
+        self.chunk_bytes = config.get("chunk_bytes")
+        self.chunked_workers = set()  # workers that stage through host memory, in chunks
+        self.pool = [Frame(self.backend, size, dtype)
                      for _ in range(self.policy.receive_buffers(self.num_workers))]
         self.recv_requests = [MPI.REQUEST_NULL] * len(self.pool)
         self.reply_requests = []
@@ -141,7 +144,13 @@ class Service:
         """Send the parameters (or ``frame``) to ``worker`` without blocking."""
         frame = frame or self.shard.reply
         rank = self.worker_ranks[worker]
-        self.reply_requests.append(P.frame_op(self.comm.Isend, frame.bytes, rank, P.TAG_REPLY))
+        if worker in self.chunked_workers:
+            for k, (lo, hi) in enumerate(chunk_ranges(frame.bytes.nbytes, self.chunk_bytes)):
+                self.reply_requests.append(P.frame_op(
+                    self.comm.Isend, frame.bytes[lo:hi], rank, chunk_tag(P.TAG_REPLY, k)))
+        else:
+            self.reply_requests.append(
+                P.frame_op(self.comm.Isend, frame.bytes, rank, P.TAG_REPLY))
         self.counters["bytes_out"] += frame.bytes.nbytes
 
     def repost(self, index):
@@ -159,8 +168,10 @@ class Service:
                      self.shard.size, P.FLAG_PAUSE if self.pausing else 0,
                      c["stale_dropped"], c["max_lead" if self.ssp else "max_staleness"],
                      c["pushes_applied"])
+        self.shard.reply.publish()
         if self.shard.average_frame is not None:
             self.shard.average_frame.header[...] = self.shard.reply.header
+            self.shard.average_frame.publish()
 
     def _finish_replies(self):
         if self.reply_requests:
@@ -187,11 +198,24 @@ class Service:
         from ..checkpoint import load_shard, read_manifest  # storage layer, below the ps
 
         manifest = read_manifest(ckpt_dir)
-        missing = load_shard(ckpt_dir, manifest, self.shard.slices, self.shard.params,
-                             self.shard.saved_slots(),
-                             self.shard.average_frame.payload if self.shard.average else None)
-        if self.shard.average is not None and missing.get("missing_average"):
-            self.shard.start_average()
+        shard, be = self.shard, self.backend
+        # Checkpoints are read into host memory; a GPU shard is filled from there.
+        params = be.to_host(shard.params).copy() if be.is_gpu else shard.params
+        slots = {k: be.to_host(v).copy() if be.is_gpu else v
+                 for k, v in shard.saved_slots().items()}
+        average = None
+        if shard.average is not None:
+            average = be.to_host(shard.average_frame.payload).copy() if be.is_gpu \
+                else shard.average_frame.payload
+        missing = load_shard(ckpt_dir, manifest, shard.slices, params, slots, average)
+        if be.is_gpu:
+            be.to_device(params, out=shard.params)
+            for k, v in slots.items():
+                be.to_device(v, out=shard.slots[k])
+            if average is not None:
+                be.to_device(average, out=shard.average_frame.payload)
+        if shard.average is not None and missing.get("missing_average"):
+            shard.start_average()
         self.global_step = int(manifest["global_step"])
         self.positions = {int(k): (v["epoch"], v["cursor"])
                           for k, v in manifest.get("workers", {}).items()}
@@ -224,14 +248,30 @@ class Service:
             self.paused.clear()
             self._write_header()
 
+    def _receive_rest(self, frame, worker, source):
+        """Receive the continuation chunks of a frame staged by its worker."""
+        ranges = chunk_ranges(frame.bytes.nbytes, self.chunk_bytes)[1:]
+        requests = [P.frame_op(self.comm.Irecv, frame.bytes[lo:hi], source,
+                               chunk_tag(P.TAG_REQUEST, 1)) for lo, hi in ranges]
+        P.wait_all(requests, self.deadline,
+                   lambda i: self.describe_worker(worker, "push (chunked)"))
+
     def _handle(self, index, source):
         frame = self.pool[index]
+        if frame.on_device and not frame.staged:
+            frame.device_header.get(out=frame.header)
         h = frame.header
         kind, step = int(h[0]), int(h[1])
         worker = self.worker_of.get(source)
         if worker is None:
             raise PeerError(f"request from rank {source}, which is not a worker")
         self.last_seen[worker] = time.monotonic()
+        if h[4] & P.FLAG_CHUNKED:
+            self.chunked_workers.add(worker)
+            if kind in (P.PUSH, P.INIT) and self.chunk_bytes:
+                self._receive_rest(frame, worker, source)
+        if kind in (P.PUSH, P.INIT):
+            frame.received()
         if kind == P.PUSH:
             self.counters["bytes_in"] += frame.bytes.nbytes
             self.positions[worker] = (int(h[5]), int(h[6]))
@@ -287,7 +327,7 @@ class Service:
             if self._handle(index, status.Get_source()):
                 self.repost(index)
         self._finish_replies()
-        for i, req in enumerate(self.recv_requests):
+        for req in self.recv_requests:
             if req != MPI.REQUEST_NULL:
                 req.Cancel()
                 req.Wait()

@@ -1,0 +1,273 @@
+"""Push+pull round trip of mpitf against raw MPI between the same ranks, size by size.
+
+Run: mpiexec -n N python benchmarks/pushpull.py --num-ps P --json OUT.json [--quick]
+
+The first P ranks' worth of tasks are ps (the cluster's own rank map decides which), the
+rest workers. For each size B, interleaved in rounds so drift affects every figure alike:
+
+* raw: every worker ``Isend``s B/P bytes to every ps and ``Irecv``s B/P back, at once;
+  each ps receives from every worker, then answers each (``Waitall`` on both sides);
+* mpitf: the real ps service loop (``mpitf.ps.service.serve``) configured with one
+  variable of B/P bytes per ps, the workers doing ``Client.push_pull().wait()``, once
+  with ``--optimizer none`` (the ps echoes its parameters) and once with SGD;
+* axpy: SGD's own in-place kernel on a ps's B/P bytes, timed on ps task 0.
+
+Every figure is a median over repetitions, after warm-up rounds (the first touch of fresh
+memory is slow). GB/s counts both directions: 2*B / time. Rank 0 writes the JSON.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import socket
+import statistics
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from mpitf.client import Client
+from mpitf.optimizers import make_optimizer
+from mpitf.placement import Placement
+from mpitf.ps.service import serve
+from mpitf.server import Server
+
+FULL_SIZES = [4 << 10 << (2 * k) for k in range(9)]  # 4 KiB, 16 KiB, ... 256 MiB
+QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
+LR = 1e-6
+WARMUP = 2
+
+
+def parse_args(argv=None):
+    """Parse the command line."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-ps", type=int, default=1, help="ps tasks (the rest are workers)")
+    p.add_argument("--json", default=None, help="write the results here (rank 0)")
+    p.add_argument("--sizes", default=None,
+                   help="comma-separated model sizes in bytes (default: 4 KiB .. 256 MiB)")
+    p.add_argument("--quick", action="store_true", help="sizes up to 16 MiB, fewer repetitions")
+    p.add_argument("--optimizers", default="none,sgd", help="ps optimizers to measure")
+    p.add_argument("--mode", choices=("sync", "async"), default="sync",
+                   help="consistency mode of the ps (default: sync)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="interleaved rounds per size (default: 2, quick: 1)")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions per block")
+    p.add_argument("--deadline", type=float, default=300.0, help="seconds before giving up")
+    args = p.parse_args(argv)
+    if args.sizes:
+        args.sizes = [int(s) for s in args.sizes.split(",")]
+    else:
+        args.sizes = QUICK_SIZES if args.quick else FULL_SIZES
+    args.optimizers = args.optimizers.split(",")
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 2
+    return args
+
+
+def repetitions(nbytes, quick, fixed=None):
+    """Return the timed repetitions per block: many for small sizes, a few for large ones."""
+    if fixed:
+        return fixed
+    budget = (128 << 20) if quick else (1 << 30)
+    low, high = (3, 30) if quick else (5, 100)
+    return max(low, min(high, budget // max(nbytes, 1)))
+
+
+def _us(seconds):
+    return seconds * 1e6
+
+
+def _reset_peak_rss():
+    """Reset this process's peak-RSS mark (Linux ``clear_refs``); return False if unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+class Bench:
+    """The state of one rank: its server, the raw-MPI communicator, and its role."""
+
+    def __init__(self, args):
+        world = MPI.COMM_WORLD
+        if world.Get_size() <= args.num_ps:
+            raise SystemExit(f"pushpull: need more than --num-ps {args.num_ps} ranks")
+        self.args = args
+        self.server = Server({"ps": args.num_ps, "worker": world.Get_size() - args.num_ps},
+                             deadline=args.deadline)
+        self.raw = world.Dup()  # raw traffic and barriers apart from mpitf's communicator
+        self.ps_ranks = self.server.ranks_of("ps")
+        self.worker_ranks = self.server.ranks_of("worker")
+        self.is_ps = self.server.job_name == "ps"
+        self.num_ps = len(self.ps_ranks)
+        self.rss_reset = True
+        self.rss_peak = 0
+
+    # -- raw MPI ---------------------------------------------------------------------------
+
+    def raw_block(self, nbytes, reps):
+        """Time the raw Isend/Irecv round trip; return this worker's times (ps: [])."""
+        share = nbytes // self.num_ps
+        if self.is_ps:
+            bufs = [np.ones(share, np.uint8) for _ in self.worker_ranks]
+            for _ in range(WARMUP + reps):
+                MPI.Request.Waitall([self.raw.Irecv([b, MPI.BYTE], r, 1)
+                                     for b, r in zip(bufs, self.worker_ranks)])
+                MPI.Request.Waitall([self.raw.Isend([b, MPI.BYTE], r, 2)
+                                     for b, r in zip(bufs, self.worker_ranks)])
+            return []
+        send = [np.ones(share, np.uint8) for _ in self.ps_ranks]
+        recv = [np.ones(share, np.uint8) for _ in self.ps_ranks]
+        times = []
+        for i in range(WARMUP + reps):
+            t0 = time.perf_counter()
+            reqs = [self.raw.Irecv([b, MPI.BYTE], r, 2) for b, r in zip(recv, self.ps_ranks)]
+            reqs += [self.raw.Isend([b, MPI.BYTE], r, 1) for b, r in zip(send, self.ps_ranks)]
+            MPI.Request.Waitall(reqs)
+            if i >= WARMUP:
+                times.append(time.perf_counter() - t0)
+        return times
+
+    # -- mpitf -----------------------------------------------------------------------------
+
+    def client_for(self, nbytes):
+        """Return a Client with one float32 variable of nbytes/P per ps (no partition copies)."""
+        n = nbytes // 4 // self.num_ps
+        placement = Placement([(f"w{p}", (n,), "float32") for p in range(self.num_ps)],
+                              self.num_ps)
+        client = Client(self.server, placement, deadline=self.args.deadline)
+        client.params_flat[...] = 0  # touch both buffers before timing
+        client.grads_flat[...] = 0
+        return client
+
+    def mpitf_block(self, client, optimizer, reps):
+        """Serve one configuration (ps) or time push+pull round trips on it (workers)."""
+        if self.is_ps:
+            self.rss_reset = _reset_peak_rss() and self.rss_reset
+            serve(self.server)
+            self.rss_peak = max(self.rss_peak, _peak_rss())
+            return []
+        config = make_optimizer(optimizer, LR).config()
+        client.start(config, self.args.mode, initial_values=client.params)
+        times = []
+        for i in range(WARMUP + reps):
+            t0 = time.perf_counter()
+            client.push_pull().wait()
+            if i >= WARMUP:
+                times.append(time.perf_counter() - t0)
+        client.done()
+        return times
+
+    def axpy_block(self, nbytes, reps):
+        """Time SGD's in-place kernel on one ps's share (ps task 0 only); median seconds."""
+        if not (self.is_ps and self.server.task_index == 0):
+            return None
+        n = nbytes // 4 // self.num_ps
+        params, grad, tmp = (np.ones(n, np.float32) for _ in range(3))
+        times = []
+        for i in range(WARMUP + reps):
+            t0 = time.perf_counter()
+            np.multiply(grad, LR, out=tmp)  # as GradientDescent._update
+            np.subtract(params, tmp, out=params)
+            if i >= WARMUP:
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    # -- one size --------------------------------------------------------------------------
+
+    def measure(self, nbytes):
+        """Return this rank's samples at one size: raw, per optimizer, and axpy."""
+        args = self.args
+        reps = repetitions(nbytes, args.quick, args.reps)
+        per_round = max(1, reps // args.rounds)
+        client = None if self.is_ps else self.client_for(nbytes)
+        samples = {"raw": [], "axpy": [], **{o: [] for o in args.optimizers}}
+        for _ in range(args.rounds):
+            self.raw.Barrier()
+            samples["raw"] += self.raw_block(nbytes, per_round)
+            for opt in args.optimizers:
+                self.raw.Barrier()
+                samples[opt] += self.mpitf_block(client, opt, per_round)
+            self.raw.Barrier()
+            a = self.axpy_block(nbytes, per_round)
+            if a is not None:
+                samples["axpy"].append(a)
+        return samples, per_round * args.rounds
+
+
+def _worker_median(per_rank, key, worker_ranks):
+    """Return the largest over workers of each worker's median (what a sync step sees)."""
+    return max(statistics.median(per_rank[r][key]) for r in worker_ranks)
+
+
+def main(argv=None):
+    """Run the benchmark on every rank; rank 0 prints a table and writes the JSON."""
+    args = parse_args(argv)
+    bench = Bench(args)
+    rank = MPI.COMM_WORLD.Get_rank()
+    results, reps_used = [], {}
+    started = time.monotonic()
+    for nbytes in args.sizes:
+        if nbytes % (4 * bench.num_ps):
+            raise SystemExit(f"pushpull: size {nbytes} is not a multiple of 4 * num_ps")
+        samples, reps = bench.measure(nbytes)
+        gathered = bench.raw.gather(samples, root=0)
+        if rank != 0:
+            continue
+        reps_used[nbytes] = reps
+        raw = _worker_median(gathered, "raw", bench.worker_ranks)
+        axpy = statistics.median(next(g["axpy"] for g in gathered if g["axpy"]))
+        for opt in args.optimizers:
+            t = _worker_median(gathered, opt, bench.worker_ranks)
+            row = dict(bytes=nbytes, num_ps=bench.num_ps, num_workers=len(bench.worker_ranks),
+                       optimizer=opt, mode=args.mode,
+                       mpitf_gbps=2 * nbytes / t / 1e9, raw_mpi_gbps=2 * nbytes / raw / 1e9,
+                       ratio=raw / t, mpitf_us=_us(t), raw_mpi_us=_us(raw), axpy_us=_us(axpy),
+                       repetitions=reps)
+            results.append(row)
+            print(f"{nbytes:>10} B  {opt:<5} mpitf {row['mpitf_us']:10.1f} us "
+                  f"{row['mpitf_gbps']:6.2f} GB/s   raw {row['raw_mpi_us']:10.1f} us "
+                  f"{row['raw_mpi_gbps']:6.2f} GB/s   ratio {row['ratio']:.2f}   "
+                  f"axpy {row['axpy_us']:9.1f} us", flush=True)
+    rss = bench.raw.gather((bench.server.task_index, bench.rss_peak, bench.rss_reset)
+                           if bench.is_ps else None, root=0)
+    if rank != 0:
+        return 0
+    ps_rss = {str(r): v[1] for r, v in enumerate(rss) if v is not None}
+    out = dict(
+        results=results, ps_peak_rss=ps_rss,
+        ps_peak_rss_scope=("service loop only (peak reset before each serve)"
+                           if all(v[2] for v in rss if v) else "whole process"),
+        largest_ps_share_bytes=max(args.sizes) // bench.num_ps,
+        metadata=dict(
+            mpi_library=MPI.Get_library_version().strip().splitlines()[0],
+            mpi4py=__import__("mpi4py").__version__, numpy=np.__version__,
+            hostname=socket.gethostname(), cpus=os.cpu_count(),
+            ranks=MPI.COMM_WORLD.Get_size(),
+            oversubscribed=MPI.COMM_WORLD.Get_size() > (os.cpu_count() or 1),
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            repetitions={str(k): v for k, v in reps_used.items()}, warmup=WARMUP,
+            rounds=args.rounds, quick=args.quick, mode=args.mode, statistic="median",
+            seconds=time.monotonic() - started, argv=sys.argv[1:]))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    from mpitf.guard import abort_on_error
+
+    with abort_on_error():
+        code = main()
+    sys.exit(code)

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The two commands of the README, for a fresh machine with nothing but Python 3:
+#   bash run.sh train   # 1 ps + 2 workers train an MLP on the digits set (offline)
+#   bash run.sh test    # the whole test suite, multi-rank tests under mpiexec included
+# Each creates .venv if it is missing and installs mpitf with the extras it needs.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+venv() {
+    local extras=$1
+    if [ ! -x .venv/bin/python ]; then
+        echo "run.sh: creating .venv" >&2
+        "${PYTHON:-python3}" -m venv .venv
+    fi
+    # The MPICH wheel gives this machine an MPI; on a cluster install without the
+    # 'mpich' extra so mpi4py uses the site MPI (see slurm/README.md).
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[${extras}]"
+}
+
+case "${1:-}" in
+    train)
+        shift
+        venv mpich,data
+        exec .venv/bin/mpiexec -n 3 .venv/bin/python jobs/mnist_mlp.py --num-ps 1 \
+            --steps 300 --mode sync "$@"
+        ;;
+    test)
+        shift
+        venv mpich,data,test,bench
+        exec .venv/bin/python -m pytest "$@"
+        ;;
+    *)
+        echo "usage: bash run.sh train [job flags...] | bash run.sh test [pytest args...]" >&2
+        exit 2
+        ;;
+esac
