@@ -9,7 +9,6 @@ import os
 import sys
 
 import numpy as np
-
 from mpi4py import MPI
 
 from mpitf.cluster import check_claimed_role, cluster_from_args

@@ -88,6 +88,9 @@ def _abort(code):
     from mpi4py import MPI
 
     MPI.COMM_WORLD.Abort(code)
+    # MPICH's Abort under hydra may return before the launcher kills this process; the
+    # script must not go on (``sys.exit(code)`` after the ``with`` would raise NameError).
+    os._exit(code)
 
 
 class CheckpointSignals:

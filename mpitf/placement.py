@@ -73,7 +73,7 @@ class GreedyLoadBalancingStrategy:
 
 
 class MinMaxVariablePartitioner:
-    """Cut a variable into at most ``max_partitions`` row blocks of at least ``min_slice_size`` bytes.
+    """Cut a variable into at most ``max_partitions`` row blocks of ``min_slice_size`` bytes+.
 
     The counterpart of ``tf.min_max_variable_partitioner``: small variables stay whole.
     """
@@ -173,7 +173,7 @@ class Placement:
         for s in self.slices:
             piece = f"{s.part}/{s.num_parts} [{s.start}:{s.stop}]" if s.num_parts > 1 else "-"
             lines.append(f"{s.name:<32} {str(s.shape):<16} {s.nbytes:>12}  "
-                         f"{'/job:ps/task:%d' % s.ps_task:<24} {piece}")
+                         f"{f'/job:ps/task:{s.ps_task}':<24} {piece}")
         for p, b in enumerate(self.bytes_per_ps()):
             lines.append(f"/job:ps/task:{p} holds {b} bytes")
         return "\n".join(lines)

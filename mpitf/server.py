@@ -1,4 +1,4 @@
-"""This rank's place in the cluster: its job and task, its communicators, and ``join()``.
+"""Give this rank its place in the cluster: its job and task, its communicators, and ``join()``.
 
 ``Server(cluster)`` is collective over ``MPI.COMM_WORLD``: every rank shares its host name,
 every rank computes the same rank -> task map (see :mod:`mpitf.cluster`), and a spec that

@@ -76,7 +76,8 @@ class LoggingHook(Hook):
         self.last_logged = None
 
     def _mark(self, session):
-        self.t0, self.step0, self.batches0 = time.monotonic(), session.global_step, session.steps_run
+        self.t0, self.step0 = time.monotonic(), session.global_step
+        self.batches0 = session.steps_run
 
     def after_run(self, session, loss):
         """Log when the global step crosses a multiple of ``every``."""
