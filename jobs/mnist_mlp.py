@@ -13,7 +13,12 @@ from mpi4py import MPI
 
 from mpitf.cluster import check_claimed_role, cluster_from_args
 from mpitf.data import ShardedDataset, load_split
-from mpitf.flags import add_training_arguments, data_path, make_optimizer_from_args
+from mpitf.flags import (
+    add_training_arguments,
+    data_path,
+    make_optimizer_from_args,
+    setup_backend,
+)
 from mpitf.guard import RankParser, abort_on_error, setup_logging
 from mpitf.models import build_model
 from mpitf.server import Server
@@ -31,6 +36,7 @@ def main(argv=None):
     cluster = cluster_from_args(args, world.Get_size())
     server = Server(cluster, deadline=args.deadline)
     check_claimed_role(args, server.job_name, server.task_index, server.rank)
+    setup_backend(args, server)
     path = data_path(args, world)
     if server.job_name == "ps":
         server.join()

@@ -50,9 +50,34 @@ def add_training_arguments(parser, steps=300, batch_size=32, lr=0.3):
                    help="seconds to wait on a silent rank before ending the job (default 300;"
                         " set it above the longest step)")
     g.add_argument("--timeline", default=None, help="write a Chrome trace of every rank here")
-    g.add_argument("--device", choices=("auto", "cpu", "gpu"), default="cpu",
-                   help="where variables and gradients live")
+    d = parser.add_argument_group("devices")
+    d.add_argument("--device", choices=("auto", "cpu", "gpu"), default="cpu",
+                   help="where variables and gradients live: 'auto' takes a GPU (local rank "
+                        "modulo visible devices) when CuPy and CUDA are there (default: cpu)")
+    d.add_argument("--allow-soft-placement", action="store_true",
+                   help="fall back to the CPU, saying so once, when --device=gpu cannot be had")
+    d.add_argument("--gpu-memory-fraction", type=float, default=None,
+                   help="cap each rank's CuPy memory pool at this fraction of its GPU "
+                        "(per_process_gpu_memory_fraction)")
+    d.add_argument("--no-allow-growth", dest="allow_growth", action="store_false",
+                   help="with --gpu-memory-fraction, allocate that much once at start")
     return parser
+
+
+def setup_backend(args, server):
+    """Choose this rank's array backend from the flags, make it current, log it on rank 0."""
+    import logging
+
+    from .backend import describe_backend, select_backend, set_backend
+
+    be = select_backend(args.device, server.local_rank, rank=server.rank,
+                        allow_soft_placement=args.allow_soft_placement,
+                        memory_fraction=args.gpu_memory_fraction,
+                        allow_growth=args.allow_growth)
+    set_backend(be)
+    if server.rank == 0 and args.device != "cpu":
+        logging.getLogger("mpitf").info("%s", describe_backend(be))
+    return be
 
 
 def data_path(args, comm):
