@@ -16,13 +16,12 @@ the job with a message naming the silent rank.
 """
 
 import argparse
-import logging
 
 from mpi4py import MPI
 
-from mpitf.cluster import add_cluster_arguments, check_claimed_role, cluster_from_args
-from mpitf.errors import ConfigurationError, MpitfError
-from mpitf.guard import RankParser, abort_on_error, setup_logging, world_rank
+from mpitf.cluster import add_cluster_arguments
+from mpitf.flags import check_roles, resolve_cluster
+from mpitf.guard import RankParser, abort_on_error, setup_logging
 from mpitf.protocol import TAG_CONTROL, recv_object
 from mpitf.server import Server
 
@@ -41,27 +40,6 @@ def parse_args(argv=None):
     if not args.deadline > 0:
         parser.error(f"argument --deadline: expecting seconds > 0, got {args.deadline:g}")
     return args
-
-
-def collective(exc):
-    """Mark an error that every rank raised alike, so rank 0 alone prints it."""
-    exc.collective = True
-    return exc
-
-
-def check_roles(args, server):
-    """Check --job_name/--task_index on every rank; raise one error for the whole job."""
-    try:
-        check_claimed_role(args, server.job_name, server.task_index, rank=server.rank)
-        problem = None
-    except ConfigurationError as exc:
-        problem = str(exc)
-    problems = [p for p in server.comm.allgather(problem) if p]
-    if problems:
-        others = len(problems) - 1
-        more = "" if not others else (
-            f" (and {others} more rank{'s disagree' if others > 1 else ' disagrees'})")
-        raise collective(ConfigurationError(problems[0] + more))
 
 
 def greet(server):
@@ -91,16 +69,11 @@ def collect_greetings(server):
 def main(argv=None):
     args = parse_args(argv)
     setup_logging(args.verbose)
-    if world_rank() != 0 and not args.verbose:  # one copy of each note is enough
-        logging.getLogger("mpitf").setLevel(logging.WARNING)
     world = MPI.COMM_WORLD
     with abort_on_error():
         if args.num_ps is None:
             args.num_ps = 1 if world.Get_size() > 1 else 0
-        try:
-            cluster = cluster_from_args(args, world.Get_size())
-        except MpitfError as exc:  # a function of the flags and the world size: same everywhere
-            raise collective(exc) from None
+        cluster = resolve_cluster(args, world.Get_size())
         server = Server(cluster, deadline=args.deadline)
         check_roles(args, server)
         if server.rank == 0:

@@ -11,12 +11,13 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from mpitf.cluster import check_claimed_role, cluster_from_args
 from mpitf.data import ShardedDataset, load_split
 from mpitf.flags import (
     add_training_arguments,
+    check_roles,
     data_path,
     make_optimizer_from_args,
+    resolve_cluster,
     setup_backend,
 )
 from mpitf.guard import RankParser, abort_on_error, setup_logging
@@ -33,9 +34,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     setup_logging()
     world = MPI.COMM_WORLD
-    cluster = cluster_from_args(args, world.Get_size())
+    cluster = resolve_cluster(args, world.Get_size())
     server = Server(cluster, deadline=args.deadline)
-    check_claimed_role(args, server.job_name, server.task_index, server.rank)
+    check_roles(args, server)
     setup_backend(args, server)
     path = data_path(args, world)
     if server.job_name == "ps":

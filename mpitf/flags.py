@@ -2,7 +2,9 @@
 
 import os
 
-from .cluster import add_cluster_arguments
+from .cluster import add_cluster_arguments, check_claimed_role, cluster_from_args
+from .errors import ConfigurationError, MpitfError
+from .guard import collective
 
 
 def add_training_arguments(parser, steps=300, batch_size=32, lr=0.3):
@@ -80,6 +82,29 @@ def setup_backend(args, server):
     return be
 
 
+def resolve_cluster(args, world_size):
+    """Return the cluster the flags describe; its errors are the same on every rank."""
+    try:
+        return cluster_from_args(args, world_size)
+    except MpitfError as exc:
+        raise collective(exc) from None
+
+
+def check_roles(args, server):
+    """Check --job_name/--task_index on every rank; raise one error for the whole job."""
+    try:
+        check_claimed_role(args, server.job_name, server.task_index, rank=server.rank)
+        problem = None
+    except ConfigurationError as exc:
+        problem = str(exc)
+    problems = [p for p in server.comm.allgather(problem) if p]
+    if problems:
+        others = len(problems) - 1
+        more = "" if not others else (
+            f" (and {others} more rank{'s disagree' if others > 1 else ' disagrees'})")
+        raise collective(ConfigurationError(problems[0] + more))
+
+
 def data_path(args, comm):
     """Return the data file, preparing the digits set on rank 0 first if none was given."""
     if args.data:
@@ -97,8 +122,7 @@ def data_path(args, comm):
     else:
         exc = comm.bcast(None, root=0)
         if exc is not None:
-            exc.collective = True
-            raise exc
+            raise collective(exc)
     return path
 
 

@@ -45,12 +45,20 @@ class RankParser(argparse.ArgumentParser):
 
 
 def setup_logging(verbose=False):
-    """Log mpitf's notes to stderr, prefixed with the rank."""
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format=f"[rank {world_rank()}] %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+    """Log mpitf's notes to stderr, prefixed with the rank; other ranks than 0 only warn.
+
+    One copy of each note is enough; ``verbose`` shows every rank's notes and debug lines.
+    """
+    level = logging.DEBUG if verbose else logging.INFO if world_rank() == 0 else logging.WARNING
+    logging.basicConfig(level=level, format=f"[rank {world_rank()}] %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    logging.getLogger("mpitf").setLevel(level)
+
+
+def collective(exc):
+    """Mark an error every rank raised alike from the same facts, so rank 0 alone prints it."""
+    exc.collective = True
+    return exc
 
 
 def report(exc):

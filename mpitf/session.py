@@ -223,7 +223,13 @@ class TrainingSession:
                 set_aside_newer(self.checkpoint_dir, int(found[1]["global_step"]),
                                 log=lambda m: _log.warning("%s", m))
         # Every worker learns the chief's choice, so positions come from the same checkpoint.
-        restore = self.server.job_comm.bcast(restore, root=0)
+        # In-graph, only the clients run sessions: the other worker tasks are not asked.
+        comm = self.server.job_comm
+        if self.clients is not None:
+            comm = comm.Create_group(comm.Get_group().Incl(sorted(self.clients)))
+        restore = comm.bcast(restore, root=0)
+        if comm is not self.server.job_comm:
+            comm.Free()
         values = None
         if restore is None:
             rng = np.random.default_rng(self.options.get("seed", 0))
@@ -239,6 +245,11 @@ class TrainingSession:
                                                    if v is not None})
         self.global_step = self.last_reply.global_step
         self.optimizer = optimizer
+        # A worker waiting on a reply cannot tell a silent ps from a ps waiting (sync) on a
+        # silent worker; the ps can. Its deadline (sent in start()) runs out first, so the
+        # message names the right rank.
+        if self.server.deadline is not None:
+            self.client.deadline = 1.5 * self.server.deadline
         if restore is not None:
             self._restore_position(restore)
             if self.server.is_chief:

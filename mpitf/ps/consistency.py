@@ -53,6 +53,10 @@ class SyncReplicas:
             raise PeerError(f"push for step {step} but the ps is at step {g}",
                             **svc.describe_worker(worker, "push"))
         if not svc.check_finite(worker, frame.payload):
+            if svc.skip_nonfinite:
+                # Skipped: answer at once, or the worker (and the step) would wait forever;
+                # it retries this step with the current parameters.
+                svc.reply(worker)
             return True
         svc.note_staleness(0)
         if self.deterministic:

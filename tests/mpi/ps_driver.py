@@ -34,6 +34,7 @@ SHAPES = [("embed", (40, 6)), ("bias", (7,)), ("kernel", (5, 3)), ("scalar", ())
           ("wide", (4, 10)), ("out", (9, 2)), ("tail", (13,))]
 PARTITION_BYTES = 64  # min_slice_size, in bytes, of the partitioner the drivers use
 LEARNING_RATES = {"sgd": 0.05, "adam": 0.01, "momentum": 0.02, "adagrad": 0.1, "none": 0.0}
+ASYNC_LR = 0.5  # a power of two: async sums of power-of-two steps stay exact
 GRAD_SCALE = 0.1  # gradient = GRAD_SCALE * params + noise(worker, step)
 
 
@@ -125,9 +126,9 @@ def make_client(server, args, dtype=np.float32):
     return placement, Client(server, placement, deadline=args.deadline)
 
 
-def start(client, args, optimizer, mode, values, **options):
+def start(client, args, optimizer, mode, values, lr=None, **options):
     """Configure the ps (chief) and pull; then switch to the client-side deadline."""
-    opt = make_optimizer(optimizer, LEARNING_RATES[optimizer])
+    opt = make_optimizer(optimizer, LEARNING_RATES[optimizer] if lr is None else lr)
     reply = client.start(opt.config(), mode, values, skip_nonfinite=args.skip_nonfinite,
                          **options)
     if args.client_deadline is not None:
@@ -197,7 +198,7 @@ def scenario_async_exact(server, args, phase):
     """Async: worker w pushes 2**-w * pattern, 3 + 2w times; sums stay exact."""
     _, client = make_client(server, args, np.float64)
     values = {k: np.full(v.shape, 100.0) for k, v in pattern().items()}
-    start(client, args, "sgd", "async", values)
+    start(client, args, "sgd", "async", values, lr=ASYNC_LR)
     w = server.task_index
     grads = {k: v * 2.0 ** -w for k, v in pattern().items()}
     for _ in range(3 + 2 * w):
@@ -249,13 +250,15 @@ def scenario_badinput(server, args, phase):
 
 
 def scenario_nonfinite(server, args, phase):
-    """Worker 1 pushes a NaN in ``--nan-variable`` once, at step 1."""
+    """Worker 1 pushes a NaN in ``--nan-variable`` once, in its second push."""
     _, client = make_client(server, args)
-    reply = start(client, args, "sgd", args.mode, initial_values())
+    options = dict(deterministic=args.deterministic) if args.mode == "sync" else {}
+    reply = start(client, args, "sgd", args.mode, initial_values(), **options)
     w, step, poisoned, pushes = server.task_index, reply.global_step, False, 0
-    while step < args.steps and pushes < 4 * args.steps:
+    # Sync runs to a global step; async pushes a fixed number of times per worker.
+    while (step < args.steps if args.mode == "sync" else pushes < args.steps):
         grads = gradient(client.params, w, step)
-        if w == 1 and step >= 1 and not poisoned:
+        if w == 1 and pushes == 1 and not poisoned:
             grads[args.nan_variable].reshape(-1)[-1] = np.nan
             poisoned = True
         write_grads(client, grads)

@@ -1,0 +1,102 @@
+"""Consistency modes compared: throughput, and the loss each reaches in a fixed wall time.
+
+Run: python benchmarks/modes.py --json OUT.json [--quick] [--workers W] [--launcher CMD]
+
+Modes: sync (all W gradients per step), backup (sync with ``--replicas-to-aggregate W-1``),
+async, and bounded staleness (ssp, ``--staleness 2``). Each runs ``jobs/mnist_mlp.py`` for
+many steps, logging every few steps; the loss curve is read from ``RUN_DIR/metrics.jsonl``
+(time measured from the chief's first logged step) and the loss reached by the fixed wall
+time is the last logged loss at or before it.
+"""
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from scaling import default_launcher, machine, run_job  # noqa: E402
+
+MODES = {
+    "sync": lambda w: ["--mode", "sync"],
+    "backup": lambda w: ["--mode", "sync", "--replicas-to-aggregate", max(1, w - 1)],
+    "async": lambda w: ["--mode", "async"],
+    "ssp": lambda w: ["--mode", "ssp", "--staleness", 2],
+}
+
+
+def read_curve(path):
+    """Return [(seconds since the first record, step, loss)] from a metrics.jsonl file."""
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    if not records:
+        return []
+    t0 = records[0]["time"]
+    return [(r["time"] - t0, r["step"], r["loss"]) for r in records]
+
+
+def loss_at(curve, seconds):
+    """Return the last loss logged at or before ``seconds`` (None if nothing was logged)."""
+    seen = [loss for t, _, loss in curve if t <= seconds]
+    return seen[-1] if seen else None
+
+
+def parse_args(argv=None):
+    """Parse the command line."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--quick", action="store_true", help="short runs")
+    p.add_argument("--workers", type=int, default=None, help="workers (default 3; quick 2)")
+    p.add_argument("--ps", type=int, default=1)
+    p.add_argument("--model", default="mlp")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--steps", type=int, default=None,
+                   help="global steps per run (default 3000; quick 600)")
+    p.add_argument("--wall", type=float, default=None,
+                   help="compare losses at this many seconds (default: the shortest run)")
+    p.add_argument("--launcher", default=None, help='launcher command, e.g. "srun"')
+    args = p.parse_args(argv)
+    args.workers = args.workers or (2 if args.quick else 3)
+    args.steps = args.steps or (600 if args.quick else 3000)
+    args.modes = args.modes.split(",")
+    args.launcher = shlex.split(args.launcher) if args.launcher else default_launcher()
+    return args
+
+
+def main(argv=None):
+    """Run every mode and write the JSON."""
+    args = parse_args(argv)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="mpitf-modes-") as tmp:
+        for mode in args.modes:
+            run_dir = os.path.join(tmp, mode)
+            final = run_job(args.workers + args.ps,
+                            ["--model", args.model, "--num-ps", args.ps, "--steps", args.steps,
+                             "--log-every", 10, "--run-dir", run_dir, *MODES[mode](args.workers)],
+                            args.launcher)
+            curve = read_curve(os.path.join(run_dir, "metrics.jsonl"))
+            runs.append(dict(mode=mode, workers=args.workers, ps=args.ps,
+                             examples_per_sec=final["examples_per_sec"], final_loss=final["loss"],
+                             test_accuracy=final["test_accuracy"], steps=final["step"],
+                             stale_dropped=final["stale_dropped"],
+                             max_staleness=final["max_staleness"], max_lead=final["max_lead"],
+                             wall_s=final["wall_s"], curve=curve))
+    wall = args.wall or min(r["curve"][-1][0] for r in runs if r["curve"])
+    for r in runs:
+        r["loss_at_wall"] = loss_at(r["curve"], wall)
+        print(f"{r['mode']:<7} {r['examples_per_sec']:10.0f} ex/s  loss@{wall:.2f}s "
+              f"{r['loss_at_wall']}  final {r['final_loss']:.3f}", flush=True)
+    out = dict(results=runs, wall_seconds=wall,
+               metadata=dict(machine(), model=args.model, steps=args.steps,
+                             launcher=args.launcher, quick=args.quick, argv=sys.argv[1:]))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

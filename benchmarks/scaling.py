@@ -1,0 +1,133 @@
+"""Training throughput of the reference MLP and CNN over worker and ps counts.
+
+Run: python benchmarks/scaling.py --json OUT.json [--quick] [--launcher "mpiexec"]
+
+Each point is one run of ``jobs/mnist_mlp.py`` under the launcher (``mpiexec -n W+P``, or
+``srun -n W+P`` inside a Slurm allocation), read from its ``final:`` line. Weak scaling
+keeps the per-worker batch; strong scaling splits a fixed global batch over the workers.
+Efficiency is ``examples/sec(W) / (W * examples/sec(1))`` at the same ps count.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = os.path.join(REPO, "jobs", "mnist_mlp.py")
+
+
+def default_launcher():
+    """Return the launcher argv: srun inside Slurm when available, else the venv's mpiexec."""
+    import shutil
+
+    if os.environ.get("SLURM_JOB_ID") and shutil.which("srun"):
+        return ["srun"]
+    from mpitf.testing import find_mpiexec
+
+    return [find_mpiexec()]
+
+
+def run_job(ranks, job_args, launcher=None, timeout=300):
+    """Run the training job on ``ranks`` ranks; return its ``final:`` dict (raises on failure)."""
+    cmd = [*(launcher or default_launcher()), "-n", str(ranks), sys.executable, JOB,
+           *map(str, job_args)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    started = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=REPO, stdin=subprocess.DEVNULL)
+    wall = time.monotonic() - started
+    for line in proc.stdout.splitlines():
+        if line.startswith("final: "):
+            final = json.loads(line[len("final: "):])
+            final["wall_s"] = wall
+            return final
+    raise RuntimeError(f"{shlex.join(cmd)} exited {proc.returncode} without a final line:\n"
+                       f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+
+
+def model_bytes(model):
+    """Return the parameter bytes of a reference model on the digits set."""
+    import numpy as np
+
+    from mpitf.models import build_model
+
+    shape = {"mlp": None, "cnn": (8, 8, 1)}[model]
+    m = build_model(model, 64, 10, image_shape=shape)
+    return sum(int(np.prod(s)) * np.dtype(t).itemsize for _, s, t in m.variables())
+
+
+def machine():
+    """Return a short description of where the figures were taken."""
+    return dict(hostname=socket.gethostname(), cpus=os.cpu_count(),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                python=sys.version.split()[0])
+
+
+def parse_args(argv=None):
+    """Parse the command line."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--quick", action="store_true", help="a small grid and short runs")
+    p.add_argument("--models", default="mlp,cnn")
+    p.add_argument("--workers", default=None, help="worker counts (default 1,2,3; quick 1,2)")
+    p.add_argument("--ps", default=None, help="ps counts (default 1,2; quick 1)")
+    p.add_argument("--batch", type=int, default=32, help="weak scaling: examples per worker")
+    p.add_argument("--global-batch", type=int, default=96,
+                   help="strong scaling: examples per global step, split over the workers")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default 300; quick 60)")
+    p.add_argument("--launcher", default=None,
+                   help='launcher command, e.g. "srun" or "mpiexec -bind-to core"')
+    args = p.parse_args(argv)
+    args.models = args.models.split(",")
+    args.workers = [int(x) for x in (args.workers or ("1,2" if args.quick else "1,2,3"))
+                    .split(",")]
+    args.ps = [int(x) for x in (args.ps or ("1" if args.quick else "1,2")).split(",")]
+    args.steps = args.steps or (60 if args.quick else 300)
+    args.launcher = shlex.split(args.launcher) if args.launcher else default_launcher()
+    return args
+
+
+def main(argv=None):
+    """Run the grid and write the JSON."""
+    args = parse_args(argv)
+    results = []
+    for model in args.models:
+        for scaling in ("weak", "strong"):
+            for ps in args.ps:
+                base = None
+                for w in args.workers:
+                    batch = args.batch if scaling == "weak" else max(1, args.global_batch // w)
+                    final = run_job(w + ps, ["--model", model, "--num-ps", ps, "--steps",
+                                             args.steps, "--batch-size", batch,
+                                             "--log-every", args.steps, "--run-dir",
+                                             os.path.join("/tmp", f"mpitf-scaling-{os.getpid()}")],
+                                    args.launcher)
+                    eps = final["examples_per_sec"]
+                    base = eps if w == 1 else base
+                    row = dict(model=model, scaling=scaling, workers=w, ps=ps, batch=batch,
+                               examples_per_sec=eps, ranks=w + ps,
+                               efficiency=eps / (w * base) if base else None,
+                               oversubscribed=w + ps > (os.cpu_count() or 1),
+                               loss=final["loss"], test_accuracy=final["test_accuracy"],
+                               steps=final["step"], wall_s=final["wall_s"])
+                    results.append(row)
+                    print(f"{model} {scaling:<6} W={w} P={ps} batch={batch:<3} "
+                          f"{eps:10.0f} ex/s  eff {row['efficiency'] or 0:.2f}", flush=True)
+    out = dict(results=results, model_bytes={m: model_bytes(m) for m in args.models},
+               metadata=dict(machine(), steps=args.steps, launcher=args.launcher,
+                             quick=args.quick, argv=sys.argv[1:]))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Multi-device tower training in one process: the batch is split over local devices.
+
+Run: python jobs/towers.py --devices cpu:0,cpu:1 --steps 200
+     mpiexec -n 3 python jobs/towers.py --devices gpu:0,gpu:1 --num-ps 1   (through a ps)
+Each tower computes the gradient of its share of the batch on its device (cpu:k = numpy,
+gpu:k = CuPy on GPU k); the gradients are averaged on the first device, then applied
+locally with the optimizer (no ps) or pushed through the ps like a worker's.
+--batch-size is the share of one tower.
+"""
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from mpitf.backend import describe_backend
+from mpitf.cluster import check_claimed_role, cluster_from_args
+from mpitf.data import ShardedDataset, load_split
+from mpitf.errors import ConfigurationError
+from mpitf.flags import add_training_arguments, data_path, make_optimizer_from_args
+from mpitf.guard import RankParser, abort_on_error, setup_logging
+from mpitf.models import build_model, evaluate
+from mpitf.replication import Towers, parse_devices, tower_backend
+from mpitf.server import Server
+from mpitf.session import TrainingSession
+
+
+def main(argv=None):
+    parser = RankParser(description=__doc__.splitlines()[0])
+    add_training_arguments(parser, steps=200)
+    parser.add_argument("--devices", default="cpu:0,cpu:1",
+                        help="the towers' devices, e.g. cpu:0,cpu:1 or gpu:0,gpu:1")
+    parser.add_argument("--export", default=None,
+                        help="after training, write every variable to this .npz")
+    parser.set_defaults(num_ps=0)  # one process trains alone unless asked for a ps
+    args = parser.parse_args(argv)
+    setup_logging()
+    world = MPI.COMM_WORLD
+    cluster = cluster_from_args(args, world.Get_size())
+    path = data_path(args, world)
+    if cluster.num_tasks("ps") == 0 and world.Get_size() > 1:
+        raise ConfigurationError("towers without a ps train in one process: run without "
+                                 "mpiexec, or give --num-ps to push through ps tasks")
+    server = Server(cluster, deadline=args.deadline) if cluster.num_tasks("ps") else None
+    if server is not None:
+        check_claimed_role(args, server.job_name, server.task_index, server.rank)
+        if server.job_name == "ps":
+            server.join()
+            return server.exit_code
+        server.describe()
+    backends = [tower_backend(kind, index) for kind, index in parse_devices(args.devices)]
+    if server is None or server.is_chief:
+        for (kind, index), be in zip(parse_devices(args.devices), backends):
+            print(f"tower {kind}:{index}: {describe_backend(be)}", flush=True)
+    workers = cluster.task_indices("worker")
+    shard = workers.index(server.task_index) if server else 0
+    batch = args.batch_size * len(backends)
+    dataset = ShardedDataset(path, "train", shard, len(workers), batch, args.seed)
+    image_shape = tuple(dataset.image_shape) if dataset.image_shape is not None else None
+    model = build_model(args.model, dataset.x_dim, dataset.num_classes or 10,
+                        image_shape=image_shape if args.model == "cnn" else None,
+                        **({"hidden": (args.hidden,)} if args.model == "mlp" else {}))
+    towers = Towers(model, backends)
+    optimizer = make_optimizer_from_args(args)
+    if server is None:
+        summary = _train_locally(towers, optimizer, dataset, args, path)
+        code = 0
+    else:
+        summary, code = _train_with_ps(server, towers, optimizer, dataset, args, path)
+    dataset.close()
+    if summary is not None and args.run_dir:
+        os.makedirs(args.run_dir, exist_ok=True)
+        with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+    return code
+
+
+def _train_locally(towers, optimizer, dataset, args, path):
+    """Train in this process: average on tower 0, apply there with the optimizer."""
+    params = towers.params
+    for name, value in towers.init(np.random.default_rng(args.seed)).items():
+        towers.backends[0].to_device(value, out=params[name])
+    slots, loss, logged = None, float("nan"), 0
+    start = mark = time.monotonic()
+    for step in range(args.steps):
+        loss = towers.loss_and_grads(params, dataset.next_batch(), towers.grads)
+        slots = towers.apply_locally(optimizer, step, slots)
+        done = step + 1
+        if done % max(1, args.log_every) == 0 or done == args.steps:
+            now = time.monotonic()
+            n, logged = done - logged, done
+            print(f"step {done}, loss = {loss:.2f} "
+                  f"({n * dataset.batch_size / max(now - mark, 1e-9):.1f} examples/sec; "
+                  f"{(now - mark) / n:.3f} sec/batch)", flush=True)
+            mark = now
+    elapsed = time.monotonic() - start
+    x_test, y_test = load_split(path, "test")
+    test_loss, test_acc = evaluate(towers.model, params, x_test, y_test)
+    summary = dict(step=args.steps, loss=loss, test_loss=test_loss, test_accuracy=test_acc,
+                   examples_per_sec=args.steps * dataset.batch_size / max(elapsed, 1e-9),
+                   towers=len(towers.towers), devices=args.devices, ps=0)
+    print("final: " + json.dumps(summary), flush=True)
+    if args.export:
+        be = towers.backends[0]
+        np.savez(args.export, **{k: be.to_host(v) for k, v in params.items()})
+    return summary
+
+
+def _train_with_ps(server, towers, optimizer, dataset, args, path):
+    """Train as a worker: the towers' average is this worker's pushed gradient."""
+    sess = TrainingSession(
+        server, towers, optimizer, args.mode, dataset, last_step=args.steps,
+        checkpoint_dir=args.checkpoint_dir, save_checkpoint_steps=args.checkpoint_every,
+        save_checkpoint_secs=args.checkpoint_secs,
+        replicas_to_aggregate=args.replicas_to_aggregate, deterministic=args.deterministic,
+        staleness=args.staleness, skip_nonfinite=args.skip_nonfinite,
+        moving_average_decay=args.moving_average_decay, ps_strategy=args.ps_strategy,
+        seed=args.seed, log_every=args.log_every, run_dir=args.run_dir,
+        max_to_keep=args.max_to_keep, timeline=args.timeline, batch_size=dataset.batch_size)
+    while not sess.should_stop():
+        sess.run()
+    summary = None
+    if server.is_chief and not sess.requeue:
+        x_test, y_test = load_split(path, "test")
+        test_loss, test_acc = sess.evaluate(x_test, y_test,
+                                            average=bool(args.moving_average_decay))
+        elapsed = sess.elapsed
+        summary = dict(step=sess.global_step, loss=sess.loss, test_loss=test_loss,
+                       test_accuracy=test_acc,
+                       examples_per_sec=sess.examples_seen / elapsed if elapsed > 0 else 0.0,
+                       towers=len(towers.towers), devices=args.devices,
+                       workers=server.cluster.num_tasks("worker"),
+                       ps=server.cluster.num_tasks("ps"), mode=args.mode)
+        print("final: " + json.dumps(summary), flush=True)
+        if args.export:
+            sess.client.pull()
+            np.savez(args.export, **{k: np.asarray(v) for k, v in sess.params.items()})
+    sess.close()
+    return summary, sess.exit_code
+
+
+if __name__ == "__main__":
+    with abort_on_error():
+        code = main()
+    sys.exit(code)

@@ -1,0 +1,422 @@
+"""Failure and recovery end to end: real mpiexec runs, real signals and kills, real HDF5 files.
+
+jobs/mnist_mlp.py runs through tests/recovery/slow_job.py, which can slow every worker step
+(MPITF_TEST_STEP_SLEEP; values are unchanged) so that a kill or a signal lands mid-run, and
+records each rank's pid. Every run is under a deadline; a hung run's process group is killed.
+About 80 s on a 2-core machine, most of it the two deadline tests.
+"""
+
+import hashlib
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from mpitf import checkpoint as ck
+from mpitf.guard import EXIT_REQUEUE
+from mpitf.testing import find_mpiexec, kill_group, run_mpi
+
+pytestmark = pytest.mark.mpi
+
+REPO = Path(__file__).resolve().parent.parent
+JOB = str(REPO / "tests" / "recovery" / "slow_job.py")
+COMMON = ["--deterministic", "--log-every", "10"]
+RESTORED = re.compile(r"^restored (\S+) at step (\d+)$", re.MULTILINE)
+CHECKPOINT = re.compile(r"^checkpoint (\S+) at step (\d+)$", re.MULTILINE)
+FINAL = re.compile(r"^final: (\{.*\})$", re.MULTILINE)
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def job_args(tmp, ckpt=None, steps=60, num_ps=1, extra=(), run_dir="run"):
+    args = [*COMMON, "--num-ps", str(num_ps), "--steps", str(steps),
+            "--run-dir", str(tmp / run_dir), *map(str, extra)]
+    if ckpt is not None:
+        args += ["--checkpoint-dir", str(ckpt)]
+    return args
+
+
+def run_job(tmp, n=3, timeout=60, **kw):
+    """Run the job to its end (under a deadline) and return the MPIRun."""
+    run = run_mpi(n, [JOB, *job_args(tmp, **kw)], timeout=timeout, cwd=str(REPO))
+    assert not run.timed_out, f"hung, killed after {timeout} s:\n{run.output}"
+    return run
+
+
+def final_summary(run):
+    found = FINAL.findall(run.stdout)
+    assert found, run.output
+    return json.loads(found[-1].replace("NaN", "null"))
+
+
+class Background:
+    """An mpiexec run in its own process group, output to a file, for tests that hit it."""
+
+    def __init__(self, tmp, n=3, step_sleep=0.02, env=None, **kw):
+        self.pid_dir = tmp / f"pids-{time.monotonic_ns()}"
+        self.pid_dir.mkdir()
+        self.log = tmp / f"out-{time.monotonic_ns()}.log"
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", MPITF_TEST_STEP_SLEEP=str(step_sleep),
+                        MPITF_TEST_PID_DIR=str(self.pid_dir), **(env or {}))
+        cmd = [find_mpiexec(), "-n", str(n), sys.executable, JOB, *job_args(tmp, **kw)]
+        self._out = open(self.log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=full_env, cwd=str(REPO),
+                                     start_new_session=True)
+        self.n = n
+
+    @property
+    def output(self):
+        return self.log.read_text()
+
+    def wait_until(self, condition, timeout=30, what="the condition"):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if condition():
+                return
+            if self.proc.poll() is not None:
+                pytest.fail(f"job ended (code {self.proc.returncode}) before {what}:\n"
+                            + self.output)
+            time.sleep(0.005)
+        self.kill()
+        pytest.fail(f"no {what} within {timeout} s:\n{self.output}")
+
+    def wait_for_step(self, step, timeout=30):
+        """Wait until the chief has logged a step at or beyond ``step`` (multiples of 10)."""
+        def logged():
+            return any(int(s) >= step for s in re.findall(r"^step (\d+),", self.output, re.M))
+        self.wait_until(logged, timeout, f"step {step}")
+
+    def rank_pid(self, name):
+        """Return the pid of ``rank<R>-<job>-<task>`` (from the pid file the job wrote)."""
+        path = self.pid_dir / f"{name}.pid"
+        self.wait_until(path.exists, 30, f"pid file {path.name}")
+        return int(path.read_text())
+
+    def rank_pids_from_proc(self):
+        """Return the pids of the ranks: the children of hydra_pmi_proxy, mpiexec's child."""
+        def children(pid):
+            try:
+                text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+            except OSError:
+                return []
+            return [int(p) for p in text.split()]
+        proxies = children(self.proc.pid)
+        assert proxies, "mpiexec has no child"
+        assert all("hydra_pmi_proxy" in Path(f"/proc/{p}/cmdline").read_text()
+                   for p in proxies), proxies
+        return [r for p in proxies for r in children(p)]
+
+    def finish(self, timeout=30):
+        """Wait for the run to end; return (exit code, seconds waited)."""
+        start = time.monotonic()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"still running {timeout} s later; killed:\n{self.output}")
+        finally:
+            self._out.close()
+        return self.proc.returncode, time.monotonic() - start
+
+    def kill(self):
+        kill_group(self.proc)
+        self.proc.wait(30)
+        self._out.close()
+
+
+def latest_step(root):
+    try:
+        name = (Path(root) / ck.LATEST).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return int(name.split("-")[1])
+
+
+def cli_verify(path):
+    return subprocess.run([sys.executable, "-m", "mpitf.cli", "ckpt", "verify", str(path)],
+                          capture_output=True, text=True, timeout=60, cwd=str(REPO))
+
+
+def digest(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def tree_digests(path):
+    return {p.name: digest(p) for p in sorted(Path(path).iterdir())}
+
+
+def load_npz(path):
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files}
+
+
+def assert_bitwise_equal(got, want):
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        assert np.array_equal(got[name], want[name]), f"{name} differs"
+        assert got[name].tobytes() == want[name].tobytes(), f"{name} differs in its bits"
+
+
+@pytest.fixture
+def tmp(tmp_path):
+    return tmp_path
+
+
+# -------------------------------------------------------- 1. kill, resume, same bits
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_sigkill_then_resume_gives_the_same_bits(tmp, optimizer):
+    extra = ["--checkpoint-every", "10", "--optimizer", optimizer]
+    if optimizer == "adam":
+        extra += ["--lr", "0.01"]
+    ref = run_job(tmp, ckpt=tmp / "ref-ckpt", steps=60,
+                  extra=[*extra, "--export", tmp / "ref.npz"])
+    assert ref.returncode == 0, ref.output
+
+    root = tmp / "ckpt"
+    job = Background(tmp, ckpt=root, steps=60, step_sleep=0.03, run_dir="killed",
+                     extra=[*extra, "--log-every", "1", "--export", tmp / "dead.npz"])
+    job.wait_until(lambda: (latest_step(root) or 0) > 20, 30, "a checkpoint beyond step 20")
+    time.sleep(0.07)  # two steps or so past the checkpoint: not a checkpoint step
+    kill_group(job.proc)
+    code, _ = job.finish()
+    assert code != 0 and not (tmp / "dead.npz").exists()
+    saved = latest_step(root)
+    assert saved is not None and saved % 10 == 0 and 20 < saved < 60, job.output
+    # The kill came after the chief had logged steps past the checkpoint: work was lost.
+    logged = [json.loads(line)["step"]
+              for line in (tmp / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert max(logged) > saved, (saved, logged[-5:])
+
+    resumed = run_job(tmp, ckpt=root, steps=60, extra=[*extra, "--export", tmp / "out.npz"])
+    assert resumed.returncode == 0, resumed.output
+    (path, step), = RESTORED.findall(resumed.stdout)
+    assert int(step) == saved and int(step) % 10 == 0 and int(step) < 60
+    assert Path(path).name == ck.checkpoint_name(saved)
+    assert final_summary(resumed)["step"] == 60
+    assert_bitwise_equal(load_npz(tmp / "out.npz"), load_npz(tmp / "ref.npz"))
+
+
+# ------------------------------------------------------- 2. a damaged newest checkpoint
+
+
+def _truncate(shard):
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size // 2)
+    return "truncated"
+
+
+def _flip_dataset_bytes(shard):
+    with h5py.File(shard, "r") as f:
+        names = []
+        f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
+        name = sorted(n for n in names if n.startswith("params/"))[0]
+        offset = f[name].id.get_offset()
+        assert offset is not None  # contiguous storage, as the format says
+    with open(shard, "r+b") as f:
+        f.seek(offset + 16)
+        data = bytearray(f.read(8))
+        f.seek(offset + 16)
+        f.write(bytes(b ^ 0xFF for b in data))
+    return name
+
+
+@pytest.mark.parametrize("damage", [_truncate, _flip_dataset_bytes],
+                         ids=["truncated", "flipped"])
+def test_damaged_newest_checkpoint_is_skipped(tmp, damage):
+    root = tmp / "ckpt"
+    first = run_job(tmp, ckpt=root, steps=30, extra=["--checkpoint-every", "10"])
+    assert first.returncode == 0, first.output
+    assert [int(s) for _, s in CHECKPOINT.findall(first.stdout)] == [10, 20, 30]
+    names = [ck.checkpoint_name(s) for s in (10, 20, 30)]
+    assert latest_step(root) == 30
+    before = {n: tree_digests(root / n) for n in names[:2]}
+
+    shard = root / names[2] / ck.shard_name(0, 1)
+    what = damage(shard)
+    bad = cli_verify(root / names[2])
+    assert bad.returncode != 0 and "OK" not in bad.stdout, bad.stdout
+    assert ck.shard_name(0, 1) in bad.stdout
+    if what != "truncated":
+        assert f"checksum mismatch in {what}" in bad.stdout
+    assert cli_verify(root).returncode != 0
+    for n in names[:2]:
+        good = cli_verify(root / n)
+        assert good.returncode == 0 and good.stdout.strip() == f"{n}: OK", good.stdout
+
+    resumed = run_job(tmp, ckpt=root, steps=40, extra=["--checkpoint-every", "10"])
+    assert resumed.returncode == 0, resumed.output
+    skip = re.search(rf"skipping {names[2]}: (.*); using {names[1]}", resumed.stderr)
+    assert skip, resumed.output
+    assert ck.shard_name(0, 1) in skip.group(1)
+    (path, step), = RESTORED.findall(resumed.stdout)
+    assert Path(path).name == names[1] and int(step) == 20
+    assert [int(s) for _, s in CHECKPOINT.findall(resumed.stdout)] == [30, 40]
+    assert final_summary(resumed)["step"] == 40
+    # The older checkpoints were not touched; the damaged one was replaced by a good save.
+    for n in names[:2]:
+        assert tree_digests(root / n) == before[n], n
+    assert latest_step(root) == 40
+    everything = cli_verify(root)
+    assert everything.returncode == 0, everything.stdout
+    assert everything.stdout.count(": OK") == 4, everything.stdout
+
+
+# ---------------------------------------------------------------------- 3. resharding
+
+
+def test_checkpoint_restores_under_another_number_of_ps(tmp):
+    root = tmp / "ckpt"
+    one = run_job(tmp, ckpt=root, steps=30,
+                  extra=["--checkpoint-every", "30", "--export", tmp / "a.npz"])
+    assert one.returncode == 0, one.output
+    assert latest_step(root) == 30
+    assert ck.read_manifest(root / ck.checkpoint_name(30))["layout"]["num_ps"] == 1
+
+    # Two ps, already at the last step: restore, write nothing, export the same values.
+    two = run_job(tmp, n=4, ckpt=root, num_ps=2, steps=30, extra=["--export", tmp / "b.npz"])
+    assert two.returncode == 0, two.output
+    (_, step), = RESTORED.findall(two.stdout)
+    assert int(step) == 30 and final_summary(two)["step"] == 30
+    assert not CHECKPOINT.findall(two.stdout), "the checkpoint at step 30 was rewritten"
+    assert_bitwise_equal(load_npz(tmp / "b.npz"), load_npz(tmp / "a.npz"))
+
+    # Two ps, ten more steps: training goes on from the resharded state.
+    more = run_job(tmp, n=4, ckpt=root, num_ps=2, steps=40)
+    assert more.returncode == 0, more.output
+    (_, step), = RESTORED.findall(more.stdout)
+    assert int(step) == 30
+    summary = final_summary(more)
+    assert summary["step"] == 40 and summary["ps"] == 2
+    assert summary["test_accuracy"] > 0.8, summary
+    manifest = ck.read_manifest(root / ck.checkpoint_name(40))
+    assert manifest["layout"]["num_ps"] == 2 and len(manifest["shards"]) == 2
+    assert ck.verify_checkpoint(root / ck.checkpoint_name(40)) == []
+
+
+# ---------------------------------------------------------- 4. SIGUSR1 / SIGTERM mid-run
+
+
+@pytest.mark.parametrize("signame", ["SIGUSR1", "SIGTERM"])
+@pytest.mark.parametrize("target", ["ranks", "mpiexec"])
+def test_signal_checkpoints_and_exits_with_requeue_code(tmp, signame, target):
+    root = tmp / "ckpt"
+    job = Background(tmp, ckpt=root, steps=5000)
+    job.wait_for_step(20)
+    sig = getattr(signal, signame)
+    if target == "ranks":
+        pids = job.rank_pids_from_proc()
+        assert len(pids) == 3, pids
+        for pid in pids:
+            os.kill(pid, sig)
+    else:
+        # Hydra's mpiexec forwards SIGUSR1 and SIGTERM to every rank.
+        os.kill(job.proc.pid, sig)
+    code, seconds = job.finish(timeout=30)
+    out = job.output
+    assert code == EXIT_REQUEUE, out
+    (path, step), = CHECKPOINT.findall(out)
+    step = int(step)
+    assert step >= 20 and Path(path).name == ck.checkpoint_name(step)
+    assert (f"{signame}: checkpointed at step {step}; exiting with code {EXIT_REQUEUE}"
+            in out), out
+    assert latest_step(root) == step and ck.verify_checkpoint(path) == []
+    assert "final:" not in out
+
+    resumed = run_job(tmp, ckpt=root, steps=step + 10)
+    assert resumed.returncode == 0, resumed.output
+    (_, restored), = RESTORED.findall(resumed.stdout)
+    assert int(restored) == step
+    assert final_summary(resumed)["step"] == step + 10
+
+
+# ----------------------------------------------------- 5. a dead or a silent rank mid-run
+
+
+@pytest.mark.parametrize("victim", ["rank2-worker-1", "rank0-ps-0"])
+def test_sigkill_of_a_rank_ends_the_job(tmp, victim):
+    job = Background(tmp, steps=5000, extra=["--deadline", "10"])
+    job.wait_for_step(20)
+    pid = job.rank_pid(victim)
+    rank = int(victim.split("-")[0][4:])
+    os.kill(pid, signal.SIGKILL)
+    code, seconds = job.finish(timeout=30)
+    out = job.output
+    assert seconds < 30 and code != 0, out
+    # Hydra sees the rank die and ends the job at once; its message names the process by
+    # pid (this test maps the pid to the rank), not by rank. An mpitf message would say
+    # "rank N".
+    named = f"PID {pid} RUNNING AT" in out or re.search(rf"\(rank {rank}, /job:", out)
+    assert named, out
+
+
+@pytest.mark.parametrize("victim,operation,deadline_s", [
+    ("rank2-worker-1", "during push", 10),
+    ("rank0-ps-0", "during push_pull", 15),  # workers wait 1.5 x the deadline on a ps
+])
+def test_a_stopped_rank_is_named_when_the_deadline_ends_the_job(tmp, victim, operation,
+                                                                deadline_s):
+    job = Background(tmp, steps=5000, extra=["--deadline", "10"])
+    job.wait_for_step(20)
+    pid = job.rank_pid(victim)
+    rank, role, task = victim.split("-")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        code, seconds = job.finish(timeout=30)
+    finally:
+        for sig in (signal.SIGKILL, signal.SIGCONT):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+    out = job.output
+    assert code != 0, out
+    assert deadline_s - 1 < seconds < 30, (seconds, out)
+    message = re.search(rf"mpitf: error on rank \d+: .*\((rank {rank[4:]}, /job:{role}/task:"
+                        rf"{task}, on \S+, {operation})\)", out)
+    assert message, out
+
+
+# ----------------------------------------------- 6. killed at any instant, even mid-save
+
+
+def test_kills_at_random_instants_leave_latest_whole(tmp):
+    root = tmp / "ckpt"
+    rng = random.Random(1234)
+    for i in range(5):
+        before = latest_step(root)
+        job = Background(tmp, ckpt=root, steps=100000, step_sleep=0,
+                         extra=["--checkpoint-every", "1", "--max-to-keep", "3"])
+        # Every step saves, so most of a step's time is spent writing a checkpoint.
+        job.wait_until(lambda: latest_step(root) not in (None, before), 30,
+                       "a new checkpoint")
+        time.sleep(rng.uniform(0.0, 0.3))
+        kill_group(job.proc)
+        job.finish()
+        out = job.output
+        m = RESTORED.search(out)
+        if i:
+            assert m and int(m.group(2)) == before, out  # each run resumed where the last one left
+        latest = latest_step(root)
+        assert latest is not None and latest > (before or 0), out
+        assert ck.verify_checkpoint(root / ck.checkpoint_name(latest)) == []
+        found = ck.find_restorable(str(root), log=lambda m: None)
+        assert found is not None
+        path, manifest = found
+        assert Path(path).name == ck.checkpoint_name(latest) and ck.verify_checkpoint(path) == []
+        assert manifest["global_step"] == latest
+    assert cli_verify(root).returncode == 0
