@@ -6,6 +6,7 @@ Each point is one run of ``jobs/mnist_mlp.py`` under the launcher (``mpiexec -n 
 ``srun -n W+P`` inside a Slurm allocation), read from its ``final:`` line. Weak scaling
 keeps the per-worker batch; strong scaling splits a fixed global batch over the workers.
 Efficiency is ``examples/sec(W) / (W * examples/sec(1))`` at the same ps count.
+Each point is the median of ``--repeats`` runs.
 """
 
 import argparse
@@ -81,6 +82,8 @@ def parse_args(argv=None):
     p.add_argument("--global-batch", type=int, default=96,
                    help="strong scaling: examples per global step, split over the workers")
     p.add_argument("--steps", type=int, default=None, help="steps per run (default 300; quick 60)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs per point, median taken (default 3; quick 1)")
     p.add_argument("--launcher", default=None,
                    help='launcher command, e.g. "srun" or "mpiexec -bind-to core"')
     args = p.parse_args(argv)
@@ -88,7 +91,8 @@ def parse_args(argv=None):
     args.workers = [int(x) for x in (args.workers or ("1,2" if args.quick else "1,2,3"))
                     .split(",")]
     args.ps = [int(x) for x in (args.ps or ("1" if args.quick else "1,2")).split(",")]
-    args.steps = args.steps or (60 if args.quick else 300)
+    args.steps = args.steps or (200 if args.quick else 1000)
+    args.repeats = args.repeats or (1 if args.quick else 3)
     args.launcher = shlex.split(args.launcher) if args.launcher else default_launcher()
     return args
 
@@ -103,11 +107,13 @@ def main(argv=None):
                 base = None
                 for w in args.workers:
                     batch = args.batch if scaling == "weak" else max(1, args.global_batch // w)
-                    final = run_job(w + ps, ["--model", model, "--num-ps", ps, "--steps",
+                    finals = [run_job(w + ps, ["--model", model, "--num-ps", ps, "--steps",
                                              args.steps, "--batch-size", batch,
                                              "--log-every", args.steps, "--run-dir",
                                              os.path.join("/tmp", f"mpitf-scaling-{os.getpid()}")],
-                                    args.launcher)
+                                      args.launcher) for _ in range(args.repeats)]
+                    finals.sort(key=lambda f: f["examples_per_sec"])
+                    final = finals[len(finals) // 2]  # the median run
                     eps = final["examples_per_sec"]
                     base = eps if w == 1 else base
                     row = dict(model=model, scaling=scaling, workers=w, ps=ps, batch=batch,
@@ -115,7 +121,8 @@ def main(argv=None):
                                efficiency=eps / (w * base) if base else None,
                                oversubscribed=w + ps > (os.cpu_count() or 1),
                                loss=final["loss"], test_accuracy=final["test_accuracy"],
-                               steps=final["step"], wall_s=final["wall_s"])
+                               steps=final["step"], wall_s=final["wall_s"],
+                               runs=[f["examples_per_sec"] for f in finals])
                     results.append(row)
                     print(f"{model} {scaling:<6} W={w} P={ps} batch={batch:<3} "
                           f"{eps:10.0f} ex/s  eff {row['efficiency'] or 0:.2f}", flush=True)

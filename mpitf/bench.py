@@ -159,7 +159,7 @@ def project_modes(fit, modes, scaling):
 
 
 def projection_table(fit, per_example, batch, model_sizes, workers=(1, 8, 64, 512, 4096),
-                     ps=(1, 4, 16, 64)):
+                     ps=(1, 16, 64)):
     """Return projection rows for larger clusters: mode, model, N, P, ex/s, efficiency."""
     rows = []
     for name, mbytes in model_sizes.items():
@@ -402,11 +402,13 @@ def _projection_section(results, fit, sc):
              f"Compute {per_ex * 1e6:.2f} us per example (MLP, from the 1-worker run), "
              f"batch {base['batch']} per worker, so {c * 1e3:.3f} ms per step; "
              "no stragglers. `link` marks where the ps link, not compute, sets the pace.", "",
-             _table(["model", "mode", "N", "P", "step ms", "ex/s", "efficiency", "link"],
-                    [[r["model"], r["mode"], r["workers"], r["ps"], r["step_time"] * 1e3,
-                      r["examples_per_sec"], r["efficiency"],
-                      "link" if r["link_bound"] else ""]
-                     for r in proj if r["mode"] != "backup"]), "",
+             _table(["model", "N", "P", "sync step ms", "sync ex/s", "sync eff.",
+                     "async ex/s", "async eff.", "ps link bound"],
+                    [[r["model"], r["workers"], r["ps"], r["step_time"] * 1e3,
+                      r["examples_per_sec"], r["efficiency"], a["examples_per_sec"],
+                      a["efficiency"], "yes" if r["link_bound"] else ""]
+                     for r, a in zip([r for r in proj if r["mode"] == "sync"],
+                                     [r for r in proj if r["mode"] == "async"])]), "",
              "ps needed so that the ps link time stays below the compute time "
              "(same compute per step):", "",
              _table(["model", *[f"N={n}" for n in (1, 8, 64, 512, 4096)],

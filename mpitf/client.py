@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from . import protocol as P
 from .backend import get_backend
-from .errors import ConfigurationError, NonFiniteGradientError, PeerError
+from .errors import ConfigurationError, PeerError
 from .frames import make_frames
 
 
@@ -180,6 +180,27 @@ class Client:
         handle = PushPullHandle(self, receives, sends, operation)
         return handle.wait() if want_reply else handle.wait_sends()
 
+    def nonfinite_gradient(self):
+        """Return the name of a variable whose gradient holds NaN or Inf, or None.
+
+        One reduction per ps part finds out cheaply; only then are variables searched.
+        Checking here, on every worker in parallel, keeps the ps's path free of it.
+        """
+        xp = self.backend.xp
+        for _, b, c in self.segments:
+            if not np.isfinite(float(xp.add.reduce(self.grads_flat[b:c]))):
+                break
+        else:
+            return None
+        for name, grad in self.grads.items():
+            if not bool(xp.isfinite(grad).all()):
+                return name
+        return None  # a sum overflowed, but every element is finite
+
+    def skip_push(self):
+        """Tell every ps this worker dropped its gradient; return the fresh parameters."""
+        return self._request(P.SKIP, True, operation="skip of a non-finite gradient")
+
     def pull(self, average=False):
         """Fetch the current parameters (or their moving average) from every ps; blocking."""
         kind = P.PULL_AVERAGE if average else P.PULL
@@ -199,11 +220,6 @@ class Client:
             dropped += int(h[5])
             lead = max(lead, int(h[6]))
             applied += int(h[7])
-            if h[4] & P.FLAG_NONFINITE:
-                piece = self.placement.slices_for_ps(p)[int(h[5])]
-                raise NonFiniteGradientError(
-                    f"the gradient of variable {piece.name!r} holds NaN or Inf (found by "
-                    f"/job:ps/task:{p}); pass skip_nonfinite to drop such gradients instead")
         for name, views in self._partitioned:
             flat = self.params[name].reshape(-1)
             for s, pview, _ in views:

@@ -15,6 +15,7 @@ other, so a worker's pushes reach each ps in the order sent and no sequence numb
 needed beyond the step.
 """
 
+import os
 import time
 
 from mpi4py import MPI
@@ -41,17 +42,17 @@ DONE = 5  # no payload; the worker has finished; no reply
 PAUSED = 6  # no payload; the worker saw a pause flag and waits for the chief
 SAVE = 7  # no payload; the chief asks for a checkpoint cut
 COUNTERS = 8  # no payload; the ps answers with a pickled dict of counters on TAG_CONTROL
+SKIP = 9  # no payload; the worker dropped a NaN/Inf gradient: count it, reply parameters
 # Reply kinds (ps -> worker).
 REPLY = 21
 
 # Flags in replies.
 FLAG_PAUSE = 1  # stop after this step and wait for the chief (a checkpoint is being cut)
-FLAG_NONFINITE = 2  # your gradient held NaN/Inf (word a: index of the variable slice)
 FLAG_REQUEUE = 8  # (in done) the job ends on a signal: exit with the requeue code
 FLAG_CHUNKED = 16  # (in requests) this worker stages through host memory: frames in chunks
 
 KIND_NAMES = {PUSH: "push", PULL: "pull", PULL_AVERAGE: "pull of the average", INIT: "init",
-              DONE: "done", PAUSED: "paused", SAVE: "save", COUNTERS: "counters",
+              DONE: "done", PAUSED: "paused", SAVE: "save", COUNTERS: "counters", SKIP: "skip",
               REPLY: "reply"}
 
 
@@ -103,10 +104,34 @@ class Handle:
         self.buffers = None
 
 
-def _backoff(spins):
-    """Sleep a little longer the longer we have waited: spin first, then yield the core."""
-    if spins > 200:
-        time.sleep(min(0.002, 0.00001 * (spins - 200)))
+# Polling: MPI moves a large message only while this rank is inside an MPI call, so a
+# waiting rank spins (yielding the core to any other process that wants it) for the first
+# SPIN_SECONDS of a wait; after that the wait is probably for another rank's computation,
+# and it sleeps between polls, longer the longer it has waited, up to a millisecond.
+SPIN_SECONDS = float(os.environ.get("MPITF_SPIN_MS", "20")) / 1000.0
+
+
+class _Poll:
+    """Pace one polling wait and enforce its deadline."""
+
+    __slots__ = ("start", "deadline")
+
+    def __init__(self, deadline):
+        self.start = time.monotonic()
+        self.deadline = deadline
+
+    def pause(self):
+        """Yield or sleep before the next poll; return True once the deadline has passed."""
+        elapsed = time.monotonic() - self.start
+        if elapsed < SPIN_SECONDS:
+            os.sched_yield()
+        else:
+            time.sleep(min(0.001, elapsed / 50))
+        return self.deadline is not None and elapsed > self.deadline
+
+    def restart(self):
+        """Start the clock again (after a deadline callback chose to keep waiting)."""
+        self.start = time.monotonic()
 
 
 def wait_all(requests, deadline, describe):
@@ -114,12 +139,9 @@ def wait_all(requests, deadline, describe):
     if deadline is None:
         MPI.Request.Waitall(requests)
         return
-    start = time.monotonic()
-    spins = 0
+    poll = _Poll(deadline)
     while not MPI.Request.Testall(requests):
-        spins += 1
-        _backoff(spins)
-        if time.monotonic() - start > deadline:
+        if poll.pause():
             pending = [i for i, r in enumerate(requests) if r != MPI.REQUEST_NULL]
             info = describe(pending[0]) if pending else {}
             raise DeadlineError(f"no answer within {deadline:g} s", **info)
@@ -130,27 +152,21 @@ def wait_any(requests, deadline, on_timeout, status=None):
 
     After ``deadline`` seconds with nothing completed, ``on_timeout()`` is called (it raises).
     """
-    start = time.monotonic()
-    spins = 0
+    poll = _Poll(deadline)
     while True:
         index, flag = MPI.Request.Testany(requests, status)
         if flag:
             return None if index == MPI.UNDEFINED else index
-        spins += 1
-        _backoff(spins)
-        if deadline is not None and time.monotonic() - start > deadline:
+        if poll.pause():
             on_timeout()
-            start = time.monotonic()
+            poll.restart()
 
 
 def recv_object(comm, source, tag, deadline, describe):
     """Receive a pickled control object, raising DeadlineError after ``deadline`` seconds."""
-    start = time.monotonic()
-    spins = 0
+    poll = _Poll(deadline)
     status = MPI.Status()
     while not comm.Iprobe(source, tag, status):
-        spins += 1
-        _backoff(spins)
-        if deadline is not None and time.monotonic() - start > deadline:
+        if poll.pause():
             raise DeadlineError(f"no answer within {deadline:g} s", **describe())
     return comm.recv(source=status.Get_source(), tag=tag)

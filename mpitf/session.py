@@ -15,7 +15,7 @@ import numpy as np
 
 from . import protocol as P
 from .client import Client
-from .errors import ConfigurationError
+from .errors import ConfigurationError, NonFiniteGradientError
 from .guard import EXIT_REQUEUE, CheckpointSignals
 from .placement import replica_device_setter
 from .timeline import Timeline
@@ -307,6 +307,16 @@ class TrainingSession:
                 batch = self.dataset.next_batch()
             self.loss = self.model.loss_and_grads(self.client.params, batch, self.client.grads)
         state = self.dataset.state() if self.dataset is not None else {"epoch": 0, "cursor": 0}
+        bad = self.client.nonfinite_gradient()
+        if bad is not None:
+            if not self.options.get("skip_nonfinite"):
+                raise NonFiniteGradientError(
+                    f"the gradient of variable {bad!r} holds NaN or Inf at step "
+                    f"{self.global_step}; pass skip_nonfinite (--skip-nonfinite) to drop such "
+                    f"gradients instead")
+            self.last_reply = self.client.skip_push()
+            self.global_step = self.last_reply.global_step
+            return self.loss
         if self.server.is_chief and self._cut_due():
             self._send_save(self.global_step + 1)
         with tl.span("push_pull", step=self.global_step):

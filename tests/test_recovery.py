@@ -3,7 +3,7 @@
 jobs/mnist_mlp.py runs through tests/recovery/slow_job.py, which can slow every worker step
 (MPITF_TEST_STEP_SLEEP; values are unchanged) so that a kill or a signal lands mid-run, and
 records each rank's pid. Every run is under a deadline; a hung run's process group is killed.
-About 80 s on a 2-core machine, most of it the two deadline tests.
+About 90 s on a 2-core machine, a third of it the two deadline tests.
 """
 
 import hashlib
@@ -351,17 +351,18 @@ def test_signal_checkpoints_and_exits_with_requeue_code(tmp, signame, target):
 def test_sigkill_of_a_rank_ends_the_job(tmp, victim):
     job = Background(tmp, steps=5000, extra=["--deadline", "10"])
     job.wait_for_step(20)
-    pid = job.rank_pid(victim)
-    rank = int(victim.split("-")[0][4:])
-    os.kill(pid, signal.SIGKILL)
+    pids = [job.rank_pid(name) for name in ("rank0-ps-0", "rank1-worker-0", "rank2-worker-1")]
+    os.kill(job.rank_pid(victim), signal.SIGKILL)
     code, seconds = job.finish(timeout=30)
     out = job.output
     assert seconds < 30 and code != 0, out
-    # Hydra sees the rank die and ends the job at once; its message names the process by
-    # pid (this test maps the pid to the rank), not by rank. An mpitf message would say
-    # "rank N".
-    named = f"PID {pid} RUNNING AT" in out or re.search(rf"\(rank {rank}, /job:", out)
-    assert named, out
+    # Hydra sees the rank die and kills the others at once, before any deadline: mpitf says
+    # nothing. Hydra's block names a process by pid, not by rank, and not reliably the one
+    # killed (it often names another rank's pid).
+    assert "BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES" in out, out
+    assert "Killed (signal 9)" in out, out
+    named = re.search(r"PID (\d+) RUNNING AT", out)
+    assert named and int(named.group(1)) in pids, out
 
 
 @pytest.mark.parametrize("victim,operation,deadline_s", [
@@ -402,7 +403,7 @@ def test_kills_at_random_instants_leave_latest_whole(tmp):
         job = Background(tmp, ckpt=root, steps=100000, step_sleep=0,
                          extra=["--checkpoint-every", "1", "--max-to-keep", "3"])
         # Every step saves, so most of a step's time is spent writing a checkpoint.
-        job.wait_until(lambda: latest_step(root) not in (None, before), 30,
+        job.wait_until(lambda before=before: latest_step(root) not in (None, before), 30,
                        "a new checkpoint")
         time.sleep(rng.uniform(0.0, 0.3))
         kill_group(job.proc)

@@ -52,18 +52,16 @@ class SyncReplicas:
         if step > g:
             raise PeerError(f"push for step {step} but the ps is at step {g}",
                             **svc.describe_worker(worker, "push"))
-        if not svc.check_finite(worker, frame.payload):
-            if svc.skip_nonfinite:
-                # Skipped: answer at once, or the worker (and the step) would wait forever;
-                # it retries this step with the current parameters.
-                svc.reply(worker)
-            return True
         svc.note_staleness(0)
         if self.deterministic:
             self.held[worker] = (frame, index)
             self.waiting.append(worker)
             self.maybe_step(svc)
             return False
+        if not self.waiting and self.needed(svc) == 1:
+            svc.apply(frame.payload)  # a step of one gradient: no need to copy it first
+            svc.reply(worker)
+            return True
         if self.accum is None:
             self.accum = svc.xp.empty_like(frame.payload)
         if not self.waiting:
@@ -116,12 +114,9 @@ class Async:
 
     def on_push(self, svc, worker, step, frame, index):
         """Apply the gradient now; return True (the frame is free again)."""
-        if svc.check_finite(worker, frame.payload):
-            svc.note_staleness(svc.global_step - step)
-            svc.apply(frame.payload)
-            self.after_apply(svc, worker)
-        else:
-            svc.reply(worker)
+        svc.note_staleness(svc.global_step - step)
+        svc.apply(frame.payload)
+        self.after_apply(svc, worker)
         return True
 
     def after_apply(self, svc, worker):

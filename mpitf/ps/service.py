@@ -57,7 +57,6 @@ class Service:
                                   config.get("deterministic", False),
                                   config.get("staleness", 0))
         self.ssp = config["mode"] == "ssp"
-        self.skip_nonfinite = config.get("skip_nonfinite", False)
         self.timeline = Timeline(server.rank, server.device, bool(config.get("timeline")))
         self.chunk_bytes = config.get("chunk_bytes")
         self.chunked_workers = set()  # workers that stage through host memory, in chunks
@@ -65,7 +64,6 @@ class Service:
                      for _ in range(self.policy.receive_buffers(self.num_workers))]
         self.recv_requests = [MPI.REQUEST_NULL] * len(self.pool)
         self.reply_requests = []
-        self.nonfinite_reply = np.zeros(P.HEADER_WORDS, np.int64)
         self.global_step = 0
         self.initialized = False
         self.pending_pulls = []
@@ -110,19 +108,6 @@ class Service:
         """Record how far a worker ran ahead of the slowest (bounded staleness)."""
         if lead > self.counters["max_lead"]:
             self.counters["max_lead"] = lead
-
-    def check_finite(self, worker, grad):
-        """Return True if ``grad`` is finite; otherwise count it or refuse it."""
-        bad = self.shard.first_nonfinite(grad)
-        if bad is None:
-            return True
-        if self.skip_nonfinite:
-            self.counters["nonfinite_skipped"] += 1
-            return False
-        h = self.nonfinite_reply
-        P.set_header(h, P.REPLY, self.global_step, self.ps_task, 0, P.FLAG_NONFINITE, bad)
-        self.comm.Send([h, MPI.BYTE], self.worker_ranks[worker], P.TAG_REPLY)
-        return False
 
     def drop(self, worker, staleness):
         """Drop a stale gradient, count it, and send its worker the current parameters."""
@@ -304,6 +289,11 @@ class Service:
             self.pausing = True
             self._write_header()
             self._check_quiescent()
+        elif kind == P.SKIP:
+            # The worker found NaN/Inf in its gradient and was told to skip it: count it and
+            # answer with the current parameters (it retries with its next batch).
+            self.counters["nonfinite_skipped"] += 1
+            self.reply(worker)
         elif kind == P.COUNTERS:
             self.comm.send(dict(self.counters, ps_task=self.ps_task), dest=source,
                            tag=P.TAG_CONTROL)

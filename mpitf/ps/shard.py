@@ -89,17 +89,3 @@ class Shard:
     def saved_slots(self):
         """Return the slots a checkpoint keeps (scratch buffers excluded)."""
         return {k: v for k, v in self.slots.items() if not k.startswith("_")}
-
-    def first_nonfinite(self, grad):
-        """Return the index of the first slice of ``grad`` holding NaN or Inf, or None.
-
-        A single reduction checks the whole gradient cheaply; only on failure are the
-        slices searched one by one.
-        """
-        total = float(self.xp.add.reduce(grad))
-        if np.isfinite(total):
-            return None
-        for i, s in enumerate(self.slices):
-            if not bool(self.xp.isfinite(grad[s.offset:s.offset + s.size]).all()):
-                return i
-        return None  # the sum overflowed but every element is finite
