@@ -15,12 +15,24 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from mpitf.client import Client
-from mpitf.cluster import check_claimed_role, cluster_from_args
 from mpitf.data import load_split
 from mpitf.errors import ConfigurationError
-from mpitf.flags import add_training_arguments, data_path, make_optimizer_from_args
-from mpitf.guard import CheckpointSignals, RankParser, abort_on_error, setup_logging
+from mpitf.flags import (
+    add_training_arguments,
+    check_roles,
+    data_path,
+    make_optimizer_from_args,
+    resolve_cluster,
+    setup_backend,
+)
+from mpitf.guard import (
+    CheckpointSignals,
+    RankParser,
+    abort_on_error,
+    collective,
+    setup_logging,
+)
+from mpitf.layout import FlatLayout
 from mpitf.models import build_model
 from mpitf.placement import replica_device_setter
 from mpitf.replication import InGraphBatches, InGraphReplica, InGraphWorker
@@ -37,19 +49,21 @@ def main(argv=None):
     args = parser.parse_args(argv)
     setup_logging()
     world = MPI.COMM_WORLD
-    cluster = cluster_from_args(args, world.Get_size())
+    cluster = resolve_cluster(args, world.Get_size())
+    if cluster.num_tasks("ps") < 1:
+        raise collective(ConfigurationError(
+            "in-graph replication pushes through a ps: use --num-ps 1 or more "
+            "(jobs/towers.py trains without one)"))
+    if args.mode != "sync":
+        raise collective(ConfigurationError(
+            "in-graph replication has a single client, so only --mode sync applies"))
     server = Server(cluster, deadline=args.deadline)
-    check_claimed_role(args, server.job_name, server.task_index, server.rank)
+    check_roles(args, server)
+    setup_backend(args, server)
     path = data_path(args, world)
     if server.job_name == "ps":
         server.join()
         return server.exit_code
-    if cluster.num_tasks("ps") < 1:
-        raise ConfigurationError("in-graph replication pushes through a ps: use --num-ps 1 "
-                                 "or more (jobs/towers.py trains without one)")
-    if args.mode != "sync":
-        raise ConfigurationError("in-graph replication has one client, so only --mode sync "
-                                 "applies")
     server.describe()
     num_workers = cluster.num_tasks("worker")
     batches = InGraphBatches(path, num_workers, args.batch_size, args.seed) \
@@ -108,7 +122,7 @@ def _compute(server, model, args):
     """Run a compute task: gradients of the client's chunks, no session, no ps traffic."""
     CheckpointSignals().install()  # a requeue signal is the client's to act on
     placement = replica_device_setter(server.cluster, ps_strategy=args.ps_strategy)
-    layout = Client(server, placement.place(model.variables()))  # buffers only
+    layout = FlatLayout(placement.place(model.variables()))
     InGraphWorker(server.job_comm, model, layout).serve()
     if args.timeline:  # collective with the client's and the ps's end of training
         Timeline(server.rank, server.device, True).gather_and_write(server.comm, args.timeline)

@@ -17,15 +17,21 @@ import numpy as np
 from mpi4py import MPI
 
 from mpitf.backend import describe_backend
-from mpitf.cluster import check_claimed_role, cluster_from_args
 from mpitf.data import ShardedDataset, load_split
 from mpitf.errors import ConfigurationError
-from mpitf.flags import add_training_arguments, data_path, make_optimizer_from_args
-from mpitf.guard import RankParser, abort_on_error, setup_logging
+from mpitf.flags import (
+    add_training_arguments,
+    check_roles,
+    data_path,
+    make_optimizer_from_args,
+    resolve_cluster,
+    setup_backend,
+)
+from mpitf.guard import RankParser, abort_on_error, collective, setup_logging
 from mpitf.models import build_model, evaluate
-from mpitf.replication import Towers, parse_devices, tower_backend
 from mpitf.server import Server
 from mpitf.session import TrainingSession
+from mpitf.towers import Towers, parse_devices, tower_backend
 
 
 def main(argv=None):
@@ -39,14 +45,16 @@ def main(argv=None):
     args = parser.parse_args(argv)
     setup_logging()
     world = MPI.COMM_WORLD
-    cluster = cluster_from_args(args, world.Get_size())
-    path = data_path(args, world)
+    cluster = resolve_cluster(args, world.Get_size())
     if cluster.num_tasks("ps") == 0 and world.Get_size() > 1:
-        raise ConfigurationError("towers without a ps train in one process: run without "
-                                 "mpiexec, or give --num-ps to push through ps tasks")
+        raise collective(ConfigurationError(
+            "towers without a ps train in one process: run without mpiexec, or give "
+            "--num-ps to push through ps tasks"))
+    path = data_path(args, world)
     server = Server(cluster, deadline=args.deadline) if cluster.num_tasks("ps") else None
     if server is not None:
-        check_claimed_role(args, server.job_name, server.task_index, server.rank)
+        check_roles(args, server)
+        setup_backend(args, server)  # where the session's push/pull buffers live
         if server.job_name == "ps":
             server.join()
             return server.exit_code

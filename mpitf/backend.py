@@ -74,7 +74,7 @@ class Backend:
         """Whether arrays of this backend live on a GPU."""
         return self.name == "cupy"
 
-    def _on_device(self):
+    def device(self):
         """Return a context manager that makes this backend's GPU current (no-op on CPU)."""
         if self.is_gpu:
             return self.xp.cuda.Device(self.device_id)
@@ -82,12 +82,12 @@ class Backend:
 
     def empty(self, n, dtype):
         """Return an uninitialised 1-D array of ``n`` elements on this backend."""
-        with self._on_device():
+        with self.device():
             return self.xp.empty(n, dtype=dtype)
 
     def zeros(self, n, dtype):
         """Return a 1-D array of ``n`` zeros on this backend."""
-        with self._on_device():
+        with self.device():
             return self.xp.zeros(n, dtype=dtype)
 
     def to_host(self, a, out=None):
@@ -117,7 +117,7 @@ class Backend:
                 return np.asarray(a)
             np.copyto(out, a)
             return out
-        with self._on_device():
+        with self.device():
             if out is None:
                 return self.xp.asarray(a)
             if self.is_device_array(a):

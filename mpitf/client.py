@@ -15,6 +15,7 @@ from . import protocol as P
 from .backend import get_backend
 from .errors import ConfigurationError, PeerError
 from .frames import make_frames
+from .layout import FlatLayout
 
 
 class Reply:
@@ -100,16 +101,9 @@ class Client:
             raise ConfigurationError(
                 f"the placement has {placement.num_ps} ps but the cluster has "
                 f"{len(self.ps_ranks)}")
-        xp = self.backend.xp
-        dtype = placement.dtype
-        if P.HEADER_BYTES % dtype.itemsize:
-            raise ConfigurationError(f"unsupported parameter dtype {dtype}")
-        hdr = P.HEADER_BYTES // dtype.itemsize
-        self.segments = []  # (start of header, start of payload, end) per ps, in elements
-        pos = 0
-        for size in placement.shard_sizes:
-            self.segments.append((pos, pos + hdr, pos + hdr + size))
-            pos += hdr + size
+        self.layout = FlatLayout(placement)
+        self.segments = self.layout.segments
+        dtype, pos = placement.dtype, self.layout.size
         self.params_flat = self.backend.zeros(pos, dtype)
         self.grads_flat = self.backend.zeros(pos, dtype)
         self.chunk_bytes = chunk_bytes
@@ -120,23 +114,11 @@ class Client:
         # Header-only requests (pull, done, paused) go from a small buffer of their own.
         self.request_headers = np.zeros((len(self.segments), P.HEADER_WORDS), np.int64)
         self.ps_steps = [0] * len(self.segments)
-        self.params, self.grads, self._partitioned = {}, {}, []
-        for name, shape, _ in placement.variables:
-            pieces = placement.owner(name)
-            if len(pieces) == 1:
-                s = pieces[0]
-                at = self.segments[s.ps_task][1] + s.offset
-                self.params[name] = self.params_flat[at:at + s.size].reshape(shape)
-                self.grads[name] = self.grads_flat[at:at + s.size].reshape(shape)
-            else:
-                self.params[name] = xp.zeros(shape, dtype)
-                self.grads[name] = xp.zeros(shape, dtype)
-                views = []
-                for s in pieces:
-                    at = self.segments[s.ps_task][1] + s.offset
-                    views.append((s, self.params_flat[at:at + s.size],
-                                  self.grads_flat[at:at + s.size]))
-                self._partitioned.append((name, views))
+        xp = self.backend.xp
+        self.param_views = self.layout.views(self.params_flat, xp)
+        self.grad_views = self.layout.views(self.grads_flat, xp)
+        self.params = self.param_views.arrays
+        self.grads = self.grad_views.arrays
 
     def _describe_ps(self, p):
         rank = self.ps_ranks[p]
@@ -151,10 +133,7 @@ class Client:
         ``data_position`` (epoch, cursor after this batch) travels in the header so each ps
         can save it with the checkpoint that includes this gradient.
         """
-        for name, views in self._partitioned:
-            flat = self.grads[name].reshape(-1)
-            for s, _, gview in views:
-                gview[...] = flat[s.start:s.stop]
+        self.grad_views.scatter()
         epoch, cursor = data_position
         for p in range(len(self.ps_ranks)):
             count = self.segments[p][2] - self.segments[p][1]
@@ -191,7 +170,10 @@ class Client:
             if not np.isfinite(float(xp.add.reduce(self.grads_flat[b:c]))):
                 break
         else:
-            return None
+            # A partitioned variable's gradient reaches the flat buffer only in push_pull.
+            if all(np.isfinite(float(xp.add.reduce(self.grads[name].reshape(-1))))
+                   for name, _ in self.grad_views.split):
+                return None
         for name, grad in self.grads.items():
             if not bool(xp.isfinite(grad).all()):
                 return name
@@ -220,10 +202,7 @@ class Client:
             dropped += int(h[5])
             lead = max(lead, int(h[6]))
             applied += int(h[7])
-        for name, views in self._partitioned:
-            flat = self.params[name].reshape(-1)
-            for s, pview, _ in views:
-                flat[s.start:s.stop] = pview
+        self.param_views.gather()
         return Reply(step or 0, flags, dropped, lead, applied)
 
     # -- set-up and shutdown -------------------------------------------------------------
@@ -262,10 +241,7 @@ class Client:
                     f"initial value of {name!r} has shape {tuple(value.shape)}, the variable "
                     f"has {tuple(target.shape)}")
             target[...] = self.backend.to_device(np.asarray(value, dtype=target.dtype))
-        for name, views in self._partitioned:
-            flat = self.params[name].reshape(-1)
-            for s, pview, _ in views:
-                pview[...] = flat[s.start:s.stop]
+        self.param_views.scatter()
 
     def send_initial_values(self):
         """Send the parameter buffer to every ps as its initial shard (the chief does this)."""
@@ -325,4 +301,4 @@ class Client:
     @property
     def num_elements(self):
         """Return the number of parameter elements (without headers)."""
-        return sum(c - b for _, b, c in self.segments)
+        return self.layout.num_elements

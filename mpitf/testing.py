@@ -296,7 +296,7 @@ class FakeGPUBackend(Backend):
         """Return True: arrays of this backend pose as device arrays."""
         return True
 
-    def _on_device(self):
+    def device(self):
         return contextlib.nullcontext()
 
     def empty(self, n, dtype):

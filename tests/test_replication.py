@@ -11,8 +11,8 @@ import pytest
 from mpitf.backend import numpy_backend
 from mpitf.errors import ConfigurationError
 from mpitf.models import MLP
-from mpitf.replication import Towers, parse_devices
 from mpitf.testing import run_mpi
+from mpitf.towers import Towers, parse_devices
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -21,10 +21,12 @@ pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parent.parent
 SBATCH_SCRIPT = REPO / "slurm" / "train.sbatch"
-# The job under test; swap for REPO / "jobs" / "mnist_mlp.py" (and its args) once it exists.
+# The job under test. jobs/mnist_mlp.py also passes, with e.g. JOB_ARGS = ["--num-ps", "1",
+# "--steps", "20000", "--log-every", "1000"], FINAL_STEP = 20000 (its steps are much faster).
 JOB_SCRIPT = REPO / "tests" / "slurm" / "fake_job.py"
-JOB_ARGS = ["--steps", "60"]
+JOB_ARGS = ["--steps", "60"]  # long enough to be signalled after 10 steps
 FINAL_STEP = 60
+LONG_JOB_ARGS = ["--steps", "400"]  # still running when it gets cancelled
 START = REPO / "tests" / "slurm" / "start-slurm.sh"
 STOP = REPO / "tests" / "slurm" / "stop-slurm.sh"
 SLURM_ROOT = os.environ.get("SLURM_TEST_ROOT", "/tmp/mpitf-slurm")
@@ -176,7 +178,7 @@ def test_usr1_checkpoints_requeues_and_resumes(submitted, tmp_path):
 
 
 def test_scancel_does_not_requeue(submitted):
-    env, jobid, out = submitted("--steps", "400")
+    env, jobid, out = submitted(*LONG_JOB_ARGS)
     _wait_for("3 steps", lambda: max(_steps(_read(out)), default=0) >= 3, 120, out)
     subprocess.run(["scancel", jobid], env=env, check=True, timeout=30)
     info = _wait_terminal(env, jobid, 60, out)

@@ -249,23 +249,56 @@ def scenario_badinput(server, args, phase):
                                                  step=reply.global_step))
 
 
+class DriverModel:
+    """The driver's model for TrainingSession: gradient() of (worker, step), maybe poisoned.
+
+    A batch is ``(step, poison)``; with ``poison`` the last element of ``nan_variable``'s
+    gradient is NaN.
+    """
+
+    def __init__(self, worker, nan_variable):
+        self.worker, self.nan_variable = worker, nan_variable
+
+    def variables(self):
+        """Return the variables in creation order."""
+        return variables()
+
+    def init(self, rng):
+        """Return the starting parameters (``rng`` is not needed)."""
+        return initial_values()
+
+    def loss_and_grads(self, params, batch, grads):
+        """Write the gradient into ``grads`` in place; return a dummy loss."""
+        step, poison = batch
+        for name, value in gradient(params, self.worker, step).items():
+            grads[name][...] = value
+        if poison:
+            grads[self.nan_variable].reshape(-1)[-1] = np.nan
+        return 0.0
+
+
 def scenario_nonfinite(server, args, phase):
-    """Worker 1 pushes a NaN in ``--nan-variable`` once, in its second push."""
-    _, client = make_client(server, args)
-    options = dict(deterministic=args.deterministic) if args.mode == "sync" else {}
-    reply = start(client, args, "sgd", args.mode, initial_values(), **options)
-    w, step, poisoned, pushes = server.task_index, reply.global_step, False, 0
-    # Sync runs to a global step; async pushes a fixed number of times per worker.
-    while (step < args.steps if args.mode == "sync" else pushes < args.steps):
-        grads = gradient(client.params, w, step)
-        if w == 1 and pushes == 1 and not poisoned:
-            grads[args.nan_variable].reshape(-1)[-1] = np.nan
-            poisoned = True
-        write_grads(client, grads)
-        step = client.push_pull().wait().global_step
-        pushes += 1
-    finite = bool(all(np.isfinite(v).all() for v in client.params.values()))
-    finish(server, client, args.out, phase, dict(step=step, pushes=pushes, finite=finite))
+    """TrainingSession where worker 1's second gradient has a NaN in ``--nan-variable``."""
+    from mpitf.session import TrainingSession
+
+    w = server.task_index
+    opt = make_optimizer("sgd", LEARNING_RATES["sgd"])
+    sess = TrainingSession(server, DriverModel(w, args.nan_variable), opt, args.mode,
+                           last_step=args.steps, deterministic=args.deterministic,
+                           skip_nonfinite=args.skip_nonfinite, partitioner=partitioner(),
+                           ps_strategy=args.strategy, log_every=0)
+    runs = 0
+    while not sess.should_stop():
+        sess.run(batch=(sess.global_step, w == 1 and runs == 1))
+        runs += 1
+    finite = bool(all(np.isfinite(v).all() for v in sess.params.values()))
+    record = dict(step=sess.global_step, runs=runs, finite=finite)
+    server.job_comm.Barrier()
+    if server.is_chief:
+        export(sess.client, args.out, phase)
+        record["counters"] = sess.client.ps_counters()
+    dump(args.out, f"{phase}-worker{w}.json", record)
+    sess.close()
 
 
 def scenario_deadline(server, args, phase):

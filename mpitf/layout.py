@@ -1,0 +1,78 @@
+"""The flat-buffer layout every worker shares: ps by ps, a header slot before each part.
+
+Between placement (who owns what) and transport (what MPI sends): given a placement, a
+:class:`FlatLayout` says where each ps's frame and each variable live in one flat buffer,
+and hands out the model's variables as views into any buffer of that layout.
+"""
+
+import numpy as np
+
+from . import protocol as P
+from .errors import ConfigurationError
+
+
+class VariableViews:
+    """The model's variables over one flat buffer: views, plus copies for partitioned ones.
+
+    A variable partitioned over several ps is not contiguous in the buffer, so it gets an
+    array of its own; :meth:`gather` and :meth:`scatter` move it from and to its slices.
+    """
+
+    def __init__(self, arrays, split):
+        self.arrays = arrays  # name -> array (a view unless partitioned)
+        self.split = split  # [(name, [(slice, flat piece), ...])] for partitioned variables
+
+    def gather(self):
+        """Copy partitioned variables from their slices in the flat buffer."""
+        for name, parts in self.split:
+            whole = self.arrays[name].reshape(-1)
+            for s, piece in parts:
+                whole[s.start:s.stop] = piece
+
+    def scatter(self):
+        """Copy partitioned variables into their slices in the flat buffer."""
+        for name, parts in self.split:
+            whole = self.arrays[name].reshape(-1)
+            for s, piece in parts:
+                piece[...] = whole[s.start:s.stop]
+
+
+class FlatLayout:
+    """Where each ps's frame and each variable sit in a worker's flat buffer (in elements)."""
+
+    def __init__(self, placement):
+        self.placement = placement
+        self.dtype = placement.dtype
+        if P.HEADER_BYTES % self.dtype.itemsize:
+            raise ConfigurationError(f"unsupported parameter dtype {self.dtype}")
+        hdr = P.HEADER_BYTES // self.dtype.itemsize
+        self.segments = []  # (start of header, start of payload, end) per ps
+        pos = 0
+        for size in placement.shard_sizes:
+            self.segments.append((pos, pos + hdr, pos + hdr + size))
+            pos += hdr + size
+        self.size = pos
+
+    @property
+    def num_elements(self):
+        """Return the number of parameter elements (headers excluded)."""
+        return sum(c - b for _, b, c in self.segments)
+
+    def payloads(self, flat):
+        """Return the payload view of every ps's part of ``flat``."""
+        return [flat[b:c] for _, b, c in self.segments]
+
+    def views(self, flat, xp=np):
+        """Return the :class:`VariableViews` of the model's variables over ``flat``."""
+        arrays, split = {}, []
+        for name, shape, dtype in self.placement.variables:
+            parts = []
+            for s in self.placement.owner(name):
+                at = self.segments[s.ps_task][1] + s.offset
+                parts.append((s, flat[at:at + s.size]))
+            if len(parts) == 1:
+                arrays[name] = parts[0][1].reshape(shape)
+            else:
+                arrays[name] = xp.zeros(shape, dtype)
+                split.append((name, parts))
+        return VariableViews(arrays, split)
