@@ -191,7 +191,7 @@ class TrainingSession:
         self._stop = False
         self.requeue = False
         self.steps_run = 0
-        self.loss = float("nan")
+        self.loss = None  # no step run yet (e.g. resumed at the last step)
         placement = replica_device_setter(server.cluster, ps_strategy=options.get("ps_strategy"),
                                           partitioner=options.get("partitioner"))
         self.placement = placement.place(model.variables())
@@ -296,8 +296,13 @@ class TrainingSession:
         self._stop = True
 
     def should_stop(self):
-        """Return True once a hook or a signal asked to stop."""
-        return self._stop or self.requeue
+        """Return True once a hook or a signal asked to stop.
+
+        With a checkpoint directory a signal first leads to a cut (then ``requeue``);
+        without one there is nothing to save, so the signal stops training at once.
+        """
+        return self._stop or self.requeue or (
+            self.signals.requested and not self.checkpoint_dir)
 
     def run(self, batch=None):
         """Run one step: gradients on ``batch`` (or the dataset's next), push, pull, hooks."""
@@ -338,20 +343,14 @@ class TrainingSession:
         return self.saver is not None and self.saver.due(self)
 
     def _send_save(self, step):
-        """Chief: clear where a cut at ``step`` lands, then ask every ps for the cut.
+        """Chief: ask every ps for a cut expected at ``step``; False if it is already saved.
 
-        A directory there left by a crash, or by a run that fell back to an older
-        checkpoint, is removed first (``prepare_save``). Returns False, sending nothing, when
-        the checkpoint at ``step`` is already the verified one ``latest`` names.
+        Checkpoints newer than the restored one were set aside at the start, so the only
+        checkpoint that can stand at ``step`` is the restored one itself (a run resumed at
+        its last step): then nothing is sent. A leftover directory is cleared first.
         """
-        from .checkpoint import list_checkpoints, prepare_save
+        from .checkpoint import prepare_save
 
-        # Outside sync mode other workers' pushes may move the cut a few steps further.
-        reach = 0 if self.mode == "sync" else 2 * self.num_workers
-        ahead = [c["global_step"] for c in list_checkpoints(self.checkpoint_dir)
-                 if step < c["global_step"] <= step + reach]
-        for later in ahead:
-            prepare_save(self.checkpoint_dir, later)
         if not prepare_save(self.checkpoint_dir, step):
             return False
         self.client.send_control(P.SAVE)
@@ -427,10 +426,15 @@ class TrainingSession:
     def close(self):
         """Checkpoint at the end (chief), tell every ps this worker is done, run end hooks."""
         try:
-            if not self.requeue and self.signals.requested and self.checkpoint_dir:
-                self.requeue = True  # the signal came after the last step: cut and requeue
-                if self.server.is_chief and self._send_save(self.global_step):
-                    self._pause()
+            if not self.requeue and not self._stop and self.signals.requested \
+                    and self.checkpoint_dir:
+                self.requeue = True  # the loop ended early on the signal: cut and requeue
+                if self.server.is_chief:
+                    if self._send_save(self.global_step):
+                        self._pause()
+                    else:
+                        print(f"{self.signals.received}: step {self.global_step} is already "
+                              f"checkpointed; exiting with code {EXIT_REQUEUE}", flush=True)
             else:
                 self.final_checkpoint()
         finally:
@@ -444,7 +448,13 @@ class TrainingSession:
     @property
     def exit_code(self):
         """Return the code this rank should exit with (the requeue code after a signal)."""
-        return EXIT_REQUEUE if self.requeue else 0
+        if self.requeue:
+            return EXIT_REQUEUE
+        if self.signals.requested and not self._stop:
+            import signal
+
+            return 128 + int(getattr(signal, self.signals.received))  # nothing was saved
+        return 0
 
     def __enter__(self):
         return self
