@@ -82,6 +82,12 @@ def abort_on_error():
             if world_rank() == 0:
                 report(exc)
             sys.exit(EXIT_USAGE)
+        from . import lifeline
+
+        dead = lifeline.dead_peer_message()
+        if dead is not None:  # the real cause: an MPI error stack would only obscure it
+            report(dead)
+            _abort(EXIT_ERROR)
         report(exc)
         if not isinstance(exc, MpitfError):
             import traceback
@@ -91,6 +97,9 @@ def abort_on_error():
 
 
 def _abort(code):
+    from . import lifeline
+
+    lifeline.mark_exit("aborted")  # the error above is the cause: peers need not report us
     sys.stderr.flush()
     sys.stdout.flush()
     from mpi4py import MPI

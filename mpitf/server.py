@@ -6,10 +6,13 @@ does not fit the world fails identically on every rank, so each exits without wa
 the others.
 """
 
+import atexit
 import logging
+import os
 
 from mpi4py import MPI
 
+from . import lifeline
 from .cluster import ClusterSpec, assign_roles, describe_roles
 from .device import device_name, local_rank
 
@@ -35,7 +38,10 @@ class Server:
             cluster = {"ps": 1 if size > 1 else 0, "worker": size - 1 if size > 1 else 1}
         self.cluster = cluster if isinstance(cluster, ClusterSpec) else ClusterSpec(cluster)
         self.rank = world.Get_rank()
-        self.hosts = world.allgather(MPI.Get_processor_name())
+        token = world.bcast(os.urandom(6).hex() if self.rank == 0 else None, root=0)
+        hosts_pids = world.allgather((MPI.Get_processor_name(), os.getpid()))
+        self.hosts = [h for h, _ in hosts_pids]
+        self.pids = [p for _, p in hosts_pids]
         try:
             self.roles = assign_roles(self.cluster, self.hosts)
         except Exception as exc:
@@ -48,6 +54,15 @@ class Server:
         self.job_comm = self.comm.Split(job_ids[self.job_name], self.task_index)
         self.local_rank, self.local_size = local_rank(self.comm)
         self.exit_code = 0
+        me = self.hosts[self.rank]
+        peers = {r: p for r, (h, p) in enumerate(hosts_pids) if h == me and r != self.rank}
+        lifeline.watch(self.rank, peers, token, self._describe_rank,
+                       lambda: world.Abort(1))
+        atexit.register(lifeline.mark_exit)
+
+    def _describe_rank(self, rank):
+        job, task = self.roles[rank]
+        return f"rank {rank} (/job:{job}/task:{task} on {self.hosts[rank]})"
 
     @property
     def is_chief(self):

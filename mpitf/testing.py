@@ -51,9 +51,33 @@ def find_mpiexec():
     return found
 
 
+_HYDRA = {}
+
+
+def is_hydra(mpiexec):
+    """Return True if ``mpiexec`` is MPICH's Hydra launcher (asked once per path)."""
+    if mpiexec not in _HYDRA:
+        try:
+            out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
+                                 timeout=10, stdin=subprocess.DEVNULL).stdout
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        _HYDRA[mpiexec] = "HYDRA" in out
+    return _HYDRA[mpiexec]
+
+
 def mpiexec_command(n, argv, mpiexec=None, tag_output=False):
-    """Build the argv that runs ``argv`` on ``n`` ranks."""
-    cmd = [mpiexec or find_mpiexec(), "-n", str(n)]
+    """Build the argv that runs ``argv`` on ``n`` ranks.
+
+    Under Hydra, ``-disable-auto-cleanup`` lets mpitf name a rank that was killed (see
+    :mod:`mpitf.lifeline`) and end the job itself; Hydra's own cleanup message names a
+    pid, often not the dead one.
+    """
+    mpiexec = mpiexec or find_mpiexec()
+    cmd = [mpiexec]
+    if is_hydra(mpiexec):
+        cmd.append("-disable-auto-cleanup")
+    cmd += ["-n", str(n)]
     if tag_output:
         cmd.append("-prepend-rank")
     return cmd + list(argv)

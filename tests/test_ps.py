@@ -228,23 +228,27 @@ def test_nan_gradient_ends_the_job_naming_the_variable(tmp_path, variable, num_p
                                          ("async", [])])
 def test_skip_nonfinite_drops_and_counts(tmp_path, mode, extra):
     steps = 5
+    # async: poison the chief's first gradient, the one push sure to happen in any timing
+    who, when = (1, 1) if mode == "sync" else (0, 0)
     run = ok(run_driver(3, "nonfinite", tmp_path, "--skip-nonfinite", "--mode", mode,
-                        "--steps", steps, "--deadline", 10, *extra, timeout=40))
+                        "--steps", steps, "--deadline", 10, "--nan-worker", who,
+                        "--nan-run", when, *extra, timeout=40))
     assert run.seconds < 10
     c = load(tmp_path, "sgd-ps0.json")["counters"]
     chief = load(tmp_path, "sgd-worker0.json")
-    poisoned = load(tmp_path, "sgd-worker1.json")
+    poisoned = load(tmp_path, f"sgd-worker{who}.json")
+    other = load(tmp_path, f"sgd-worker{1 - who}.json")
     assert c["nonfinite_skipped"] == 1
-    assert chief["finite"] and poisoned["finite"]
+    assert chief["finite"] and poisoned["finite"] and other["finite"]
     assert all(np.isfinite(v).all() for v in params(tmp_path, "sgd").values())
     if mode == "sync":
         assert c["global_step"] == steps and chief["step"] == steps
         assert c["pushes_applied"] == steps
-        assert poisoned["runs"] == chief["runs"] + 1  # it retried the skipped step
+        assert poisoned["runs"] == other["runs"] + 1  # it retried the skipped step
     else:
         assert c["global_step"] >= steps
     # every push but the skipped one reached the ps
-    assert sum(c["staleness_histogram"].values()) == chief["runs"] + poisoned["runs"] - 1
+    assert sum(c["staleness_histogram"].values()) == other["runs"] + poisoned["runs"] - 1
 
 
 # -- 6. deadline ------------------------------------------------------------------------

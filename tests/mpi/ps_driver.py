@@ -278,7 +278,11 @@ class DriverModel:
 
 
 def scenario_nonfinite(server, args, phase):
-    """TrainingSession where worker 1's second gradient has a NaN in ``--nan-variable``."""
+    """TrainingSession where one gradient of ``--nan-worker`` has a NaN in ``--nan-variable``.
+
+    It is the gradient of that worker's run number ``--nan-run`` (from 0); in async mode use
+    run 0 of the chief, the only run sure to happen whatever the timing.
+    """
     from mpitf.session import TrainingSession
 
     w = server.task_index
@@ -289,7 +293,7 @@ def scenario_nonfinite(server, args, phase):
                            ps_strategy=args.strategy, log_every=0)
     runs = 0
     while not sess.should_stop():
-        sess.run(batch=(sess.global_step, w == 1 and runs == 1))
+        sess.run(batch=(sess.global_step, w == args.nan_worker and runs == args.nan_run))
         runs += 1
     finite = bool(all(np.isfinite(v).all() for v in sess.params.values()))
     record = dict(step=sess.global_step, runs=runs, finite=finite)
@@ -349,6 +353,8 @@ def parse(argv=None):
     p.add_argument("--fast", type=float, default=0.0, help="seconds the others sleep")
     p.add_argument("--skip-nonfinite", action="store_true")
     p.add_argument("--nan-variable", default="embed")
+    p.add_argument("--nan-worker", type=int, default=1)
+    p.add_argument("--nan-run", type=int, default=1)
     p.add_argument("--deadline", type=float, default=30.0)
     p.add_argument("--client-deadline", type=float, default=None,
                    help="worker-side deadline after start (default: --deadline)")

@@ -1,0 +1,134 @@
+"""Notice at once when a rank on this node dies, and say which one.
+
+MPI launchers end the whole job when one rank is killed, but their message names a pid,
+often not the dead one. Each rank therefore watches the processes of the other ranks on
+its node (a pidfd per peer, so the kernel wakes the watcher the instant one exits). A rank
+that finishes or fails on purpose first leaves a marker file; a peer that vanishes without
+one was killed, and the lowest surviving rank of the node names it and ends the job.
+Ranks on other nodes are covered by the deadlines on every wait.
+"""
+
+import os
+import select
+import shutil
+import sys
+import tempfile
+import threading
+import time
+
+_state = {"dir": None, "rank": None, "local": (), "peers": {}, "describe": str}
+
+
+def _marker(rank):
+    return os.path.join(_state["dir"], f"{rank}.exit")
+
+
+def mark_exit(reason="done"):
+    """Record that this rank is leaving on purpose (so no peer reports it as killed)."""
+    if _state["dir"] is None:
+        return
+    try:
+        with open(_marker(_state["rank"]), "w") as f:
+            f.write(reason)
+        if all(os.path.exists(_marker(r)) for r in _state["local"]):
+            shutil.rmtree(_state["dir"], ignore_errors=True)  # the last one out cleans up
+    except OSError:
+        pass
+
+
+def watch(rank, peers, token, describe, abort):
+    """Start watching the same-node ``peers`` ({rank: pid}); report a killed one.
+
+    ``describe(rank)`` names a rank for the message; ``abort()`` ends the job.
+    """
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    if rank == min([rank, *peers]):
+        _collect_garbage(base)
+    _state.update(dir=os.path.join(base, f"mpitf-{token}"), rank=rank,
+                  local=tuple(sorted([rank, *peers])), peers=dict(peers), describe=describe)
+    os.makedirs(_state["dir"], exist_ok=True)
+    with open(os.path.join(_state["dir"], f"{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    if not peers:
+        return None
+    thread = threading.Thread(target=_run, args=(rank, dict(peers), describe, abort),
+                              name="mpitf-lifeline", daemon=True)
+    thread.start()
+    return thread
+
+
+def dead_peer_message():
+    """Return a message naming a same-node peer that died without finishing, or None.
+
+    An MPI call that fails because its peer vanished reports an error stack; this names
+    the rank instead.
+    """
+    for r, pid in sorted(_state["peers"].items()):
+        if not _alive(pid) and not (_state["dir"] and os.path.exists(_marker(r))):
+            return _dead(r, pid)
+    return None
+
+
+def _dead(r, pid):
+    return (f"{_state['describe'](r)} (pid {pid}) died without finishing (killed?); "
+            f"ending the job")
+
+
+def _run(rank, peers, describe, abort):
+    gone = set()
+    fds = {}
+    if hasattr(os, "pidfd_open"):
+        for r, pid in peers.items():
+            try:
+                fds[os.pidfd_open(pid)] = r
+            except OSError:
+                gone.add(r)
+    while len(gone) < len(peers):
+        if fds:
+            poller = select.poll()
+            for fd in fds:
+                poller.register(fd, select.POLLIN)
+            ready = [fds.pop(fd) for fd, _ in poller.poll()]
+        else:  # no pidfd: look every half second
+            time.sleep(0.5)
+            ready = [r for r, pid in peers.items() if r not in gone and not _alive(pid)]
+        for r in ready:
+            gone.add(r)
+            if _state["dir"] and os.path.exists(_marker(r)):
+                continue
+            survivors = [x for x in (rank, *peers) if x not in gone]
+            if survivors and min(survivors) == rank:
+                sys.stderr.write(f"mpitf: error on rank {rank}: {_dead(r, peers[r])}\n")
+                sys.stderr.flush()
+            else:
+                time.sleep(2.0)  # let the lowest survivor say it before the job ends
+            abort()
+            return
+
+
+def _collect_garbage(base):
+    """Remove the marker directories of jobs on this node whose ranks are all gone."""
+    for name in os.listdir(base):
+        path = os.path.join(base, name)
+        if not name.startswith("mpitf-") or not os.path.isdir(path):
+            continue
+        pids = []
+        for entry in os.listdir(path):
+            if entry.endswith(".pid"):
+                try:
+                    with open(os.path.join(path, entry)) as f:
+                        pids.append(int(f.read() or 0))
+                except (OSError, ValueError):
+                    pass
+        if not any(pid > 0 and _alive(pid) for pid in pids):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
