@@ -213,7 +213,7 @@ class Client:
         The zero-copy way is to write into :attr:`grads` directly; this one is for code
         that computes gradients elsewhere. Nothing is sent.
         """
-        for name, value in grads.items():
+        for name, value in grads.items():  # check everything before touching anything
             if name not in self.grads:
                 raise ConfigurationError(f"gradient for unknown variable {name!r}")
             target = self.grads[name]
@@ -225,10 +225,11 @@ class Client:
                 raise ConfigurationError(
                     f"gradient of {name!r} has dtype {np.dtype(value.dtype).name}, the "
                     f"variable has {target.dtype.name}")
-            target[...] = value
         missing = set(self.grads) - set(grads)
         if missing:
             raise ConfigurationError(f"no gradient given for {sorted(missing)}")
+        for name, value in grads.items():
+            self.grads[name][...] = value
 
     def set_params(self, values):
         """Copy initial values into the flat parameter buffer (names and shapes checked)."""

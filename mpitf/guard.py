@@ -125,10 +125,15 @@ class CheckpointSignals:
 
     def install(self):
         """Install the handlers (main thread only); return self."""
+        import atexit
         import signal
 
         for name in self.SIGNALS:
             signal.signal(getattr(signal, name), self._handle)
+        # Python puts the default action back when it shuts down, before MPI_Finalize runs,
+        # and Hydra (-disable-auto-cleanup) sends SIGUSR1 to ranks still finalizing when a
+        # peer exits: ignore it once this rank is on its way out.
+        atexit.register(signal.signal, signal.SIGUSR1, signal.SIG_IGN)
         return self
 
     def _handle(self, signum, frame):

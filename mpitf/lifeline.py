@@ -27,11 +27,13 @@ def mark_exit(reason="done"):
     """Record that this rank is leaving on purpose (so no peer reports it as killed)."""
     if _state["dir"] is None:
         return
+    _state["leaving"] = True  # from now on this rank reports no peer
     try:
         with open(_marker(_state["rank"]), "w") as f:
             f.write(reason)
+        # Every rank of the node has marked its exit, so no watcher reports any more.
         if all(os.path.exists(_marker(r)) for r in _state["local"]):
-            shutil.rmtree(_state["dir"], ignore_errors=True)  # the last one out cleans up
+            shutil.rmtree(_state["dir"], ignore_errors=True)
     except OSError:
         pass
 
@@ -94,6 +96,8 @@ def _run(rank, peers, describe, abort):
             ready = [r for r, pid in peers.items() if r not in gone and not _alive(pid)]
         for r in ready:
             gone.add(r)
+            if _state.get("leaving"):
+                return
             if _state["dir"] and os.path.exists(_marker(r)):
                 continue
             survivors = [x for x in (rank, *peers) if x not in gone]
