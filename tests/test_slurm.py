@@ -21,12 +21,13 @@ pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parent.parent
 SBATCH_SCRIPT = REPO / "slurm" / "train.sbatch"
-# The job under test. jobs/mnist_mlp.py also passes, with e.g. JOB_ARGS = ["--num-ps", "1",
-# "--steps", "20000", "--log-every", "1000"], FINAL_STEP = 20000 (its steps are much faster).
-JOB_SCRIPT = REPO / "tests" / "slurm" / "fake_job.py"
-JOB_ARGS = ["--steps", "60"]  # long enough to be signalled after 10 steps
-FINAL_STEP = 60
-LONG_JOB_ARGS = ["--steps", "400"]  # still running when it gets cancelled
+# The job under test: the real training job (tests/slurm/fake_job.py, a stand-in with the
+# same contract and slow steps, works too: JOB_ARGS = ["--steps", "60"], FINAL_STEP = 60).
+# Its steps take about a millisecond, so it runs many and logs every 1000.
+JOB_SCRIPT = REPO / "jobs" / "mnist_mlp.py"
+JOB_ARGS = ["--num-ps", "1", "--steps", "20000", "--log-every", "1000"]
+FINAL_STEP = 20000
+LONG_JOB_ARGS = ["--num-ps", "1", "--steps", "2000000", "--log-every", "1000"]
 START = REPO / "tests" / "slurm" / "start-slurm.sh"
 STOP = REPO / "tests" / "slurm" / "stop-slurm.sh"
 SLURM_ROOT = os.environ.get("SLURM_TEST_ROOT", "/tmp/mpitf-slurm")
@@ -151,7 +152,7 @@ def submitted(slurm_env, tmp_path):
 
 def test_usr1_checkpoints_requeues_and_resumes(submitted, tmp_path):
     env, jobid, out = submitted(*JOB_ARGS)
-    _wait_for("10 steps", lambda: max(_steps(_read(out)), default=0) >= 10, 120, out)
+    _wait_for("1000 steps", lambda: max(_steps(_read(out)), default=0) >= 1000, 120, out)
     # What --signal=B:USR1@120 does before the time limit, now: USR1 to the batch shell only.
     subprocess.run(["scancel", "--signal=USR1", "--batch", jobid], env=env, check=True,
                    timeout=30)
@@ -170,7 +171,7 @@ def test_usr1_checkpoints_requeues_and_resumes(submitted, tmp_path):
     first, second = _steps(runs[0]), _steps(runs[1])
     assert first and second, log
     # Resumed from the checkpoint, not from 0: the second run starts after the first one's steps.
-    assert second[0] > max(first) >= 10, log
+    assert second[0] > max(first) >= 1000, log
     final = json.loads(re.search(r"^final: (.*)$", runs[1], re.M).group(1))
     assert final["step"] == FINAL_STEP, log
     assert final.get("restart_count", 1) == 1, log
@@ -179,7 +180,7 @@ def test_usr1_checkpoints_requeues_and_resumes(submitted, tmp_path):
 
 def test_scancel_does_not_requeue(submitted):
     env, jobid, out = submitted(*LONG_JOB_ARGS)
-    _wait_for("3 steps", lambda: max(_steps(_read(out)), default=0) >= 3, 120, out)
+    _wait_for("1000 steps", lambda: max(_steps(_read(out)), default=0) >= 1000, 120, out)
     subprocess.run(["scancel", jobid], env=env, check=True, timeout=30)
     info = _wait_terminal(env, jobid, 60, out)
     # The batch shell logs its decision just after the job turns CANCELLED: give it a moment.
