@@ -154,7 +154,11 @@ class Optimizer:
         return slots
 
     def apply(self, params, grad, slots, step):
-        """Update ``params`` in place from ``grad``; ``step`` is the global step before it."""
+        """Update ``params`` in place from ``grad``; ``step`` is the global step before it.
+
+        ``grad`` may be overwritten: on the ps it is a receive buffer or the accumulator,
+        used once, and working in it touches less memory than a scratch buffer would.
+        """
         if params.shape != grad.shape:
             raise ValueError(
                 f"expecting grad of shape {params.shape}, got {grad.shape} ({self.name})"
@@ -194,10 +198,13 @@ class GradientDescent(Optimizer):
 
     name = "sgd"
 
+    _uses_scratch = False
+
     def _update(self, xp, params, grad, slots, step):
-        tmp = slots[_SCRATCH]
-        xp.multiply(grad, self.learning_rate(step), out=tmp)
-        xp.subtract(params, tmp, out=params)
+        # Scale the gradient where it lies: the freshly received gradient is the one cold
+        # buffer here, and a scratch buffer would be one more to pull through the cache.
+        xp.multiply(grad, self.learning_rate(step), out=grad)
+        xp.subtract(params, grad, out=params)
 
 
 class Momentum(Optimizer):

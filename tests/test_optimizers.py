@@ -31,7 +31,7 @@ def _run(opt, p0, grads, first_step=0):
     params = p0.copy()
     slots = opt.make_slots(params.size, np, params.dtype)
     for i, g in enumerate(grads):
-        opt.apply(params, g, slots, first_step + i)
+        opt.apply(params, g.copy(), slots, first_step + i)  # apply may overwrite grad
     return params, slots
 
 
