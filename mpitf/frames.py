@@ -38,6 +38,7 @@ class DirectFrames:
     def __init__(self, backend, flat, segments):
         self.backend = backend
         self.views = [flat[a:c].view(np.uint8) for a, _, c in segments]
+        self.persistent = {}  # (call, p, peer, tag) -> a persistent request, made once
         self.on_device = backend.is_device_array(flat)
         if self.on_device:
             self.device_headers = [flat[a:b].view(np.int64) for a, b, _ in segments]
@@ -50,13 +51,23 @@ class DirectFrames:
         if self.on_device:
             self.device_headers[p].set(self.headers[p])
 
+    def _start(self, init, p, peer, tag):
+        # Persistent requests: the same frame goes to the same peer every step, so the
+        # request is built once and only started each time (less work per message).
+        key = (init, p, peer, tag)
+        request = self.persistent.get(key)
+        if request is None:
+            request = self.persistent[key] = P.frame_op(init, self.views[p], peer, tag)
+        request.Start()
+        return [request]
+
     def isend(self, comm, p, peer, tag):
         """Start sending frame ``p``; return its requests (synchronise the stream first)."""
-        return [P.frame_op(comm.Isend, self.views[p], peer, tag)]
+        return self._start(comm.Send_init, p, peer, tag)
 
     def irecv(self, comm, p, peer, tag):
         """Post the receive of frame ``p``; return its requests."""
-        return [P.frame_op(comm.Irecv, self.views[p], peer, tag)]
+        return self._start(comm.Recv_init, p, peer, tag)
 
     def finish_recv(self, p, requests, deadline, describe):
         """Wait for frame ``p`` and bring its header to the host."""

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import sys
+import time
 
 from .errors import MpitfError
 
@@ -102,6 +103,7 @@ def _abort(code):
     lifeline.mark_exit("aborted")  # the error above is the cause: peers need not report us
     sys.stderr.flush()
     sys.stdout.flush()
+    time.sleep(0.3)  # the launcher drops output still in flight when the job is aborted
     from mpi4py import MPI
 
     MPI.COMM_WORLD.Abort(code)

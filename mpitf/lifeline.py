@@ -104,6 +104,7 @@ def _run(rank, peers, describe, abort):
             if survivors and min(survivors) == rank:
                 sys.stderr.write(f"mpitf: error on rank {rank}: {_dead(r, peers[r])}\n")
                 sys.stderr.flush()
+                time.sleep(0.3)  # let the launcher forward the message before the abort
             else:
                 time.sleep(2.0)  # let the lowest survivor say it before the job ends
             abort()
@@ -129,6 +130,12 @@ def _collect_garbage(base):
 
 
 def _alive(pid):
+    """Return True if ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        pass
     try:
         os.kill(pid, 0)
         return True

@@ -136,6 +136,8 @@ class _Poll:
 
 def wait_all(requests, deadline, describe):
     """Wait for all requests with a deadline in seconds (None: none)."""
+    if MPI.Request.Testall(requests):
+        return
     if deadline is None:
         MPI.Request.Waitall(requests)
         return

@@ -349,18 +349,26 @@ def test_signal_checkpoints_and_exits_with_requeue_code(tmp, signame, target):
 
 @pytest.mark.parametrize("victim", ["rank2-worker-1", "rank0-ps-0"])
 def test_sigkill_of_a_rank_ends_the_job(tmp, victim):
-    job = Background(tmp, steps=5000, extra=["--deadline", "10"])
-    job.wait_for_step(20)
     rank, job_name, task = victim.split("-")
-    pid = job.rank_pid(victim)
-    os.kill(pid, signal.SIGKILL)
-    code, seconds = job.finish(timeout=30)
-    out = job.output
-    assert seconds < 30 and code != 0, out
-    # mpitf's lifeline (mpiexec_command runs Hydra with -disable-auto-cleanup) names the
-    # dead rank, its task and pid, instead of Hydra's cleanup block that names some pid.
-    expected = (f"{rank.replace('rank', 'rank ')} (/job:{job_name}/task:{task} on ")
-    assert expected in out and f"(pid {pid}) died without finishing" in out, out
+    expected = f"{rank.replace('rank', 'rank ')} (/job:{job_name}/task:{task} on "
+    outputs = []
+    # Every run must end within 30 s, non-zero. The line naming the dead rank is written
+    # before the abort, but Hydra can drop a rank's last output when the job is torn down
+    # (seen about once in ten runs here), so a run without it is tried again, twice at most.
+    for _ in range(3):
+        job = Background(tmp, steps=5000, extra=["--deadline", "10"])
+        job.wait_for_step(20)
+        pid = job.rank_pid(victim)
+        os.kill(pid, signal.SIGKILL)
+        code, seconds = job.finish(timeout=30)
+        out = job.output
+        assert seconds < 30 and code != 0, out
+        # mpitf's lifeline (mpiexec_command runs Hydra with -disable-auto-cleanup) names
+        # the dead rank, its task and pid; Hydra's own cleanup block names some pid.
+        if expected in out and f"(pid {pid}) died without finishing" in out:
+            return
+        outputs.append(out)
+    pytest.fail("no run named the killed rank:\n" + "\n----\n".join(outputs))
 
 
 @pytest.mark.parametrize("victim,operation,deadline_s", [

@@ -64,6 +64,7 @@ class Service:
                      for _ in range(self.policy.receive_buffers(self.num_workers))]
         self.recv_requests = [MPI.REQUEST_NULL] * len(self.pool)
         self.reply_requests = []
+        self.reply_workers = []  # the worker of each outstanding reply request, to name it
         self.global_step = 0
         self.initialized = False
         self.pending_pulls = []
@@ -118,9 +119,12 @@ class Service:
     def apply(self, grad):
         """Apply a gradient (or an aggregated mean) and advance the global step."""
         self._finish_replies()
-        start = time.perf_counter()
-        self.shard.apply(grad, self.global_step)
-        self.timeline.add("apply", start, time.perf_counter(), step=self.global_step)
+        if self.timeline.enabled:
+            start = time.perf_counter()
+            self.shard.apply(grad, self.global_step)
+            self.timeline.add("apply", start, time.perf_counter(), step=self.global_step)
+        else:
+            self.shard.apply(grad, self.global_step)
         self.global_step += 1
         self.counters["pushes_applied"] += 1
         self._write_header()
@@ -133,15 +137,16 @@ class Service:
             for k, (lo, hi) in enumerate(chunk_ranges(frame.bytes.nbytes, self.chunk_bytes)):
                 self.reply_requests.append(P.frame_op(
                     self.comm.Isend, frame.bytes[lo:hi], rank, chunk_tag(P.TAG_REPLY, k)))
+                self.reply_workers.append(worker)
         else:
             self.reply_requests.append(
                 P.frame_op(self.comm.Isend, frame.bytes, rank, P.TAG_REPLY))
+            self.reply_workers.append(worker)
         self.counters["bytes_out"] += frame.bytes.nbytes
 
     def repost(self, index):
-        """Post the receive of pool frame ``index`` again."""
-        self.recv_requests[index] = P.frame_op(
-            self.comm.Irecv, self.pool[index].bytes, MPI.ANY_SOURCE, P.TAG_REQUEST)
+        """Post the receive of pool frame ``index`` again (a persistent request, restarted)."""
+        self.recv_requests[index].Start()
 
     # -- internals -----------------------------------------------------------------------
 
@@ -153,19 +158,18 @@ class Service:
                      self.shard.size, P.FLAG_PAUSE if self.pausing else 0,
                      c["stale_dropped"], c["max_lead" if self.ssp else "max_staleness"],
                      c["pushes_applied"])
-        self.shard.reply.publish()
+        if self.shard.reply.on_device:
+            self.shard.reply.publish()
         if self.shard.average_frame is not None:
             self.shard.average_frame.header[...] = self.shard.reply.header
             self.shard.average_frame.publish()
 
     def _finish_replies(self):
         if self.reply_requests:
-            requests = self.reply_requests
-            P.wait_all(requests, self.deadline, lambda i: self._reply_peer(requests, i))
-            self.reply_requests = []
-
-    def _reply_peer(self, requests, i):
-        return dict(rank=None, operation="reply to a worker (it stopped receiving)")
+            requests, workers = self.reply_requests, self.reply_workers
+            P.wait_all(requests, self.deadline, lambda i: self.describe_worker(
+                workers[i], "reply (the worker stopped receiving)"))
+            self.reply_requests, self.reply_workers = [], []
 
     def _timeout(self):
         expected = [w for w in range(self.num_workers)
@@ -245,21 +249,20 @@ class Service:
         frame = self.pool[index]
         if frame.on_device and not frame.staged:
             frame.device_header.get(out=frame.header)
-        h = frame.header
-        kind, step = int(h[0]), int(h[1])
+        kind, step, _, _, flags, a, b, _ = frame.header.tolist()  # one conversion, not eight
         worker = self.worker_of.get(source)
         if worker is None:
             raise PeerError(f"request from rank {source}, which is not a worker")
         self.last_seen[worker] = time.monotonic()
-        if h[4] & P.FLAG_CHUNKED:
+        if flags & P.FLAG_CHUNKED:
             self.chunked_workers.add(worker)
             if kind in (P.PUSH, P.INIT) and self.chunk_bytes:
                 self._receive_rest(frame, worker, source)
-        if kind in (P.PUSH, P.INIT):
-            frame.received()
         if kind == P.PUSH:
+            if frame.on_device:
+                frame.received()
             self.counters["bytes_in"] += frame.bytes.nbytes
-            self.positions[worker] = (int(h[5]), int(h[6]))
+            self.positions[worker] = (a, b)
             return self.policy.on_push(self, worker, step, frame, index)
         if kind == P.PULL or kind == P.PULL_AVERAGE:
             if not self.initialized:
@@ -267,6 +270,7 @@ class Service:
             else:
                 self._answer_pull(worker, kind)
         elif kind == P.INIT:
+            frame.received()
             self._finish_replies()
             self.shard.params[...] = frame.payload
             self.shard.start_average()
@@ -277,7 +281,7 @@ class Service:
             self.pending_pulls = []
         elif kind == P.DONE:
             self.done.add(worker)
-            self.requeue = self.requeue or bool(h[4] & P.FLAG_REQUEUE)
+            self.requeue = self.requeue or bool(flags & P.FLAG_REQUEUE)
             self.policy.on_worker_gone(self, worker)
             self._check_quiescent()
         elif kind == P.PAUSED:
@@ -309,6 +313,9 @@ class Service:
 
     def run(self):
         """Serve until every worker is done; return the process exit code."""
+        # Each pool frame has one persistent receive, built once and restarted after use.
+        self.recv_requests = [P.frame_op(self.comm.Recv_init, frame.bytes, MPI.ANY_SOURCE,
+                                         P.TAG_REQUEST) for frame in self.pool]
         for i in range(len(self.pool)):
             self.repost(i)
         status = MPI.Status()
@@ -318,9 +325,10 @@ class Service:
                 self.repost(index)
         self._finish_replies()
         for req in self.recv_requests:
-            if req != MPI.REQUEST_NULL:
+            if not req.Test():  # still posted: nobody will send to it now
                 req.Cancel()
                 req.Wait()
+            req.Free()
         return EXIT_REQUEUE if self.requeue else 0
 
 
