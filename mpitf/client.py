@@ -69,10 +69,19 @@ class PushPullHandle:
         """Block until every ps answered; raise on a deadline or a refused gradient."""
         if self.reply is None:
             io = self.client.param_io
-            for p, requests in enumerate(self.receives):
-                io.finish_recv(p, requests, self.client.deadline,
-                               lambda i, p=p: self._describe(p))
-            self.wait_sends()
+            if not io.chunked:  # one wait for everything: replies land where they are read
+                # One receive and one send per ps, in ps order: request i is ps i % P's.
+                requests = [r for rs in self.receives for r in rs] + self.sends
+                nps = len(self.client.ps_ranks)
+                P.wait_all(requests, self.client.deadline, lambda i: self._describe(i % nps))
+                if io.on_device:
+                    for p in range(len(self.receives)):
+                        io.fetch_header(p)
+            else:
+                for p, requests in enumerate(self.receives):
+                    io.finish_recv(p, requests, self.client.deadline,
+                                   lambda i, p=p: self._describe(p))
+                self.wait_sends()
             self.reply = self.client._finish()
         return self.reply
 
@@ -192,16 +201,17 @@ class Client:
         """Read the reply headers, gather partitioned variables, raise on refused gradients."""
         step = None
         flags = dropped = lead = applied = 0
-        for p, h in enumerate(self.param_io.headers):
-            if h[0] != P.REPLY:
-                raise PeerError(f"unexpected message kind {int(h[0])} from a ps",
+        for p, header in enumerate(self.param_io.headers):
+            kind, ps_step, _, _, ps_flags, ps_dropped, ps_lead, ps_applied = header.tolist()
+            if kind != P.REPLY:
+                raise PeerError(f"unexpected message kind {kind} from a ps",
                                 **self._describe_ps(p))
-            self.ps_steps[p] = int(h[1])
-            step = int(h[1]) if step is None else min(step, int(h[1]))
-            flags |= int(h[4])
-            dropped += int(h[5])
-            lead = max(lead, int(h[6]))
-            applied += int(h[7])
+            self.ps_steps[p] = ps_step
+            step = ps_step if step is None else min(step, ps_step)
+            flags |= ps_flags
+            dropped += ps_dropped
+            lead = max(lead, ps_lead)
+            applied += ps_applied
         self.param_views.gather()
         return Reply(step or 0, flags, dropped, lead, applied)
 

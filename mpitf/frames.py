@@ -72,6 +72,10 @@ class DirectFrames:
     def finish_recv(self, p, requests, deadline, describe):
         """Wait for frame ``p`` and bring its header to the host."""
         P.wait_all(requests, deadline, describe)
+        self.fetch_header(p)
+
+    def fetch_header(self, p):
+        """Copy the header of a received device frame to the host (no-op on the host)."""
         if self.on_device:
             self.device_headers[p].get(out=self.headers[p])
 
