@@ -8,21 +8,20 @@ With --deterministic the parameters equal those of jobs/mnist_mlp.py --determini
 bit for bit. --batch-size is the chunk of one worker task.
 """
 
-import json
-import os
 import sys
 
-import numpy as np
 from mpi4py import MPI
 
-from mpitf.data import load_split
 from mpitf.errors import ConfigurationError
 from mpitf.flags import (
     add_training_arguments,
     check_roles,
     data_path,
-    make_optimizer_from_args,
+    evaluate_session,
+    model_from_args,
+    report_final,
     resolve_cluster,
+    session_from_args,
     setup_backend,
 )
 from mpitf.guard import (
@@ -33,11 +32,9 @@ from mpitf.guard import (
     setup_logging,
 )
 from mpitf.layout import FlatLayout
-from mpitf.models import build_model
 from mpitf.placement import replica_device_setter
 from mpitf.replication import InGraphBatches, InGraphReplica, InGraphWorker
 from mpitf.server import Server
-from mpitf.session import TrainingSession
 from mpitf.timeline import Timeline
 
 
@@ -72,23 +69,13 @@ def main(argv=None):
     first = batches.shards[0] if batches else None
     x_dim, num_classes, image_shape = server.job_comm.bcast(
         (first.x_dim, first.num_classes, first.image_shape) if first else None, root=0)
-    model = build_model(args.model, x_dim, num_classes or 10,
-                        image_shape=tuple(image_shape) if args.model == "cnn" and image_shape
-                        else None,
-                        **({"hidden": (args.hidden,)} if args.model == "mlp" else {}))
+    model = model_from_args(args, x_dim, num_classes, image_shape)
     if not server.is_chief:
         return _compute(server, model, args)
 
     replica = InGraphReplica(server.job_comm, model)
-    sess = TrainingSession(
-        server, replica, make_optimizer_from_args(args), "sync", batches,
-        last_step=args.steps, checkpoint_dir=args.checkpoint_dir,
-        save_checkpoint_steps=args.checkpoint_every, save_checkpoint_secs=args.checkpoint_secs,
-        deterministic=args.deterministic, skip_nonfinite=args.skip_nonfinite,
-        moving_average_decay=args.moving_average_decay, ps_strategy=args.ps_strategy,
-        seed=args.seed, log_every=args.log_every, run_dir=args.run_dir,
-        max_to_keep=args.max_to_keep, timeline=args.timeline,
-        batch_size=batches.batch_size, clients=[0])
+    sess = session_from_args(server, replica, args, batches, mode="sync", clients=[0],
+                             replicas_to_aggregate=None, staleness=None)
     replica.attach(sess.client)
     try:
         while not sess.should_stop():
@@ -96,23 +83,9 @@ def main(argv=None):
     finally:
         replica.stop()
     if not sess.requeue:
-        x_test, y_test = load_split(path, "test")
-        test_loss, test_acc = sess.evaluate(x_test, y_test,
-                                            average=bool(args.moving_average_decay))
-        elapsed = sess.elapsed
-        summary = dict(step=sess.global_step, loss=sess.loss, test_loss=test_loss,
-                       test_accuracy=test_acc,
-                       examples_per_sec=sess.examples_seen / elapsed if elapsed > 0 else 0.0,
-                       workers=num_workers, ps=cluster.num_tasks("ps"), mode="sync",
-                       replication="in-graph")
-        print("final: " + json.dumps(summary), flush=True)
-        if args.export:
-            sess.client.pull()
-            np.savez(args.export, **{k: np.asarray(v) for k, v in sess.params.items()})
-        if args.run_dir:
-            os.makedirs(args.run_dir, exist_ok=True)
-            with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
+        summary = evaluate_session(sess, args, path, workers=num_workers, mode="sync",
+                                   replication="in-graph")
+        report_final(args, summary, sess.params)
     sess.close()
     batches.close()
     return sess.exit_code

@@ -8,8 +8,6 @@ locally with the optimizer (no ps) or pushed through the ps like a worker's.
 --batch-size is the share of one tower.
 """
 
-import json
-import os
 import sys
 import time
 
@@ -23,14 +21,17 @@ from mpitf.flags import (
     add_training_arguments,
     check_roles,
     data_path,
+    evaluate_session,
     make_optimizer_from_args,
+    model_from_args,
+    report_final,
     resolve_cluster,
+    session_from_args,
     setup_backend,
 )
 from mpitf.guard import RankParser, abort_on_error, collective, setup_logging
-from mpitf.models import build_model, evaluate
+from mpitf.models import evaluate
 from mpitf.server import Server
-from mpitf.session import TrainingSession
 from mpitf.towers import Towers, parse_devices, tower_backend
 
 
@@ -67,22 +68,14 @@ def main(argv=None):
     shard = workers.index(server.task_index) if server else 0
     batch = args.batch_size * len(backends)
     dataset = ShardedDataset(path, "train", shard, len(workers), batch, args.seed)
-    image_shape = tuple(dataset.image_shape) if dataset.image_shape is not None else None
-    model = build_model(args.model, dataset.x_dim, dataset.num_classes or 10,
-                        image_shape=image_shape if args.model == "cnn" else None,
-                        **({"hidden": (args.hidden,)} if args.model == "mlp" else {}))
+    model = model_from_args(args, dataset.x_dim, dataset.num_classes, dataset.image_shape)
     towers = Towers(model, backends)
-    optimizer = make_optimizer_from_args(args)
     if server is None:
-        summary = _train_locally(towers, optimizer, dataset, args, path)
+        _train_locally(towers, make_optimizer_from_args(args), dataset, args, path)
         code = 0
     else:
-        summary, code = _train_with_ps(server, towers, optimizer, dataset, args, path)
+        code = _train_with_ps(server, towers, dataset, args, path)
     dataset.close()
-    if summary is not None and args.run_dir:
-        os.makedirs(args.run_dir, exist_ok=True)
-        with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
     return code
 
 
@@ -110,44 +103,20 @@ def _train_locally(towers, optimizer, dataset, args, path):
     summary = dict(step=args.steps, loss=loss, test_loss=test_loss, test_accuracy=test_acc,
                    examples_per_sec=args.steps * dataset.batch_size / max(elapsed, 1e-9),
                    towers=len(towers.towers), devices=args.devices, ps=0)
-    print("final: " + json.dumps(summary), flush=True)
-    if args.export:
-        be = towers.backends[0]
-        np.savez(args.export, **{k: be.to_host(v) for k, v in params.items()})
-    return summary
+    return report_final(args, summary, params, towers.backends[0].to_host)
 
 
-def _train_with_ps(server, towers, optimizer, dataset, args, path):
+def _train_with_ps(server, towers, dataset, args, path):
     """Train as a worker: the towers' average is this worker's pushed gradient."""
-    sess = TrainingSession(
-        server, towers, optimizer, args.mode, dataset, last_step=args.steps,
-        checkpoint_dir=args.checkpoint_dir, save_checkpoint_steps=args.checkpoint_every,
-        save_checkpoint_secs=args.checkpoint_secs,
-        replicas_to_aggregate=args.replicas_to_aggregate, deterministic=args.deterministic,
-        staleness=args.staleness, skip_nonfinite=args.skip_nonfinite,
-        moving_average_decay=args.moving_average_decay, ps_strategy=args.ps_strategy,
-        seed=args.seed, log_every=args.log_every, run_dir=args.run_dir,
-        max_to_keep=args.max_to_keep, timeline=args.timeline, batch_size=dataset.batch_size)
+    sess = session_from_args(server, towers, args, dataset)
     while not sess.should_stop():
         sess.run()
-    summary = None
     if server.is_chief and not sess.requeue:
-        x_test, y_test = load_split(path, "test")
-        test_loss, test_acc = sess.evaluate(x_test, y_test,
-                                            average=bool(args.moving_average_decay))
-        elapsed = sess.elapsed
-        summary = dict(step=sess.global_step, loss=sess.loss, test_loss=test_loss,
-                       test_accuracy=test_acc,
-                       examples_per_sec=sess.examples_seen / elapsed if elapsed > 0 else 0.0,
-                       towers=len(towers.towers), devices=args.devices,
-                       workers=server.cluster.num_tasks("worker"),
-                       ps=server.cluster.num_tasks("ps"), mode=args.mode)
-        print("final: " + json.dumps(summary), flush=True)
-        if args.export:
-            sess.client.pull()
-            np.savez(args.export, **{k: np.asarray(v) for k, v in sess.params.items()})
+        report_final(args, evaluate_session(
+            sess, args, path, towers=len(towers.towers), devices=args.devices,
+            workers=server.cluster.num_tasks("worker"), mode=args.mode), sess.params)
     sess.close()
-    return summary, sess.exit_code
+    return sess.exit_code
 
 
 if __name__ == "__main__":

@@ -134,3 +134,75 @@ def make_optimizer_from_args(args):
     if args.lr_decay:
         lr = ExponentialDecay(args.lr, args.lr_decay_steps, args.lr_decay)
     return make_optimizer(args.optimizer, lr)
+
+
+def model_from_args(args, x_dim, num_classes, image_shape=None):
+    """Build the reference model the flags ask for, sized for the data."""
+    from .models import build_model
+
+    cnn = args.model == "cnn"
+    return build_model(args.model, x_dim, num_classes or 10,
+                       image_shape=tuple(image_shape) if cnn and image_shape is not None
+                       else None,
+                       **({} if cnn else {"hidden": (args.hidden,)}))
+
+
+def session_from_args(server, model, args, dataset, **overrides):
+    """Start the TrainingSession the flags describe (``overrides`` win over the flags)."""
+    from .session import TrainingSession
+
+    options = dict(
+        last_step=args.steps, checkpoint_dir=args.checkpoint_dir,
+        save_checkpoint_steps=args.checkpoint_every, save_checkpoint_secs=args.checkpoint_secs,
+        replicas_to_aggregate=args.replicas_to_aggregate, deterministic=args.deterministic,
+        staleness=args.staleness, skip_nonfinite=args.skip_nonfinite,
+        moving_average_decay=args.moving_average_decay, ps_strategy=args.ps_strategy,
+        seed=args.seed, log_every=args.log_every, run_dir=args.run_dir,
+        max_to_keep=args.max_to_keep, timeline=args.timeline,
+        batch_size=getattr(dataset, "batch_size", args.batch_size))
+    options.update(overrides)
+    mode = options.pop("mode", args.mode)
+    return TrainingSession(server, model, make_optimizer_from_args(args), mode, dataset,
+                           **options)
+
+
+def report_final(args, summary, params=None, to_host=None):
+    """Print ``final: {json}``, write RUN_DIR/summary.json, export params if --export."""
+    import json
+
+    print("final: " + json.dumps(summary), flush=True)
+    if getattr(args, "export", None) and params is not None:
+        import numpy as np
+
+        to_host = to_host or np.asarray
+        np.savez(args.export, **{k: to_host(v) for k, v in params.items()})
+    if args.run_dir:
+        os.makedirs(args.run_dir, exist_ok=True)
+        with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary
+
+
+def evaluate_session(sess, args, path, **extra):
+    """Evaluate the newest parameters on the test split; return the summary dict.
+
+    The summary has at least step, loss, test_loss, test_accuracy and examples_per_sec,
+    plus the ps counters (stale drops, staleness) and ``extra``.
+    """
+    from .data import load_split
+
+    x_test, y_test = load_split(path, "test")
+    test_loss, test_acc = sess.evaluate(x_test, y_test, average=bool(args.moving_average_decay))
+    elapsed = sess.elapsed
+    counters = sess.client.ps_counters()
+    summary = dict(step=sess.global_step, loss=sess.loss, test_loss=test_loss,
+                   test_accuracy=test_acc,
+                   examples_per_sec=sess.examples_seen / elapsed if elapsed > 0 else 0.0,
+                   ps=len(counters),
+                   stale_dropped=sum(c["stale_dropped"] for c in counters),
+                   max_staleness=max((c["max_staleness"] for c in counters), default=0),
+                   max_lead=max((c["max_lead"] for c in counters), default=0))
+    summary.update(extra)
+    if getattr(args, "export", None):
+        sess.client.pull()  # evaluation may have pulled the average
+    return summary
