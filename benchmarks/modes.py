@@ -17,7 +17,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scaling import default_launcher, machine, run_job  # noqa: E402
+from scaling import default_launcher, machine, run_job, write_json  # noqa: E402
 
 MODES = {
     "sync": lambda w: ["--mode", "sync"],
@@ -91,10 +91,7 @@ def main(argv=None):
     out = dict(results=runs, wall_seconds=wall,
                metadata=dict(machine(), model=args.model, steps=args.steps,
                              launcher=args.launcher, quick=args.quick, argv=sys.argv[1:]))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.json, out)
     return 0
 
 

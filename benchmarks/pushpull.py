@@ -18,7 +18,6 @@ memory is slow). GB/s counts both directions: 2*B / time. Rank 0 writes the JSON
 
 import argparse
 import datetime
-import json
 import os
 import resource
 import socket
@@ -34,6 +33,9 @@ from mpitf.optimizers import make_optimizer
 from mpitf.placement import Placement
 from mpitf.ps.service import serve
 from mpitf.server import Server
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from scaling import write_json  # noqa: E402
 
 FULL_SIZES = [4 << 10 << (2 * k) for k in range(9)]  # 4 KiB, 16 KiB, ... 256 MiB
 QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
@@ -258,10 +260,7 @@ def main(argv=None):
             repetitions={str(k): v for k, v in reps_used.items()}, warmup=WARMUP,
             rounds=args.rounds, quick=args.quick, mode=args.mode, statistic="median",
             seconds=time.monotonic() - started, argv=sys.argv[1:]))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.json, out)
     return 0
 
 

@@ -70,6 +70,14 @@ def machine():
                 python=sys.version.split()[0])
 
 
+def write_json(path, out):
+    """Write a benchmark's results as JSON (nothing when ``path`` is None)."""
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+
+
 def parse_args(argv=None):
     """Parse the command line."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -129,10 +137,7 @@ def main(argv=None):
     out = dict(results=results, model_bytes={m: model_bytes(m) for m in args.models},
                metadata=dict(machine(), steps=args.steps, launcher=args.launcher,
                              quick=args.quick, argv=sys.argv[1:]))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.json, out)
     return 0
 
 

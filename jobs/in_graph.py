@@ -10,54 +10,34 @@ bit for bit. --batch-size is the chunk of one worker task.
 
 import sys
 
-from mpi4py import MPI
-
 from mpitf.errors import ConfigurationError
 from mpitf.flags import (
     add_training_arguments,
-    check_roles,
-    data_path,
     evaluate_session,
     model_from_args,
     report_final,
-    resolve_cluster,
     session_from_args,
-    setup_backend,
+    start_job,
 )
 from mpitf.guard import (
     CheckpointSignals,
     RankParser,
     abort_on_error,
-    collective,
-    setup_logging,
 )
 from mpitf.layout import FlatLayout
 from mpitf.placement import replica_device_setter
 from mpitf.replication import InGraphBatches, InGraphReplica, InGraphWorker
-from mpitf.server import Server
 from mpitf.timeline import Timeline
 
 
 def main(argv=None):
     parser = RankParser(description=__doc__.splitlines()[0])
     add_training_arguments(parser)
-    parser.add_argument("--export", default=None,
-                        help="after training, the client writes every variable to this .npz")
     args = parser.parse_args(argv)
-    setup_logging()
-    world = MPI.COMM_WORLD
-    cluster = resolve_cluster(args, world.Get_size())
-    if cluster.num_tasks("ps") < 1:
-        raise collective(ConfigurationError(
-            "in-graph replication pushes through a ps: use --num-ps 1 or more "
-            "(jobs/towers.py trains without one)"))
     if args.mode != "sync":
-        raise collective(ConfigurationError(
-            "in-graph replication has a single client, so only --mode sync applies"))
-    server = Server(cluster, deadline=args.deadline)
-    check_roles(args, server)
-    setup_backend(args, server)
-    path = data_path(args, world)
+        parser.error("in-graph replication has a single client, so only --mode sync applies")
+    server, path = start_job(args, _check_cluster)
+    cluster = server.cluster
     if server.job_name == "ps":
         server.join()
         return server.exit_code
@@ -89,6 +69,12 @@ def main(argv=None):
     sess.close()
     batches.close()
     return sess.exit_code
+
+
+def _check_cluster(cluster):
+    if cluster.num_tasks("ps") < 1:
+        raise ConfigurationError("in-graph replication pushes through a ps: use --num-ps 1 "
+                                 "or more (jobs/towers.py trains without one)")
 
 
 def _compute(server, model, args):

@@ -6,37 +6,23 @@ Every rank runs this script; the MPI rank decides whether it is a ps or a worker
 
 import sys
 
-from mpi4py import MPI
-
 from mpitf.data import ShardedDataset
 from mpitf.flags import (
     add_training_arguments,
-    check_roles,
-    data_path,
     evaluate_session,
     model_from_args,
     report_final,
-    resolve_cluster,
     session_from_args,
-    setup_backend,
+    start_job,
 )
-from mpitf.guard import RankParser, abort_on_error, setup_logging
-from mpitf.server import Server
+from mpitf.guard import RankParser, abort_on_error
 
 
 def main(argv=None):
     parser = RankParser(description=__doc__.splitlines()[0])
     add_training_arguments(parser)
-    parser.add_argument("--export", default=None,
-                        help="after training, the chief writes every variable to this .npz")
     args = parser.parse_args(argv)
-    setup_logging()
-    world = MPI.COMM_WORLD
-    cluster = resolve_cluster(args, world.Get_size())
-    server = Server(cluster, deadline=args.deadline)
-    check_roles(args, server)
-    setup_backend(args, server)
-    path = data_path(args, world)
+    server, path = start_job(args)
     if server.job_name == "ps":
         server.join()
         return server.exit_code

@@ -40,8 +40,6 @@ def main(argv=None):
     add_training_arguments(parser, steps=200)
     parser.add_argument("--devices", default="cpu:0,cpu:1",
                         help="the towers' devices, e.g. cpu:0,cpu:1 or gpu:0,gpu:1")
-    parser.add_argument("--export", default=None,
-                        help="after training, write every variable to this .npz")
     parser.set_defaults(num_ps=0)  # one process trains alone unless asked for a ps
     args = parser.parse_args(argv)
     setup_logging()

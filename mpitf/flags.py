@@ -4,7 +4,7 @@ import os
 
 from .cluster import add_cluster_arguments, check_claimed_role, cluster_from_args
 from .errors import ConfigurationError, MpitfError
-from .guard import collective
+from .guard import collective, setup_logging
 
 
 def add_training_arguments(parser, steps=300, batch_size=32, lr=0.3):
@@ -52,6 +52,8 @@ def add_training_arguments(parser, steps=300, batch_size=32, lr=0.3):
                    help="seconds to wait on a silent rank before ending the job (default 300;"
                         " set it above the longest step)")
     g.add_argument("--timeline", default=None, help="write a Chrome trace of every rank here")
+    g.add_argument("--export", default=None,
+                   help="after training, the chief writes every variable to this .npz")
     d = parser.add_argument_group("devices")
     d.add_argument("--device", choices=("auto", "cpu", "gpu"), default="cpu",
                    help="where variables and gradients live: 'auto' takes a GPU (local rank "
@@ -206,3 +208,27 @@ def evaluate_session(sess, args, path, **extra):
     if getattr(args, "export", None):
         sess.client.pull()  # evaluation may have pulled the average
     return summary
+
+
+def start_job(args, check_cluster=None):
+    """Start this rank's part of a job: cluster, Server, backend, data; return both.
+
+    ``check_cluster(cluster)`` may refuse a cluster the job cannot run; its errors, like
+    every error here, are the same on every rank. Returns ``(server, data file)``.
+    """
+    from mpi4py import MPI
+
+    from .server import Server
+
+    setup_logging()
+    world = MPI.COMM_WORLD
+    cluster = resolve_cluster(args, world.Get_size())
+    if check_cluster is not None:
+        try:
+            check_cluster(cluster)
+        except MpitfError as exc:
+            raise collective(exc) from None
+    server = Server(cluster, deadline=args.deadline)
+    check_roles(args, server)
+    setup_backend(args, server)
+    return server, data_path(args, world)

@@ -17,6 +17,7 @@ from mpi4py import MPI
 
 from .backend import get_backend
 from .errors import ConfigurationError
+from .models.wrapper import ModelWrapper
 
 __all__ = ["InGraphBatches", "InGraphReplica", "InGraphWorker"]
 
@@ -84,7 +85,7 @@ class _Channel:
 # --------------------------------------------------------------------------- in-graph
 
 
-class InGraphReplica:
+class InGraphReplica(ModelWrapper):
     """The in-graph client's model: each ``loss_and_grads`` runs one step on every worker.
 
     Use it in place of the model in the client's ``TrainingSession(..., clients=[0])``,
@@ -101,8 +102,8 @@ class InGraphReplica:
     def __init__(self, comm, model, backend=None):
         if comm.Get_rank() != 0:
             raise ConfigurationError("the in-graph client must be rank 0 of the workers' comm")
+        super().__init__(model)
         self.comm = comm
-        self.model = model
         self.backend = backend or get_backend()
         self.num_replicas = comm.Get_size()
         self.channel = _Channel(comm, self.backend)
@@ -110,18 +111,6 @@ class InGraphReplica:
         self._planned = False
         self._control = np.zeros(2, np.int64)
         self._losses = np.zeros(self.num_replicas, np.float64)
-
-    def variables(self):
-        """Return the model's variables."""
-        return self.model.variables()
-
-    def init(self, rng):
-        """Return the model's initial values."""
-        return self.model.init(rng)
-
-    def logits(self, params, x):
-        """Return the model's logits (evaluation runs on the client alone)."""
-        return self.model.logits(params, x)
 
     def attach(self, client):
         """Use ``client``'s flat buffers: broadcast its parameters, gather into its layout."""

@@ -11,6 +11,7 @@ import numpy as np
 
 from .backend import numpy_backend, select_backend
 from .errors import ConfigurationError
+from .models.wrapper import ModelWrapper
 
 __all__ = ["Towers", "parse_devices", "tower_backend"]
 
@@ -79,7 +80,7 @@ class _Tower:
         self.grads = {n: self.grads_flat[a:b].reshape(s) for n, s, a, b in specs}
 
 
-class Towers:
+class Towers(ModelWrapper):
     """A model that splits each batch over local devices and averages their gradients.
 
     It has the model protocol, so it trains locally (see :meth:`apply_locally`) or as the
@@ -93,7 +94,7 @@ class Towers:
     def __init__(self, model, backends):
         if not backends:
             raise ConfigurationError("towers need at least one device")
-        self.model = model
+        super().__init__(model)
         self.backends = list(backends)
         dtypes = {np.dtype(t) for _, _, t in model.variables()}
         if len(dtypes) != 1:
@@ -109,18 +110,6 @@ class Towers:
         with _on(self.backends[0]):
             self.incoming = self.backends[0].zeros(pos, self.dtype)  # a tower's grads on dev 0
         self.losses = [0.0] * len(self.towers)
-
-    def variables(self):
-        """Return the model's variables."""
-        return self.model.variables()
-
-    def init(self, rng):
-        """Return the model's initial values."""
-        return self.model.init(rng)
-
-    def logits(self, params, x):
-        """Return the model's logits."""
-        return self.model.logits(params, x)
 
     @property
     def params(self):
