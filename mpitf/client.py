@@ -113,6 +113,9 @@ class Client:
         self.layout = FlatLayout(placement)
         self.segments = self.layout.segments
         dtype, pos = placement.dtype, self.layout.size
+        if chunk_bytes is not None and (chunk_bytes <= 0 or chunk_bytes % P.HEADER_BYTES):
+            raise ConfigurationError(f"chunk_bytes must be a positive multiple of "
+                                     f"{P.HEADER_BYTES}, got {chunk_bytes}")
         self.params_flat = self.backend.zeros(pos, dtype)
         self.grads_flat = self.backend.zeros(pos, dtype)
         self.chunk_bytes = chunk_bytes
@@ -123,9 +126,8 @@ class Client:
         # Header-only requests (pull, done, paused) go from a small buffer of their own.
         self.request_headers = np.zeros((len(self.segments), P.HEADER_WORDS), np.int64)
         self.ps_steps = [0] * len(self.segments)
-        xp = self.backend.xp
-        self.param_views = self.layout.views(self.params_flat, xp)
-        self.grad_views = self.layout.views(self.grads_flat, xp)
+        self.param_views = self.layout.views(self.params_flat, self.backend)
+        self.grad_views = self.layout.views(self.grads_flat, self.backend)
         self.params = self.param_views.arrays
         self.grads = self.grad_views.arrays
 

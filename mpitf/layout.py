@@ -62,8 +62,11 @@ class FlatLayout:
         """Return the payload view of every ps's part of ``flat``."""
         return [flat[b:c] for _, b, c in self.segments]
 
-    def views(self, flat, xp=np):
-        """Return the :class:`VariableViews` of the model's variables over ``flat``."""
+    def views(self, flat, backend=None):
+        """Return the :class:`VariableViews` of the model's variables over ``flat``.
+
+        A partitioned variable's own array is allocated on ``backend`` (numpy if None).
+        """
         arrays, split = {}, []
         for name, shape, dtype in self.placement.variables:
             parts = []
@@ -73,6 +76,9 @@ class FlatLayout:
             if len(parts) == 1:
                 arrays[name] = parts[0][1].reshape(shape)
             else:
-                arrays[name] = xp.zeros(shape, dtype)
+                size = int(np.prod(shape, dtype=np.int64))
+                whole = backend.zeros(size, dtype) if backend is not None else np.zeros(size,
+                                                                                         dtype)
+                arrays[name] = whole.reshape(shape)
                 split.append((name, parts))
         return VariableViews(arrays, split)

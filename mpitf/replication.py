@@ -118,7 +118,7 @@ class InGraphReplica(ModelWrapper):
         n = client.params_flat.shape[0]
         xp = self.backend.xp
         self.gathered = xp.zeros((self.num_replicas, n), client.grads_flat.dtype)
-        self.local_grads = client.layout.views(self.gathered[0], xp)
+        self.local_grads = client.layout.views(self.gathered[0], self.backend)
         return self
 
     def loss_and_grads(self, params, batch, grads):
@@ -184,12 +184,11 @@ class InGraphWorker:
         self.comm = comm
         self.model = model
         self.backend = backend or get_backend()
-        xp = self.backend.xp
         self.params_flat = self.backend.zeros(layout.size, layout.dtype)
         self.grads_flat = self.backend.zeros(layout.size, layout.dtype)
         self.channel = _Channel(comm, self.backend)
-        self.params = layout.views(self.params_flat, xp)
-        self.grads = layout.views(self.grads_flat, xp)
+        self.params = layout.views(self.params_flat, self.backend)
+        self.grads = layout.views(self.grads_flat, self.backend)
         self.steps = 0
 
     def serve(self):

@@ -358,6 +358,25 @@ class FakeGPUBackend(Backend):
         """Return True for :class:`FakeGPUArray` only."""
         return isinstance(a, FakeGPUArray)
 
+    def copy_to_host_async(self, src, dst):
+        """Copy a fake device array into a host array; the returned event is complete."""
+        self.events.append("to_host_async")
+        _np.copyto(dst, src.get())
+        return _Done()
+
+    def copy_to_device_async(self, src, dst):
+        """Copy a host array into a fake device array; the returned event is complete."""
+        self.events.append("to_device_async")
+        dst.set(src)
+        return _Done()
+
+
+class _Done:
+    """A finished copy (fake device copies are synchronous)."""
+
+    def synchronize(self):
+        """Return at once."""
+
 
 def fake_gpu_backend(cuda_aware=False):
     """Return a fresh :class:`FakeGPUBackend`, CUDA-aware or not, with zeroed counters.

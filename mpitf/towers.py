@@ -176,6 +176,7 @@ class Towers(ModelWrapper):
         first = self.towers[0]
         with _on(first.backend):
             if slots is None:
-                slots = optimizer.make_slots(self.size, first.backend.xp, self.dtype)
+                slots = {k: first.backend.to_device(v) for k, v in optimizer.make_slots(
+                    self.size, first.backend.xp, self.dtype).items()}
             optimizer.apply(first.params_flat, first.grads_flat, slots, step)
         return slots

@@ -71,7 +71,10 @@ class Shard:
         self.optimizer = optimizer
         self.reply = Frame(backend, size, dtype)
         self.params = self.reply.payload
-        self.slots = optimizer.make_slots(size, self.xp, dtype)
+        # Slots are made with the array module, then placed on the backend's device (a
+        # no-op for numpy and CuPy; it matters for backends whose module is numpy).
+        self.slots = {k: backend.to_device(v)
+                      for k, v in optimizer.make_slots(size, self.xp, dtype).items()}
         self.average = average  # an ExponentialMovingAverage or None
         self.average_frame = Frame(backend, size, dtype) if average is not None else None
 
