@@ -65,6 +65,16 @@ def test_device_paths_give_the_numpy_bits(reference, tmp_path, kind, chunk):
         assert "to_host_async" not in events and "to_device_async" not in events, events
 
 
+@pytest.mark.gpu
+def test_real_gpu_gives_the_numpy_bits(reference, tmp_path):
+    out = tmp_path / "gpu.npz"
+    _run("gpu", out)
+    got = np.load(out)
+    for name in reference.files:
+        # Device kernels may round differently from numpy's: close, not bit-equal.
+        np.testing.assert_allclose(got[name], reference[name], rtol=1e-5, atol=1e-6)
+
+
 def test_chunk_size_must_fit_the_header(tmp_path):
     from mpitf.client import Client
 

@@ -1,16 +1,18 @@
 """Train a few sync steps with every rank on a given backend; the chief saves the params.
 
 Run: mpiexec -n 4 python tests/mpi/staging_driver.py BACKEND OUT.npz [CHUNK_BYTES]
-BACKEND is numpy, fake-aware (fake device arrays handed to MPI as they are) or
-fake-staged (fake device arrays staged through host buffers in chunks).
+BACKEND is numpy, fake-aware (fake device arrays handed to MPI as they are),
+fake-staged (fake device arrays staged through host buffers in chunks), or gpu (CuPy on
+a real GPU per local rank, CUDA-aware or staged as the MPI library allows).
 """
 
 import json
 import sys
 
 import numpy as np
+from mpi4py import MPI
 
-from mpitf.backend import numpy_backend, set_backend
+from mpitf.backend import numpy_backend, select_backend, set_backend
 from mpitf.client import Client
 from mpitf.guard import abort_on_error
 from mpitf.placement import min_max_variable_partitioner, replica_device_setter
@@ -24,7 +26,12 @@ VARIABLES = [("dense/weights", (300, 4), "f4"), ("dense/biases", (4,), "f4"),
 def main():
     kind, out = sys.argv[1], sys.argv[2]
     chunk = int(sys.argv[3]) if len(sys.argv) > 3 else 1024
-    be = numpy_backend() if kind == "numpy" else fake_gpu_backend(kind == "fake-aware")
+    if kind == "gpu":
+        from mpitf.device import local_rank
+
+        be = select_backend("gpu", local_rank(MPI.COMM_WORLD)[0])
+    else:
+        be = numpy_backend() if kind == "numpy" else fake_gpu_backend(kind == "fake-aware")
     set_backend(be)
     server = Server({"ps": 2, "worker": 2}, deadline=30)
     if server.job_name == "ps":
@@ -50,7 +57,7 @@ def main():
     if server.is_chief:
         np.savez(out, **{k: be.to_host(v) for k, v in client.params.items()})
         sys.stdout.write("steps " + json.dumps(steps) + "\n")
-        if kind != "numpy":
+        if kind.startswith("fake"):
             events = be.events
             sys.stdout.write(f"events {json.dumps(sorted(set(events)))} "
                              f"synchronize_calls {be.synchronize_calls}\n")
