@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import time
-import zipfile
 import zlib
 from collections import defaultdict, namedtuple
 
@@ -25,7 +24,7 @@ from .errors import CheckpointError
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
-_CKPT_RE = re.compile(r"^ckpt-(\d+)$")
+CKPT_RE = re.compile(r"^ckpt-(\d+)$")
 _PART_RE = re.compile(r"^part(\d+)$")
 
 # One dataset of a shard file, as its attributes describe it.
@@ -66,7 +65,7 @@ def _fsync_file(path):
         os.close(fd)
 
 
-def _commit(tmp, path):
+def commit_file(tmp, path):
     """Make the finished temporary file ``tmp`` durable, then move it to ``path``."""
     _fsync_file(tmp)
     os.replace(tmp, path)
@@ -78,7 +77,7 @@ def _write_text(path, text):
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
-    _commit(tmp, path)
+    commit_file(tmp, path)
 
 
 def _sha256(path):
@@ -137,7 +136,7 @@ def write_shard(ckpt_dir, ps_task, num_ps, global_step, slices, params, slots=No
                 ds.attrs.update(start=int(s.start), stop=int(s.stop),
                                 shape=np.array(s.shape, dtype=np.int64),
                                 dtype=np.dtype(s.dtype).str, crc32=_crc32(data, s.dtype))
-    _commit(path + ".tmp", path)
+    commit_file(path + ".tmp", path)
     return {"file": fname, "ps_task": int(ps_task), "global_step": int(global_step),
             "sha256": _sha256(path)}
 
@@ -153,7 +152,7 @@ def prepare_save(root, global_step):
     path = os.path.join(root, checkpoint_name(global_step))
     if not os.path.isdir(path):
         return True
-    if (_latest(root) == checkpoint_name(global_step)
+    if (latest_name(root) == checkpoint_name(global_step)
             and os.path.isfile(os.path.join(path, MANIFEST)) and not verify_checkpoint(path)):
         return False
     _remove(path)
@@ -241,7 +240,7 @@ def _prune(root, current, max_to_keep):
     # Complete checkpoints newer than this one belong to a run that fell back to an older
     # one; they are not counted and not deleted (prepare_save replaces them in turn).
     found = list_checkpoints(root)
-    step = int(_CKPT_RE.match(current)[1])
+    step = int(CKPT_RE.match(current)[1])
     complete = [c["name"] for c in found if c["complete"] and c["global_step"] <= step]
     keep = set(complete[-max_to_keep:] if max_to_keep else complete) | {current}
     newest = max(c["global_step"] for c in found if c["complete"])
@@ -255,13 +254,13 @@ def _prune(root, current, max_to_keep):
 # ----------------------------------------------------------------------- listing
 
 
-def _latest(root):
+def latest_name(root):
     try:
         with open(os.path.join(root, LATEST)) as f:
             name = os.path.basename(f.read().strip())
     except FileNotFoundError:
         return None
-    return name if _CKPT_RE.match(name) else None
+    return name if CKPT_RE.match(name) else None
 
 
 def list_checkpoints(root):
@@ -274,7 +273,7 @@ def list_checkpoints(root):
         return []
     found = []
     for entry in os.scandir(root):
-        m = _CKPT_RE.match(entry.name)
+        m = CKPT_RE.match(entry.name)
         if m and entry.is_dir():
             found.append({"name": entry.name, "path": entry.path, "global_step": int(m[1]),
                           "complete": os.path.isfile(os.path.join(entry.path, MANIFEST))})
@@ -430,7 +429,7 @@ def find_restorable(root, log=print):
     checkpoint passed over. Raises CheckpointError if checkpoints exist but none verifies.
     """
     found = list_checkpoints(root)
-    latest = _latest(root)
+    latest = latest_name(root)
     names = [c["name"] for c in found]
     if (latest is None and not any(c["complete"] for c in found)) or not names:
         for name in names:
@@ -461,7 +460,7 @@ def find_restorable(root, log=print):
 # ------------------------------------------------------------------------ reading
 
 
-def _index(ckpt_dir, manifest):
+def index_pieces(ckpt_dir, manifest):
     """Return ``{(kind, slot, var): [pieces]}`` for every dataset of the checkpoint."""
     import h5py
 
@@ -515,7 +514,7 @@ def load_shard(ckpt_dir, manifest, slices, params, slots=None, average=None):
         if np.dtype(v["dtype"]) != np.dtype(s.dtype):
             raise CheckpointError(f"variable {s.name!r} is {np.dtype(s.dtype).name} in the "
                                   f"model but {np.dtype(v['dtype']).name} in {ckpt_dir}")
-    groups = _index(ckpt_dir, manifest)
+    groups = index_pieces(ckpt_dir, manifest)
     targets = [("params", None, params)]
     targets += [("slots", n, b) for n, b in sorted((slots or {}).items())
                 if not n.startswith("_")]
@@ -571,144 +570,3 @@ def read_variables(ckpt_dir, manifest=None):
     flat = np.zeros(offset, dtype=dtype)
     load_shard(ckpt_dir, manifest, slices, flat)
     return {s.name: flat[s.offset:s.offset + s.size].reshape(s.shape) for s in slices}
-
-
-def describe_checkpoint(ckpt_dir):
-    """Return a readable account of a checkpoint: step, layout, variables, worker positions."""
-    m = read_manifest(ckpt_dir)
-    groups = _index(ckpt_dir, m)
-    layout = dict(m["layout"])
-    optimizer = layout.pop("optimizer", None)
-    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(m.get("time", 0)))
-    lines = [f"{os.path.basename(os.path.normpath(ckpt_dir))}: global step {m['global_step']}, "
-             f"written {when}", f"path: {os.path.abspath(ckpt_dir)}",
-             "layout: " + ", ".join(f"{k} {v}" for k, v in layout.items())]
-    if optimizer is not None:
-        lines.append(f"optimizer: {json.dumps(optimizer, sort_keys=True)}")
-    lines.append(f"variables ({len(m['variables'])}):")
-    width = max([len(v["name"]) for v in m["variables"]] + [8])
-    for v in m["variables"]:
-        where = " ".join(f"ps{p.ps_task}[{p.start}:{p.stop}]" for p in
-                         sorted(groups.get(("params", None, v["name"]), []),
-                                key=lambda p: p.start))
-        lines.append(f"  {v['name']:<{width}}  {str(tuple(v['shape'])):<16} "
-                     f"{np.dtype(v['dtype']).name:<8} {where}")
-    slots = sorted({slot for kind, slot, _ in groups if kind == "slots"})
-    lines.append(f"slots: {', '.join(slots) or 'none'}")
-    lines.append(f"average: {'yes' if any(k == 'average' for k, _, _ in groups) else 'no'}")
-    lines.append("workers:")
-    for task, pos in m["workers"].items():
-        lines.append(f"  worker {task}: " + ", ".join(f"{k} {v}" for k, v in pos.items()))
-    if m.get("extra"):
-        lines.append(f"extra: {json.dumps(m['extra'], sort_keys=True)}")
-    return "\n".join(lines)
-
-
-# ------------------------------------------------------------ `mpitf ckpt` commands
-
-
-def _is_ckpt_dir(path):
-    base = os.path.basename(os.path.normpath(path))
-    return os.path.isdir(path) and (bool(_CKPT_RE.match(base))
-                                    or os.path.isfile(os.path.join(path, MANIFEST)))
-
-
-def _choose(root, step=None):
-    """Return the checkpoint directory a command means; raise CheckpointError if none."""
-    if step is None and _is_ckpt_dir(root):
-        return root
-    found = list_checkpoints(root)
-    if not found:
-        why = "no such directory" if not os.path.isdir(root) else "no ckpt-* directories"
-        raise CheckpointError(f"{root}: no checkpoints ({why})")
-    if step is not None:
-        path = os.path.join(root, checkpoint_name(step))
-        if not os.path.isdir(path):
-            raise CheckpointError(f"{root}: no checkpoint at step {step}; steps there: "
-                                  + ", ".join(str(c["global_step"]) for c in found))
-        return path
-    latest = _latest(root)
-    if latest and os.path.isdir(os.path.join(root, latest)):
-        return os.path.join(root, latest)
-    complete = [c for c in found if c["complete"]]
-    if not complete:
-        raise CheckpointError(f"{root}: no complete checkpoint")
-    return complete[-1]["path"]
-
-
-def _fail(e):
-    print(f"mpitf ckpt: {e}")
-    return 1
-
-
-def cmd_ls(root):
-    """Print every checkpoint under ``root``, oldest first; return the exit code."""
-    found = list_checkpoints(root)
-    if not found:
-        return _fail(CheckpointError(f"{root}: no checkpoints"))
-    latest = _latest(root)
-    for c in found:
-        size = sum(e.stat().st_size for e in os.scandir(c["path"]) if e.is_file())
-        state = "complete" if c["complete"] else "incomplete"
-        mark = "  <- latest" if c["name"] == latest else ""
-        print(f"{c['name']}  step {c['global_step']:>10}  {size:>14} bytes  {state}{mark}")
-    return 0
-
-
-def cmd_show(root, step=None):
-    """Print the checkpoint ``latest`` names (or the one at ``step``); return the exit code."""
-    try:
-        print(describe_checkpoint(_choose(root, step)))
-    except CheckpointError as e:
-        return _fail(e)
-    return 0
-
-
-def cmd_verify(root_or_ckpt_dir):
-    """Verify one checkpoint or every one under a root; return 0 if whole, 1 if damaged.
-
-    Under a root, an incomplete directory (a save cut short) is listed but is not damage,
-    unless ``latest`` names it.
-    """
-    path = root_or_ckpt_dir
-    if _is_ckpt_dir(path):
-        problems = verify_checkpoint(path)
-        print(f"{os.path.basename(os.path.normpath(path))}: "
-              + ("; ".join(problems) if problems else "OK"))
-        return 1 if problems else 0
-    found = list_checkpoints(path)
-    if not found:
-        return _fail(CheckpointError(f"{path}: no checkpoints"))
-    latest, bad = _latest(path), 0
-    if latest and latest not in [c["name"] for c in found]:
-        print(f"{LATEST}: names {latest}, which does not exist")
-        bad += 1
-    for c in found:
-        if not c["complete"] and c["name"] != latest:
-            print(f"{c['name']}: incomplete (no {MANIFEST}); a restore ignores it")
-            continue
-        problems = verify_checkpoint(c["path"])
-        bad += bool(problems)
-        print(f"{c['name']}: " + ("; ".join(problems) if problems else "OK"))
-    return 1 if bad else 0
-
-
-def cmd_export(root, out_npz, step=None):
-    """Write every variable of a checkpoint to ``out_npz`` by name; return the exit code."""
-    try:
-        path = _choose(root, step)
-        variables = read_variables(path)
-    except CheckpointError as e:
-        return _fail(e)
-    tmp = out_npz + ".tmp"
-    try:
-        # np.savez(**variables) would clash with a variable named "file".
-        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
-            for name, value in variables.items():
-                with z.open(name + ".npy", "w", force_zip64=True) as f:
-                    np.lib.format.write_array(f, value)
-        _commit(tmp, out_npz)
-    except OSError as e:
-        return _fail(f"cannot write {out_npz} ({e})")
-    print(f"wrote {len(variables)} variables of {os.path.basename(path)} to {out_npz}")
-    return 0

@@ -68,7 +68,7 @@ def parse_spec(text):
 
 def cmd_cluster(args):
     """Print which rank runs which task on which host, launching nothing."""
-    from .cluster import assign_roles, describe_roles
+    from .roles import assign_roles, describe_roles
 
     cluster = parse_spec(args.spec)
     hosts = [h.strip() for h in args.hosts.split(",")] if args.hosts else None
@@ -156,18 +156,18 @@ def cmd_data(args):
 
 # --- ckpt -------------------------------------------------------------------------------
 def cmd_ckpt(args):
-    """List, show, verify or export checkpoints (mpitf.checkpoint does the work)."""
-    from . import checkpoint
+    """List, show, verify or export checkpoints (mpitf.ckpt_commands does the work)."""
+    from . import ckpt_commands
 
     if not os.path.exists(args.dir):
         raise ConfigurationError(f"no such checkpoint directory: {args.dir}")
     if args.action == "ls":
-        return checkpoint.cmd_ls(args.dir)
+        return ckpt_commands.cmd_ls(args.dir)
     if args.action == "show":
-        return checkpoint.cmd_show(args.dir, step=args.step)
+        return ckpt_commands.cmd_show(args.dir, step=args.step)
     if args.action == "verify":
-        return checkpoint.cmd_verify(args.dir)
-    return checkpoint.cmd_export(args.dir, args.out, step=args.step)
+        return ckpt_commands.cmd_verify(args.dir)
+    return ckpt_commands.cmd_export(args.dir, args.out, step=args.step)
 
 
 # --- bench ------------------------------------------------------------------------------

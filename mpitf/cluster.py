@@ -5,24 +5,7 @@ ported code works. Addresses keep TensorFlow's ``host:port`` form, but ports are
 ignored: MPI carries every message. Only the jobs ``ps`` and ``worker`` exist;
 mpitf's chief is worker task 0.
 
-Rank mapping policy (`assign_roles`), the same on every rank for the same input:
-
-1. The number of MPI ranks must equal the number of tasks in the spec.
-2. Nodes are the distinct processor names of the ranks, ordered by their
-   lowest rank.
-3. A task whose host is a real hostname is *pinned*: it must run on that node
-   (exact name, or the same short name before the first ``.``). Pinned tasks
-   are placed first, ps before worker, each in task order, on the lowest free
-   rank of their node. A task on ``localhost``, ``127.0.0.1`` or no host is
-   *free*.
-4. Free ps tasks come next, in task order: the i-th ps task prefers node
-   ``i mod num_nodes`` (one ps per node before any node gets a second) and
-   takes the lowest free rank there; if that node is full, the next node with
-   a free rank.
-5. Free worker tasks fill the remaining ranks in rank order, in task order.
-
-On one workstation this gives ranks ``0..num_ps-1`` to the ps tasks and the rest
-to the workers; on several nodes the ps tasks are spread over the nodes.
+Which MPI rank runs which task is :mod:`mpitf.roles`' business.
 """
 
 from __future__ import annotations
@@ -36,7 +19,7 @@ from mpitf.errors import ConfigurationError
 
 __all__ = [
     "ClusterSpec", "add_cluster_arguments", "cluster_from_args", "check_claimed_role",
-    "assign_roles", "describe_roles", "tf_config_task",
+    "split_address", "tf_config_task",
 ]
 
 JOBS = ("ps", "worker")
@@ -54,7 +37,7 @@ def _check_job(job):
     raise ConfigurationError(msg)
 
 
-def _split_address(address):
+def split_address(address):
     """Split ``host``, ``host:port`` or ``[v6]:port`` into (host, port or None)."""
     if not isinstance(address, str):
         raise ConfigurationError(f"expecting an address string 'host:port', got {address!r}")
@@ -126,7 +109,7 @@ class ClusterSpec:
                     f"bad tasks {tasks!r} for job {job!r}: expecting a list of 'host:port',"
                     " a dict of task index -> address, or a task count >= 0")
             for address in parsed.values():
-                _split_address(address)  # raises on a malformed address
+                split_address(address)  # raises on a malformed address
             if parsed:
                 spec[job] = {i: parsed[i].strip() for i in sorted(parsed)}
         self._spec = dict(sorted(spec.items()))
@@ -138,7 +121,7 @@ class ClusterSpec:
         seen, ports = {}, False
         for job, tasks in self._spec.items():
             for i, address in tasks.items():
-                if _split_address(address)[1] is None:
+                if split_address(address)[1] is None:
                     continue
                 ports = True
                 if address in seen:
@@ -387,76 +370,4 @@ def check_claimed_role(args, job, task_index, rank=None):
     who = "this MPI rank" if rank is None else f"MPI rank {rank}"
     raise ConfigurationError(
         f"{claim} but {who} runs /job:{job}/task:{task_index}; roles come from the MPI rank"
-        " (see mpitf.cluster's mapping policy): drop --job_name/--task_index or fix the spec")
-
-
-# --- rank mapping -------------------------------------------------------------
-def _node_of(host, nodes, task):
-    """Return the index of the node a pinned host names, or None for a free task."""
-    if host.lower() in LOCAL_HOSTS:
-        return None
-    names = [n.lower() for n in nodes]
-    if host.lower() in names:
-        return names.index(host.lower())
-    short = [n.split(".")[0] for n in names]
-    if host.lower().split(".")[0] in short:
-        return short.index(host.lower().split(".")[0])
-    raise ConfigurationError(
-        f"{task} is pinned to host {host!r}, but no MPI rank runs there; the ranks run on"
-        f" {', '.join(nodes)}: fix the host, or use 'localhost' to let mpitf place the task")
-
-
-def assign_roles(cluster, rank_hosts):
-    """Map each MPI rank to its (job, task_index) by the module's documented policy.
-
-    Args:
-        cluster: the `ClusterSpec`.
-        rank_hosts: ``rank_hosts[r]`` is the processor name of MPI rank r.
-
-    Returns:
-        A list of (job, task_index), one per rank.
-    """
-    cluster = ClusterSpec(cluster)
-    size = len(rank_hosts)
-    if size != cluster.total_tasks:
-        counts = ", ".join(f"{cluster.num_tasks(j)} {j}" for j in cluster.jobs)
-        raise ConfigurationError(
-            f"the cluster spec has {cluster.total_tasks} tasks ({counts}) but the MPI world"
-            f" has {size} ranks: run with mpiexec -n {cluster.total_tasks} or change the spec")
-    nodes = list(dict.fromkeys(rank_hosts))
-    free = [[r for r in range(size) if rank_hosts[r] == n] for n in nodes]  # ascending
-    roles = [None] * size
-    tasks = [(job, i, _node_of(_split_address(cluster.task_address(job, i))[0], nodes,
-                               f"/job:{job}/task:{i}"))
-             for job in JOBS for i in cluster.task_indices(job)]
-    for job, i, node in tasks:  # pinned tasks first
-        if node is not None:
-            if not free[node]:
-                raise ConfigurationError(
-                    f"/job:{job}/task:{i} is pinned to {nodes[node]!r}, which has no free rank"
-                    f" left ({len([h for h in rank_hosts if h == nodes[node]])} ranks):"
-                    " start more ranks there or pin fewer tasks to it")
-            roles[free[node].pop(0)] = (job, i)
-    ps_order = {i: k for k, i in enumerate(cluster.task_indices("ps"))}
-    for job, i, node in tasks:
-        if job == "ps" and node is None:
-            start = ps_order[i] % len(nodes)
-            node = next(n % len(nodes) for n in range(start, start + len(nodes))
-                        if free[n % len(nodes)])
-            roles[free[node].pop(0)] = (job, i)
-    open_ranks = sorted(r for ranks in free for r in ranks)
-    workers = [(job, i) for job, i, node in tasks if job == "worker" and node is None]
-    for rank, role in zip(open_ranks, workers):
-        roles[rank] = role
-    return roles
-
-
-def describe_roles(roles, rank_hosts):
-    """Return a text table of rank -> /job:x/replica:0/task:i -> host."""
-    names = [f"/job:{job}/replica:0/task:{i}" for job, i in roles]
-    rank_w = max(len("rank"), len(str(len(roles) - 1)))
-    name_w = max([len("task")] + [len(n) for n in names])
-    lines = [f"{'rank':>{rank_w}}  {'task':<{name_w}}  host"]
-    for r, (name, host) in enumerate(zip(names, rank_hosts)):
-        lines.append(f"{r:>{rank_w}}  {name:<{name_w}}  {host}")
-    return "\n".join(lines)
+        " (see mpitf.roles for the mapping policy): drop --job_name/--task_index or fix the spec")

@@ -1,7 +1,7 @@
 """Give this rank its place in the cluster: its job and task, its communicators, and ``join()``.
 
 ``Server(cluster)`` is collective over ``MPI.COMM_WORLD``: every rank shares its host name,
-every rank computes the same rank -> task map (see :mod:`mpitf.cluster`), and a spec that
+every rank computes the same rank -> task map (see :mod:`mpitf.roles`), and a spec that
 does not fit the world fails identically on every rank, so each exits without waiting for
 the others.
 """
@@ -13,8 +13,9 @@ import os
 from mpi4py import MPI
 
 from . import lifeline
-from .cluster import ClusterSpec, assign_roles, describe_roles
+from .cluster import ClusterSpec
 from .device import device_name, local_rank
+from .roles import assign_roles, describe_roles
 
 _log = logging.getLogger("mpitf")
 

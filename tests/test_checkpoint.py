@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpitf import checkpoint as ck
+from mpitf import ckpt_commands as cmds
 from mpitf.errors import CheckpointError
 from mpitf.placement import MinMaxVariablePartitioner, Placement
 
@@ -176,9 +177,9 @@ def test_corrupt_byte_is_named_and_skipped(tmp_path):
     target = Placement(VARIABLES, 1)
     with pytest.raises(CheckpointError, match="checksum mismatch in params/hidden1/weights"):
         restore(bad, target)
-    assert ck.cmd_verify(bad) == 1
-    assert ck.cmd_verify(root) == 1
-    assert ck.cmd_verify(path) == 0
+    assert cmds.cmd_verify(bad) == 1
+    assert cmds.cmd_verify(root) == 1
+    assert cmds.cmd_verify(path) == 0
 
 
 def test_truncated_shard_is_skipped(tmp_path):
@@ -265,7 +266,7 @@ def test_crash_mid_write_leaves_previous_whole(tmp_path):
     assert os.path.basename(path) == "ckpt-00000200"
     assert lines == ["skipping ckpt-00000300: newer than ckpt-00000200, which `latest` "
                      "names; using ckpt-00000200"]
-    assert ck.cmd_verify(root) == 0
+    assert cmds.cmd_verify(root) == 0
     # The restarted job saves step 300 again: the leftovers are cleared first.
     assert ck.prepare_save(root, 300) is True
     assert not os.path.exists(partial)
@@ -304,29 +305,29 @@ def test_commands(tmp_path, capsys):
     root = str(tmp_path)
     save(root, 100)
     save(root, 200)
-    assert ck.cmd_verify(root) == 0
+    assert cmds.cmd_verify(root) == 0
     assert capsys.readouterr().out == "ckpt-00000100: OK\nckpt-00000200: OK\n"
-    assert ck.cmd_ls(root) == 0
+    assert cmds.cmd_ls(root) == 0
     out = capsys.readouterr().out
     assert "ckpt-00000200" in out and "<- latest" in out
-    assert ck.cmd_show(root) == 0
+    assert cmds.cmd_show(root) == 0
     out = capsys.readouterr().out
     assert "global step 200" in out and "hidden1/weights" in out and "ps1[24:48]" in out
     assert "worker 1: epoch 1, cursor 2005" in out and "slots: m, v" in out
-    assert ck.cmd_show(root, step=100) == 0
+    assert cmds.cmd_show(root, step=100) == 0
     assert "global step 100" in capsys.readouterr().out
     out_npz = str(tmp_path / "vars.npz")
-    assert ck.cmd_export(root, out_npz) == 0
+    assert cmds.cmd_export(root, out_npz) == 0
     with np.load(out_npz) as z:
         assert_same({k: z[k] for k in z.files}, values_at(200))
-    assert ck.cmd_export(root, out_npz, step=100) == 0
+    assert cmds.cmd_export(root, out_npz, step=100) == 0
     with np.load(out_npz) as z:
         assert_same({k: z[k] for k in z.files}, values_at(100))
     capsys.readouterr()
-    for cmd in (ck.cmd_ls, ck.cmd_show, ck.cmd_verify):
+    for cmd in (cmds.cmd_ls, cmds.cmd_show, cmds.cmd_verify):
         assert cmd(str(tmp_path / "nowhere")) == 1
         assert "no checkpoints" in capsys.readouterr().out
-    assert ck.cmd_show(root, step=300) == 1
+    assert cmds.cmd_show(root, step=300) == 1
     assert "no checkpoint at step 300" in capsys.readouterr().out
 
 

@@ -143,7 +143,7 @@ def test_data_mnist_missing_files_exit_1(tmp_path, capsys):
 
 
 def test_ckpt_calls_checkpoint_commands(tmp_path, monkeypatch):
-    checkpoint = pytest.importorskip("mpitf.checkpoint")
+    from mpitf import ckpt_commands as checkpoint
     calls = []
     monkeypatch.setattr(checkpoint, "cmd_ls", lambda root: calls.append(("ls", root)) or 0)
     monkeypatch.setattr(checkpoint, "cmd_show",

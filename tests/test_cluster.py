@@ -10,13 +10,12 @@ from mpitf import cluster as cluster_mod
 from mpitf.cluster import (
     ClusterSpec,
     add_cluster_arguments,
-    assign_roles,
     check_claimed_role,
     cluster_from_args,
-    describe_roles,
     tf_config_task,
 )
 from mpitf.errors import ConfigurationError
+from mpitf.roles import assign_roles, describe_roles
 
 
 def parse(argv):

@@ -1,0 +1,168 @@
+"""The ``mpitf ckpt`` commands: list, show, verify and export checkpoints.
+
+Each ``cmd_*`` prints to stdout and returns the exit code; the storage itself is
+:mod:`mpitf.checkpoint`'s.
+"""
+
+import json
+import os
+import time
+import zipfile
+
+import numpy as np
+
+from .checkpoint import (
+    CKPT_RE,
+    LATEST,
+    MANIFEST,
+    checkpoint_name,
+    commit_file,
+    index_pieces,
+    latest_name,
+    list_checkpoints,
+    read_manifest,
+    read_variables,
+    verify_checkpoint,
+)
+from .errors import CheckpointError
+
+
+def describe_checkpoint(ckpt_dir):
+    """Return a readable account of a checkpoint: step, layout, variables, worker positions."""
+    m = read_manifest(ckpt_dir)
+    groups = index_pieces(ckpt_dir, m)
+    layout = dict(m["layout"])
+    optimizer = layout.pop("optimizer", None)
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(m.get("time", 0)))
+    lines = [f"{os.path.basename(os.path.normpath(ckpt_dir))}: global step {m['global_step']}, "
+             f"written {when}", f"path: {os.path.abspath(ckpt_dir)}",
+             "layout: " + ", ".join(f"{k} {v}" for k, v in layout.items())]
+    if optimizer is not None:
+        lines.append(f"optimizer: {json.dumps(optimizer, sort_keys=True)}")
+    lines.append(f"variables ({len(m['variables'])}):")
+    width = max([len(v["name"]) for v in m["variables"]] + [8])
+    for v in m["variables"]:
+        where = " ".join(f"ps{p.ps_task}[{p.start}:{p.stop}]" for p in
+                         sorted(groups.get(("params", None, v["name"]), []),
+                                key=lambda p: p.start))
+        lines.append(f"  {v['name']:<{width}}  {str(tuple(v['shape'])):<16} "
+                     f"{np.dtype(v['dtype']).name:<8} {where}")
+    slots = sorted({slot for kind, slot, _ in groups if kind == "slots"})
+    lines.append(f"slots: {', '.join(slots) or 'none'}")
+    lines.append(f"average: {'yes' if any(k == 'average' for k, _, _ in groups) else 'no'}")
+    lines.append("workers:")
+    for task, pos in m["workers"].items():
+        lines.append(f"  worker {task}: " + ", ".join(f"{k} {v}" for k, v in pos.items()))
+    if m.get("extra"):
+        lines.append(f"extra: {json.dumps(m['extra'], sort_keys=True)}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------ `mpitf ckpt` commands
+
+
+def _is_ckpt_dir(path):
+    base = os.path.basename(os.path.normpath(path))
+    return os.path.isdir(path) and (bool(CKPT_RE.match(base))
+                                    or os.path.isfile(os.path.join(path, MANIFEST)))
+
+
+def _choose(root, step=None):
+    """Return the checkpoint directory a command means; raise CheckpointError if none."""
+    if step is None and _is_ckpt_dir(root):
+        return root
+    found = list_checkpoints(root)
+    if not found:
+        why = "no such directory" if not os.path.isdir(root) else "no ckpt-* directories"
+        raise CheckpointError(f"{root}: no checkpoints ({why})")
+    if step is not None:
+        path = os.path.join(root, checkpoint_name(step))
+        if not os.path.isdir(path):
+            raise CheckpointError(f"{root}: no checkpoint at step {step}; steps there: "
+                                  + ", ".join(str(c["global_step"]) for c in found))
+        return path
+    latest = latest_name(root)
+    if latest and os.path.isdir(os.path.join(root, latest)):
+        return os.path.join(root, latest)
+    complete = [c for c in found if c["complete"]]
+    if not complete:
+        raise CheckpointError(f"{root}: no complete checkpoint")
+    return complete[-1]["path"]
+
+
+def _fail(e):
+    print(f"mpitf ckpt: {e}")
+    return 1
+
+
+def cmd_ls(root):
+    """Print every checkpoint under ``root``, oldest first; return the exit code."""
+    found = list_checkpoints(root)
+    if not found:
+        return _fail(CheckpointError(f"{root}: no checkpoints"))
+    latest = latest_name(root)
+    for c in found:
+        size = sum(e.stat().st_size for e in os.scandir(c["path"]) if e.is_file())
+        state = "complete" if c["complete"] else "incomplete"
+        mark = "  <- latest" if c["name"] == latest else ""
+        print(f"{c['name']}  step {c['global_step']:>10}  {size:>14} bytes  {state}{mark}")
+    return 0
+
+
+def cmd_show(root, step=None):
+    """Print the checkpoint ``latest`` names (or the one at ``step``); return the exit code."""
+    try:
+        print(describe_checkpoint(_choose(root, step)))
+    except CheckpointError as e:
+        return _fail(e)
+    return 0
+
+
+def cmd_verify(root_or_ckpt_dir):
+    """Verify one checkpoint or every one under a root; return 0 if whole, 1 if damaged.
+
+    Under a root, an incomplete directory (a save cut short) is listed but is not damage,
+    unless ``latest`` names it.
+    """
+    path = root_or_ckpt_dir
+    if _is_ckpt_dir(path):
+        problems = verify_checkpoint(path)
+        print(f"{os.path.basename(os.path.normpath(path))}: "
+              + ("; ".join(problems) if problems else "OK"))
+        return 1 if problems else 0
+    found = list_checkpoints(path)
+    if not found:
+        return _fail(CheckpointError(f"{path}: no checkpoints"))
+    latest, bad = latest_name(path), 0
+    if latest and latest not in [c["name"] for c in found]:
+        print(f"{LATEST}: names {latest}, which does not exist")
+        bad += 1
+    for c in found:
+        if not c["complete"] and c["name"] != latest:
+            print(f"{c['name']}: incomplete (no {MANIFEST}); a restore ignores it")
+            continue
+        problems = verify_checkpoint(c["path"])
+        bad += bool(problems)
+        print(f"{c['name']}: " + ("; ".join(problems) if problems else "OK"))
+    return 1 if bad else 0
+
+
+def cmd_export(root, out_npz, step=None):
+    """Write every variable of a checkpoint to ``out_npz`` by name; return the exit code."""
+    try:
+        path = _choose(root, step)
+        variables = read_variables(path)
+    except CheckpointError as e:
+        return _fail(e)
+    tmp = out_npz + ".tmp"
+    try:
+        # np.savez(**variables) would clash with a variable named "file".
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
+            for name, value in variables.items():
+                with z.open(name + ".npy", "w", force_zip64=True) as f:
+                    np.lib.format.write_array(f, value)
+        commit_file(tmp, out_npz)
+    except OSError as e:
+        return _fail(f"cannot write {out_npz} ({e})")
+    print(f"wrote {len(variables)} variables of {os.path.basename(path)} to {out_npz}")
+    return 0

@@ -1,0 +1,135 @@
+"""Session hooks: what runs around every step (stop at a step, logging, checkpoint timing).
+
+A hook sees the session before the first step, after every step and at the end; the
+session itself decides nothing about logging or when to save.
+"""
+
+import json
+import os
+import sys
+import time
+
+
+class Hook:
+    """Base of session hooks; override what you need."""
+
+    def begin(self, session):
+        """Run once the session has its starting parameters."""
+
+    def after_run(self, session, loss):
+        """Run after every step with its loss."""
+
+    def end(self, session):
+        """Run once when the session closes."""
+
+
+class StopAtStepHook(Hook):
+    """Ask the session to stop once the global step reaches ``last_step``."""
+
+    def __init__(self, last_step):
+        self.last_step = last_step
+
+    def begin(self, session):
+        """Stop at once if the restored step is already there."""
+        if session.global_step >= self.last_step:
+            session.request_stop()
+
+    def after_run(self, session, loss):
+        """Stop when the global step has reached the last step."""
+        if session.global_step >= self.last_step:
+            session.request_stop()
+
+
+class LoggingHook(Hook):
+    """On the chief, log ``step N, loss = L (E examples/sec; S sec/batch)`` every few steps.
+
+    Also appends one JSON object per logged step to ``RUN_DIR/metrics.jsonl`` and shows a
+    progress bar when stderr is a terminal.
+    """
+
+    def __init__(self, every=20, run_dir=None, last_step=None, stream=sys.stdout):
+        self.every = max(1, every)
+        self.run_dir = run_dir
+        self.last_step = last_step
+        self.stream = stream
+        self.metrics = None
+
+    def begin(self, session):
+        """Open the metrics file and start the clocks."""
+        if self.run_dir:
+            os.makedirs(self.run_dir, exist_ok=True)
+            self.metrics = open(os.path.join(self.run_dir, "metrics.jsonl"), "a")
+        self._mark(session)
+        self.last_logged = None
+
+    def _mark(self, session):
+        self.t0, self.step0 = time.monotonic(), session.global_step
+        self.batches0 = session.steps_run
+
+    def after_run(self, session, loss):
+        """Log when the global step crosses a multiple of ``every``."""
+        step = session.global_step
+        if step // self.every == (self.last_logged or self.step0) // self.every and \
+                not session.should_stop():
+            self._progress(session)
+            return
+        elapsed = max(time.monotonic() - self.t0, 1e-9)
+        batches = session.steps_run - self.batches0
+        examples = (step - self.step0) * session.examples_per_global_step
+        record = dict(step=step, time=time.time(), loss=float(loss),
+                      examples_per_sec=examples / elapsed,
+                      sec_per_batch=elapsed / max(batches, 1),
+                      stale_dropped=session.last_reply.dropped,
+                      max_staleness=session.last_reply.max_staleness)
+        if sys.stderr.isatty():
+            sys.stderr.write("\r\033[K")
+        print(f"step {step}, loss = {loss:.2f} ({record['examples_per_sec']:.1f} "
+              f"examples/sec; {record['sec_per_batch']:.3f} sec/batch)", file=self.stream,
+              flush=True)
+        if self.metrics:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+        self.last_logged = step
+        self._mark(session)
+
+    def _progress(self, session):
+        if self.last_step and sys.stderr.isatty():
+            done = min(1.0, session.global_step / self.last_step)
+            bar = "#" * int(30 * done)
+            sys.stderr.write(f"\r[{bar:<30}] {session.global_step}/{self.last_step}")
+            sys.stderr.flush()
+
+    def end(self, session):
+        """Close the metrics file."""
+        if self.metrics:
+            self.metrics.close()
+
+
+class CheckpointSaverHook(Hook):
+    """On the chief, cut a checkpoint every ``save_steps`` global steps or ``save_secs``."""
+
+    def __init__(self, save_steps=None, save_secs=None):
+        self.save_steps = save_steps
+        self.save_secs = save_secs
+
+    def begin(self, session):
+        """Start counting from the restored step."""
+        self.last_step = session.global_step
+        self.last_time = time.monotonic()
+
+    def due(self, session):
+        """Return True when the next step should carry a checkpoint request.
+
+        A cut requested with a step lands after that step (at ``global_step + 1`` in sync
+        mode), so ``save_steps`` N asks for it one step early: checkpoints fall on the
+        multiples of N, also after a restore or a signal cut at another step.
+        """
+        n = self.save_steps
+        if n and (session.global_step + 1) // n > self.last_step // n:
+            return True
+        return bool(self.save_secs and time.monotonic() - self.last_time >= self.save_secs)
+
+    def saved(self, session):
+        """Restart the counters after a checkpoint."""
+        self.last_step = session.global_step
+        self.last_time = time.monotonic()
