@@ -41,7 +41,6 @@ def main(argv=None):
     if server.job_name == "ps":
         server.join()
         return server.exit_code
-    server.describe()
     num_workers = cluster.num_tasks("worker")
     batches = InGraphBatches(path, num_workers, args.batch_size, args.seed) \
         if server.is_chief else None

@@ -26,7 +26,6 @@ def main(argv=None):
     if server.job_name == "ps":
         server.join()
         return server.exit_code
-    server.describe()
     workers = server.cluster.task_indices("worker")
     dataset = ShardedDataset(path, "train", workers.index(server.task_index), len(workers),
                              args.batch_size, args.seed)

@@ -57,7 +57,8 @@ def main(argv=None):
         if server.job_name == "ps":
             server.join()
             return server.exit_code
-        server.describe()
+        if args.log_device_placement:
+            server.describe()
     backends = [tower_backend(kind, index) for kind, index in parse_devices(args.devices)]
     if server is None or server.is_chief:
         for (kind, index), be in zip(parse_devices(args.devices), backends):

@@ -52,6 +52,9 @@ def add_training_arguments(parser, steps=300, batch_size=32, lr=0.3):
                    help="seconds to wait on a silent rank before ending the job (default 300;"
                         " set it above the longest step)")
     g.add_argument("--timeline", default=None, help="write a Chrome trace of every rank here")
+    g.add_argument("--log-device-placement", action="store_true",
+                   help="print which rank runs which task, and (the chief) which ps task "
+                        "holds each variable and slice")
     g.add_argument("--export", default=None,
                    help="after training, the chief writes every variable to this .npz")
     d = parser.add_argument_group("devices")
@@ -164,8 +167,11 @@ def session_from_args(server, model, args, dataset, **overrides):
         batch_size=getattr(dataset, "batch_size", args.batch_size))
     options.update(overrides)
     mode = options.pop("mode", args.mode)
-    return TrainingSession(server, model, make_optimizer_from_args(args), mode, dataset,
+    sess = TrainingSession(server, model, make_optimizer_from_args(args), mode, dataset,
                            **options)
+    if args.log_device_placement and server.is_chief:
+        print(sess.placement.describe(), flush=True)
+    return sess
 
 
 def report_final(args, summary, params=None, to_host=None):
@@ -230,5 +236,7 @@ def start_job(args, check_cluster=None):
             raise collective(exc) from None
     server = Server(cluster, deadline=args.deadline)
     check_roles(args, server)
+    if args.log_device_placement:
+        server.describe()  # rank 0 prints the rank -> task -> host table
     setup_backend(args, server)
     return server, data_path(args, world)
