@@ -16,6 +16,7 @@ the square root) and AdagradOptimizer (no epsilon; the accumulator starts at
 
 from __future__ import annotations
 
+import abc
 import math
 import numbers
 
@@ -120,7 +121,7 @@ def make_schedule(learning_rate):
 # -------------------------------------------------------------------- optimizers
 
 
-class Optimizer:
+class Optimizer(abc.ABC):
     """Base of the in-place optimizers; subclasses set ``name``, ``slot_names`` and ``_update``.
 
     Args:
@@ -165,8 +166,9 @@ class Optimizer:
             )
         self._update(array_module(params), params, grad, slots, int(step))
 
+    @abc.abstractmethod
     def _update(self, xp, params, grad, slots, step):
-        raise NotImplementedError
+        """Update ``params`` in place (each optimizer's arithmetic)."""
 
     def config(self):
         """Return a JSON-able dict; ``make_optimizer(**config)`` rebuilds an equal optimizer."""

@@ -62,7 +62,9 @@ class Service:
         self.chunked_workers = set()  # workers that stage through host memory, in chunks
         self.pool = [Frame(self.backend, size, dtype)
                      for _ in range(self.policy.receive_buffers(self.num_workers))]
-        self.recv_requests = [MPI.REQUEST_NULL] * len(self.pool)
+        # Each pool frame has one persistent receive, built once and restarted after use.
+        self.recv_requests = [P.frame_op(self.comm.Recv_init, frame.bytes, MPI.ANY_SOURCE,
+                                         P.TAG_REQUEST) for frame in self.pool]
         self.reply_requests = []
         self.reply_workers = []  # the worker of each outstanding reply request, to name it
         self.global_step = 0
@@ -313,9 +315,6 @@ class Service:
 
     def run(self):
         """Serve until every worker is done; return the process exit code."""
-        # Each pool frame has one persistent receive, built once and restarted after use.
-        self.recv_requests = [P.frame_op(self.comm.Recv_init, frame.bytes, MPI.ANY_SOURCE,
-                                         P.TAG_REQUEST) for frame in self.pool]
         for i in range(len(self.pool)):
             self.repost(i)
         status = MPI.Status()
