@@ -51,7 +51,6 @@ class TrainingSession:
         self.mode = mode
         self.options = options
         self.checkpoint_dir = checkpoint_dir
-        self.num_workers = len(server.ranks_of("worker"))
         self.clients = options.get("clients")  # in-graph: the worker tasks that talk to the ps
         workers = server.ranks_of("worker")
         self.client_ranks = [workers[i] for i in self.clients or range(len(workers))]
