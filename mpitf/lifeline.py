@@ -23,10 +23,15 @@ def _marker(rank):
     return os.path.join(_state["dir"], f"{rank}.exit")
 
 
-def mark_exit(reason="done"):
-    """Record that this rank is leaving on purpose (so no peer reports it as killed)."""
+def mark_exit(reason=None):
+    """Record why this rank is leaving: "done", "aborted" (it said why) or "failed".
+
+    A rank that leaves through an exception nobody caught is marked "failed": its peers
+    would otherwise wait for it until a deadline, so they end the job instead.
+    """
     if _state["dir"] is None:
         return
+    reason = reason or ("failed" if _state.get("uncaught") else "done")
     _state["leaving"] = True  # from now on this rank reports no peer
     try:
         with open(_marker(_state["rank"]), "w") as f:
@@ -66,9 +71,27 @@ def dead_peer_message():
     the rank instead.
     """
     for r, pid in sorted(_state["peers"].items()):
-        if not _alive(pid) and not (_state["dir"] and os.path.exists(_marker(r))):
+        if not _alive(pid) and _read_marker(r) is None:
             return _dead(r, pid)
     return None
+
+
+def _read_marker(r):
+    """Return the exit reason rank ``r`` recorded, or None if it left none (killed)."""
+    try:
+        with open(_marker(r)) as f:
+            return f.read().strip() or "done"
+    except (OSError, TypeError):
+        return None
+
+
+def _note_uncaught(exc_type, exc, tb):
+    _state["uncaught"] = True
+    _previous_excepthook(exc_type, exc, tb)
+
+
+_previous_excepthook = sys.excepthook
+sys.excepthook = _note_uncaught
 
 
 def _dead(r, pid):
@@ -90,19 +113,27 @@ def _run(rank, peers, describe, abort):
             poller = select.poll()
             for fd in fds:
                 poller.register(fd, select.POLLIN)
-            ready = [fds.pop(fd) for fd, _ in poller.poll()]
+            ready = [fds.pop(fd) for fd, _ in poller.poll(1000)]
         else:  # no pidfd: look every half second
             time.sleep(0.5)
             ready = [r for r, pid in peers.items() if r not in gone and not _alive(pid)]
+        # A rank that failed may linger in MPI_Finalize, waiting for the others: its marker
+        # says so before its process ends.
+        ready += [r for r in peers if r not in gone and r not in ready
+                  and _read_marker(r) == "failed"]
         for r in ready:
             gone.add(r)
             if _state.get("leaving"):
                 return
-            if _state["dir"] and os.path.exists(_marker(r)):
+            why = _read_marker(r)
+            if why in ("done", "aborted"):
                 continue
             survivors = [x for x in (rank, *peers) if x not in gone]
             if survivors and min(survivors) == rank:
-                sys.stderr.write(f"mpitf: error on rank {rank}: {_dead(r, peers[r])}\n")
+                message = _dead(r, peers[r]) if why is None else (
+                    f"{_state['describe'](r)} ended on an uncaught exception (see its "
+                    f"traceback above); ending the job")
+                sys.stderr.write(f"mpitf: error on rank {rank}: {message}\n")
                 sys.stderr.flush()
                 time.sleep(0.3)  # let the launcher forward the message before the abort
             else:
