@@ -173,3 +173,19 @@ def ps_needed(fit, model_bytes, num_workers, compute):
 def error_percent(measured, projected):
     """Return (projected - measured) / measured in percent."""
     return 100.0 * (projected - measured) / measured if measured else math.nan
+
+
+def projection_table(fit, per_example, batch, model_sizes, workers=(1, 8, 64, 512, 4096),
+                     ps=(1, 16, 64)):
+    """Return projection rows for larger clusters: mode, model, N, P, ex/s, efficiency."""
+    rows = []
+    for name, mbytes in model_sizes.items():
+        for n in workers:
+            for p in ps:
+                for mode in MODES:
+                    if mode == "backup" and n == 1:
+                        continue
+                    pr = project(fit, mode, n, p, mbytes, batch, per_example)
+                    rows.append(dict(model=name, model_bytes=mbytes, mode=mode, workers=n,
+                                     ps=p, **pr))
+    return rows

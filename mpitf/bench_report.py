@@ -1,0 +1,252 @@
+"""The ``mpitf bench`` report: PNG plots (matplotlib, Agg) and ``report.md``.
+
+Measured and projected figures stand side by side, so the cost model's error is visible.
+"""
+
+import os
+
+from . import costmodel as cm
+
+
+def _fmt(x, digits=3):
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}" if abs(x) < 1e5 else f"{x:.3e}"
+    return str(x)
+
+
+def _table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def plot_all(results, out):
+    """Draw the PNGs; return their file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    pp = results.get("pushpull_main")
+    if pp:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for opt, style in (("none", "o-"), ("sgd", "s-")):
+            rows = [r for r in pp["results"] if r["optimizer"] == opt]
+            if rows:
+                ax.plot([r["bytes"] for r in rows], [r["mpitf_gbps"] for r in rows], style,
+                        label=f"mpitf push+pull, ps optimizer {opt}")
+        rows = [r for r in pp["results"] if r["optimizer"] == pp["results"][0]["optimizer"]]
+        ax.plot([r["bytes"] for r in rows], [r["raw_mpi_gbps"] for r in rows], "k--",
+                label="raw mpi4py Isend/Irecv round trip")
+        ax.set(xscale="log", xlabel="model bytes (each way)", ylabel="GB/s (both directions)",
+               title=f"push+pull, {rows[0]['num_workers']} worker / {rows[0]['num_ps']} ps")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        made.append(_save(fig, out, "pushpull.png"))
+    sc = results.get("scaling")
+    if sc:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
+        keys = sorted({(r["model"], r["scaling"], r["ps"]) for r in sc["results"]})
+        for model, kind, ps in keys:
+            rows = [r for r in sc["results"] if (r["model"], r["scaling"], r["ps"]) ==
+                    (model, kind, ps)]
+            w = [r["workers"] for r in rows]
+            line, = a1.plot(w, [r["examples_per_sec"] for r in rows], "o-",
+                            label=f"{model} {kind} P={ps}")
+            a2.plot(w, [r["efficiency"] for r in rows], "o-", color=line.get_color())
+            if all("projected_examples_per_sec" in r for r in rows):
+                a1.plot(w, [r["projected_examples_per_sec"] for r in rows], ":",
+                        color=line.get_color())
+                a2.plot(w, [r["projected_efficiency"] for r in rows], ":",
+                        color=line.get_color())
+        a1.set(xlabel="workers", ylabel="examples/sec", title="throughput (dotted: model)")
+        a2.set(xlabel="workers", ylabel="efficiency vs 1 worker", ylim=(0, 1.3),
+               title="efficiency (dotted: model)")
+        for a in (a1, a2):
+            a.grid(True, alpha=0.3)
+        a1.legend(fontsize=8)
+        made.append(_save(fig, out, "scaling.png"))
+    md = results.get("modes")
+    if md:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for r in md["results"]:
+            if r["curve"]:
+                ax.plot([c[0] for c in r["curve"]], [c[2] for c in r["curve"]], "-",
+                        label=f"{r['mode']} ({r['examples_per_sec']:.0f} ex/s)")
+        ax.axvline(md["wall_seconds"], color="grey", ls="--", lw=1)
+        ax.set(xlabel="seconds since the first logged step", ylabel="training loss",
+               yscale="log", title=f"consistency modes, {md['results'][0]['workers']} workers")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        made.append(_save(fig, out, "modes.png"))
+    proj = results.get("projection")
+    if proj:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for p in sorted({r["ps"] for r in proj}):
+            rows = [r for r in proj if r["ps"] == p and r["mode"] == "sync" and
+                    r["model"] == proj[0]["model"]]
+            ax.plot([r["workers"] for r in rows], [r["efficiency"] for r in rows], "o-",
+                    label=f"P={p}")
+        ax.set(xscale="log", xlabel="workers", ylabel="projected sync efficiency",
+               title=f"projection, {proj[0]['model']}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        made.append(_save(fig, out, "projection.png"))
+    return made
+
+
+def _save(fig, out, name):
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, name), dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return name
+
+
+def write_report(results, out):
+    """Write ``OUT/report.md`` (and the PNGs it shows) from the gathered results."""
+    m = results["machine"]
+    parts = ["# mpitf benchmark report", "",
+             f"Host `{m['host']}`, {m['cpus']} CPU cores, {m['system']}, Python {m['python']}. "
+             f"{'Quick run (short lists, few repetitions). ' if results['quick'] else ''}"
+             f"Took {results.get('seconds', 0):.0f} s.", "",
+             f"**Oversubscription:** this machine has {m['cpus']} cores; any run with more "
+             f"ranks than that shares cores, so those figures show correctness and relative "
+             f"costs, not speed a cluster would see. Every figure is a median over "
+             f"repetitions on a shared, noisy machine.", ""]
+    pp = results.get("pushpull_main")
+    fit = results.get("fit")
+    if pp:
+        meta = pp["metadata"]
+        parts += ["## Push+pull round trip", "",
+                  f"MPI: {meta['mpi_library']}; {meta['ranks']} ranks; mode {meta['mode']}; "
+                  f"warm-up {meta['warmup']}, medians of the repetitions listed.", "",
+                  "![push+pull GB/s](pushpull.png)", "",
+                  _table(["bytes", "ps optimizer", "mpitf us", "mpitf GB/s", "raw MPI us",
+                          "raw GB/s", "ratio", "axpy us", "reps"],
+                         [[r["bytes"], r["optimizer"], r["mpitf_us"], r["mpitf_gbps"],
+                           r["raw_mpi_us"], r["raw_mpi_gbps"], r["ratio"], r["axpy_us"],
+                           r["repetitions"]] for r in pp["results"]]), ""]
+        parts += _targets(results)
+    if fit:
+        raw, ours = fit["raw"], fit["mpitf"]
+        parts += ["## Cost model", "",
+                  "Least squares (relative weights) of round-trip time against bytes:", "",
+                  _table(["link", "alpha (us)", "beta (ns/byte)", "GB/s both ways",
+                          "gamma apply (ns/byte)", "max fit error %"],
+                         [["raw MPI", raw["alpha"] * 1e6, raw["beta"] * 1e9,
+                           2 / raw["beta"] / 1e9 if raw["beta"] else None, raw["gamma"] * 1e9,
+                           raw["max_rel_error"] * 100],
+                          ["mpitf (ps: none)", ours["alpha"] * 1e6, ours["beta"] * 1e9,
+                           2 / ours["beta"] / 1e9 if ours["beta"] else None, None,
+                           ours["max_rel_error"] * 100]]), "",
+                  "Projections use the raw-MPI fit plus the ps apply cost (gamma), and the "
+                  "compute time per example implied by each 1-worker run (see "
+                  "`mpitf/costmodel.py` for the formulas).", ""]
+    sc = results.get("scaling")
+    if sc:
+        parts += ["## Scaling", "", "![scaling](scaling.png)", "",
+                  _table(["model", "scaling", "W", "P", "batch", "measured ex/s",
+                          "projected ex/s", "error %", "efficiency", "proj. efficiency"],
+                         [[r["model"], r["scaling"], r["workers"], r["ps"], r["batch"],
+                           r["examples_per_sec"], r.get("projected_examples_per_sec"),
+                           r.get("error_percent"), r["efficiency"],
+                           r.get("projected_efficiency")] for r in sc["results"]]), ""]
+    md = results.get("modes")
+    if md:
+        parts += ["## Consistency modes", "",
+                  f"Loss compared at {md['wall_seconds']:.2f} s of training (the shortest "
+                  "run); ssp has no throughput model.", "", "![modes](modes.png)", "",
+                  _table(["mode", "W", "measured ex/s", "projected ex/s", "error %",
+                          f"loss at {md['wall_seconds']:.2f} s", "final loss",
+                          "test accuracy", "stale dropped", "max staleness"],
+                         [[r["mode"], r["workers"], r["examples_per_sec"],
+                           r.get("projected_examples_per_sec"), r.get("error_percent"),
+                           r["loss_at_wall"], r["final_loss"], r["test_accuracy"],
+                           r["stale_dropped"], r["max_staleness"]] for r in md["results"]]),
+                  ""]
+    if fit and sc:
+        parts += _projection_section(results, fit, sc)
+    plots = plot_all(results, out)
+    if "projection.png" in plots:
+        parts += ["![projection](projection.png)", ""]
+    if results.get("timeline"):
+        parts += ["## Timeline", "",
+                  "`timeline.json` is a Chrome trace of a 20-step run (1 ps, 2 workers): "
+                  "compute and push_pull spans per step on each worker, apply spans on the "
+                  "ps. Open it at <https://ui.perfetto.dev> (\"Open trace file\"), or in "
+                  "chrome://tracing; one track per rank.", ""]
+    parts += ["## Commands", "", "```"] + results["commands"] + ["```", ""]
+    if results["errors"]:
+        parts += ["## Failures", ""] + [f"- {e}" for e in results["errors"]] + [""]
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write("\n".join(parts))
+
+
+def _targets(results):
+    """Return report lines checking the push+pull targets (reported, never asserted)."""
+    rows = results["pushpull_main"]["results"]
+    lines = ["Targets:", ""]
+    big = [r for r in rows if r["optimizer"] == "none" and r["bytes"] >= 16 << 20]
+    if big:
+        worst = min(r["ratio"] for r in big)
+        lines.append(f"- no-arithmetic ratio >= 0.8 from 16 MiB up: worst {worst:.2f} "
+                     f"({'met' if worst >= 0.8 else 'MISSED'})")
+    sgd = [r for r in rows if r["optimizer"] == "sgd"]
+    if sgd:
+        worst = max(r["mpitf_us"] / (r["raw_mpi_us"] + r["axpy_us"]) for r in sgd)
+        lines.append(f"- SGD round trip <= 1.25 x (raw + axpy): worst {worst:.2f} x "
+                     f"({'met' if worst <= 1.25 else 'MISSED'})")
+    small = [r for r in rows if r["bytes"] == min(x["bytes"] for x in rows)]
+    if small:
+        worst = max(r["mpitf_us"] / r["raw_mpi_us"] for r in small)
+        lines.append(f"- overhead at {small[0]['bytes']} B <= 2 x raw: {worst:.2f} x "
+                     f"({'met' if worst <= 2 else 'MISSED'})")
+    one, three = results.get("pushpull_main"), results.get("pushpull_workers3")
+    if one and three:
+        a = max(one["ps_peak_rss"].values())
+        b = max(three["ps_peak_rss"].values())
+        share = three["largest_ps_share_bytes"]
+        lines.append(f"- ps peak RSS ({one['ps_peak_rss_scope']}): {a / 2**20:.0f} MiB with "
+                     f"{one['results'][0]['num_workers']} worker(s), {b / 2**20:.0f} MiB with "
+                     f"{three['results'][0]['num_workers']}; difference "
+                     f"{(b - a) / share:+.2f} x the largest shard ({share / 2**20:.0f} MiB)")
+    return lines + [""]
+
+
+def _projection_section(results, fit, sc):
+    raw = cm.LinkFit(**fit["raw"])
+    base = next((r for r in sc["results"] if r["workers"] == 1 and r["ps"] == 1 and
+                 r["scaling"] == "weak" and r["model"] == "mlp"), None)
+    if base is None:
+        return []
+    per_ex = cm.compute_per_example(raw, sc["model_bytes"]["mlp"], base["batch"],
+                                    base["examples_per_sec"])
+    sizes = {"mlp": sc["model_bytes"]["mlp"], "100 MB": 100e6, "1 GB": 1e9}
+    proj = cm.projection_table(raw, per_ex, base["batch"], sizes)
+    results["projection"] = proj
+    c = per_ex * base["batch"]
+    lines = ["## Projection to larger clusters", "",
+             f"Compute {per_ex * 1e6:.2f} us per example (MLP, from the 1-worker run), "
+             f"batch {base['batch']} per worker, so {c * 1e3:.3f} ms per step; "
+             "no stragglers. `link` marks where the ps link, not compute, sets the pace.", "",
+             _table(["model", "N", "P", "sync step ms", "sync ex/s", "sync eff.",
+                     "async ex/s", "async eff.", "ps link bound"],
+                    [[r["model"], r["workers"], r["ps"], r["step_time"] * 1e3,
+                      r["examples_per_sec"], r["efficiency"], a["examples_per_sec"],
+                      a["efficiency"], "yes" if r["link_bound"] else ""]
+                     for r, a in zip([r for r in proj if r["mode"] == "sync"],
+                                     [r for r in proj if r["mode"] == "async"])]), "",
+             "ps needed so that the ps link time stays below the compute time "
+             "(same compute per step):", "",
+             _table(["model", *[f"N={n}" for n in (1, 8, 64, 512, 4096)],
+                     "N where 1 ps saturates"],
+                    [[name, *[cm.ps_needed(raw, b, n, c) for n in (1, 8, 64, 512, 4096)],
+                      cm.saturation_workers(raw, b, 1, c)] for name, b in sizes.items()]), ""]
+    return lines
+
+
