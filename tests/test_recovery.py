@@ -427,3 +427,20 @@ def test_kills_at_random_instants_leave_latest_whole(tmp):
         assert Path(path).name == ck.checkpoint_name(latest) and ck.verify_checkpoint(path) == []
         assert manifest["global_step"] == latest
     assert cli_verify(root).returncode == 0
+
+
+# ---------------------------------------------- 7. the timer trigger and `mpitf ckpt verify`
+
+
+def test_checkpoint_every_t_seconds(tmp):
+    root = tmp / "timed"
+    run = run_mpi(3, [JOB, *job_args(
+        tmp, ckpt=root, steps=60, extra=["--checkpoint-secs", "0.25"])], timeout=60,
+        cwd=str(REPO), env={"MPITF_TEST_STEP_SLEEP": "0.02"})
+    assert run.returncode == 0 and not run.timed_out, run.output
+    steps = [int(s) for _, s in CHECKPOINT.findall(run.stdout)]
+    # 60 steps of at least 20 ms each take over a second: several timed cuts, then the end.
+    assert len(steps) >= 3 and steps == sorted(steps) and steps[-1] == 60, run.output
+    verify = subprocess.run([sys.executable, "-m", "mpitf.cli", "ckpt", "verify", str(root)],
+                            capture_output=True, text=True, timeout=60, cwd=str(REPO))
+    assert verify.returncode == 0, verify.stdout + verify.stderr
