@@ -117,7 +117,7 @@ def test_sync_deterministic_equals_single_process_bit_for_bit(tmp_path, num_ps, 
             assert c["global_step"] == STEPS and c["pushes_applied"] == STEPS
             assert c["stale_dropped"] == 0
             assert c["staleness_histogram"] == {"0": STEPS * num_workers}
-            assert r["pool"] == num_workers + 2  # deterministic holds one frame per worker
+            assert r["pool"] == num_workers + 1  # deterministic holds one frame per worker
         # every ps owned something: the partitioned variables spread over all of them
         assert all(r["shard_bytes"] > 64 for r in reports)
 
@@ -142,7 +142,7 @@ def test_backup_worker_is_not_waited_for(tmp_path):
     assert c["stale_dropped"] >= 1
     assert c["stale_dropped"] <= lagging["pushes"]
     assert c["max_staleness"] >= 1
-    assert load(tmp_path, "sgd-ps0.json")["pool"] == 2
+    assert load(tmp_path, "sgd-ps0.json")["pool"] == 1
 
 
 # -- 3. async, exact sums --------------------------------------------------------------
@@ -273,13 +273,13 @@ def test_silent_worker_ends_the_job_naming_it(tmp_path):
 
 @pytest.mark.parametrize("workers", [1, 4, 16, 256])
 def test_receive_pool_does_not_grow_with_workers(workers):
-    assert make_policy("sync", workers).receive_buffers(workers) == 2
-    assert make_policy("sync", workers, replicas_to_aggregate=1).receive_buffers(workers) == 2
-    assert make_policy("async", workers).receive_buffers(workers) == 2
-    assert make_policy("ssp", workers, staleness=3).receive_buffers(workers) == 2
+    assert make_policy("sync", workers).receive_buffers(workers) == 1
+    assert make_policy("sync", workers, replicas_to_aggregate=1).receive_buffers(workers) == 1
+    assert make_policy("async", workers).receive_buffers(workers) == 1
+    assert make_policy("ssp", workers, staleness=3).receive_buffers(workers) == 1
     # only the deterministic mode holds a frame per worker, and says so
     assert make_policy("sync", workers, deterministic=True).receive_buffers(workers) == \
-        workers + 2
+        workers + 1
 
 
 def test_policy_configuration_errors():
@@ -297,14 +297,14 @@ def test_policy_configuration_errors():
 
 
 @pytest.mark.mpi
-def test_one_ps_four_workers_pool_stays_at_two(tmp_path):
+def test_one_ps_four_workers_pool_stays_at_one(tmp_path):
     steps = 10
     ok(run_driver(5, "memory", tmp_path, "--phases", "sync,async,ssp", "--steps", steps))
     for phase in ("sync", "async", "ssp"):
         r = load(tmp_path, f"{phase}-ps0.json")
         assert r["num_workers"] == 4
-        assert r["pool"] == 2
-        assert r["pool_bytes"] == 2 * r["shard_bytes"]
+        assert r["pool"] == 1
+        assert r["pool_bytes"] == r["shard_bytes"]
         want = steps if phase == "sync" else 4 * steps
         assert r["counters"]["pushes_applied"] == want
         # optimizer "none": the parameters are the initial values, untouched

