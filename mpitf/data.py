@@ -15,7 +15,7 @@ import numpy
 
 from .errors import ConfigurationError, DataError
 
-__all__ = ["ShardedDataset", "load_split"]
+__all__ = ["ShardedDataset", "check_file", "load_split"]
 
 
 def _open(path, split):
@@ -62,6 +62,14 @@ def _read(path, name, dset, start, stop):
         return dset[start:stop]
     except (OSError, RuntimeError) as exc:
         raise DataError(f"data file {path}: cannot read {name}[{start}:{stop}]: {exc}") from None
+
+
+def check_file(path, splits=("train", "test")):
+    """Raise DataError (naming the file and the array) unless ``path`` holds every split."""
+    for split in splits:
+        f, _, _ = _open(path, split)
+        f.close()
+    return path
 
 
 def load_split(path, split):

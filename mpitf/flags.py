@@ -111,23 +111,25 @@ def check_roles(args, server):
 
 
 def data_path(args, comm):
-    """Return the data file, preparing the digits set on rank 0 first if none was given."""
-    if args.data:
-        return args.data
+    """Return the data file, checked (or, by default, the digits set prepared) by rank 0.
+
+    Rank 0 alone looks at the file and tells every rank the outcome, so a missing or
+    broken file gives one message and every rank exits, instead of every worker failing
+    on its own when it opens its shard.
+    """
+    from .data import check_file
     from .datasets import default_data_path, ensure_digits
 
-    path = default_data_path()
+    path = args.data or default_data_path()
+    problem = None
     if comm.Get_rank() == 0:
         try:
-            ensure_digits(path)
-        except Exception as exc:
-            comm.bcast(exc, root=0)
-            raise
-        comm.bcast(None, root=0)
-    else:
-        exc = comm.bcast(None, root=0)
-        if exc is not None:
-            raise collective(exc)
+            check_file(ensure_digits(path) if not args.data else path)
+        except Exception as exc:  # handed to every rank just below
+            problem = exc
+    problem = comm.bcast(problem, root=0)
+    if problem is not None:
+        raise collective(problem)
     return path
 
 

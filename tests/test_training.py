@@ -145,3 +145,26 @@ def test_sync_deterministic_equals_single_process(data, tmp_path):
         assert not np.array_equal(want[name], init[name])  # training moved it
         assert np.array_equal(got[name], want[name]), (
             f"{name} differs by {np.abs(got[name] - want[name]).max()}")
+
+
+@pytest.mark.parametrize("problem", ["missing", "not-hdf5", "no-test-split"])
+def test_bad_data_file_gives_one_message_and_every_rank_exits(tmp_path, problem):
+    path = tmp_path / "data.h5"
+    if problem == "not-hdf5":
+        path.write_bytes(b"this is not an HDF5 file\n")
+    elif problem == "no-test-split":
+        import h5py
+
+        with h5py.File(path, "w") as f:
+            f["x_train"] = np.zeros((64, 4), np.float32)
+            f["y_train"] = np.zeros(64, np.int64)
+    before = path.read_bytes() if path.exists() else None
+    res = run_mpi(3, [JOB, "--data", str(path), "--steps", "5"], timeout=60, cwd=str(REPO))
+    assert res.returncode != 0 and not res.timed_out and res.seconds < 15, res.output
+    errors = [line for line in res.output.splitlines() if line.startswith("mpitf: error")]
+    assert len(errors) == 1 and str(path) in errors[0], res.output
+    expected = {"missing": "not found", "not-hdf5": "cannot open data file",
+                "no-test-split": "no array 'x_test'"}[problem]
+    assert expected in errors[0], res.output
+    # Nothing on disk was touched.
+    assert (path.read_bytes() if path.exists() else None) == before
