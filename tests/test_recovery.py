@@ -444,3 +444,20 @@ def test_checkpoint_every_t_seconds(tmp):
     verify = subprocess.run([sys.executable, "-m", "mpitf.cli", "ckpt", "verify", str(root)],
                             capture_output=True, text=True, timeout=60, cwd=str(REPO))
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_checkpoint_of_other_shapes_is_refused_naming_the_variable(tmp):
+    root = tmp / "shapes"
+    first = run_job(tmp, ckpt=root, steps=20)
+    assert first.returncode == 0, first.output
+    before = {p.name: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    other = run_job(tmp, ckpt=root, steps=40, extra=["--hidden", "64"])
+    assert other.returncode != 0 and other.seconds < 15, other.output
+    assert "variable 'hidden1/weights' has shape (64, 64) in the model but (64, 128)" in \
+        other.output, other.output
+    # The checkpoint it refused is untouched and still verifies.
+    after = {p.name: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    assert after == before
+    verify = subprocess.run([sys.executable, "-m", "mpitf.cli", "ckpt", "verify", str(root)],
+                            capture_output=True, text=True, timeout=60, cwd=str(REPO))
+    assert verify.returncode == 0, verify.stdout + verify.stderr
