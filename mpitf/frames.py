@@ -30,7 +30,7 @@ class DirectFrames:
 
     ``headers[p]`` is a host int64 array: for host buffers a view into the frame itself;
     for device buffers a small host copy moved in by :meth:`commit` and out by
-    :meth:`finish_recv` (one tiny copy instead of eight device writes).
+    :meth:`fetch_header` (one tiny copy instead of eight device writes).
     """
 
     chunked = False
@@ -68,11 +68,6 @@ class DirectFrames:
     def irecv(self, comm, p, peer, tag):
         """Post the receive of frame ``p``; return its requests."""
         return self._start(comm.Recv_init, p, peer, tag)
-
-    def finish_recv(self, p, requests, deadline, describe):
-        """Wait for frame ``p`` and bring its header to the host."""
-        P.wait_all(requests, deadline, describe)
-        self.fetch_header(p)
 
     def fetch_header(self, p):
         """Copy the header of a received device frame to the host (no-op on the host)."""

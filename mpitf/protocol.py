@@ -77,33 +77,6 @@ def set_header(header, kind, step=0, worker=0, count=0, flags=0, a=0, b=0, c=0):
     header[7] = c
 
 
-class Handle:
-    """A set of outstanding requests that keeps its buffers alive until completed.
-
-    Wait with :meth:`wait` (which enforces the deadline) or test with :meth:`done`.
-    """
-
-    __slots__ = ("requests", "buffers", "describe", "deadline")
-
-    def __init__(self, requests, buffers, describe, deadline):
-        self.requests = requests
-        self.buffers = buffers  # references only: MPI reads/writes them until completion
-        self.describe = describe  # callable(index) -> dict naming the peer and operation
-        self.deadline = deadline
-
-    def done(self):
-        """Return True once every request has completed (frees them then)."""
-        if MPI.Request.Testall(self.requests):
-            self.buffers = None
-            return True
-        return False
-
-    def wait(self):
-        """Block until every request completes, or raise DeadlineError naming a silent peer."""
-        wait_all(self.requests, self.deadline, self.describe)
-        self.buffers = None
-
-
 # Polling: MPI moves a large message only while this rank is inside an MPI call, so a
 # waiting rank spins (yielding the core to any other process that wants it) for the first
 # SPIN_SECONDS of a wait; after that the wait is probably for another rank's computation,
