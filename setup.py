@@ -21,7 +21,7 @@ setup(
         "bench": ["matplotlib"],
         "data": ["scikit-learn"],
     },
-    entry_points={"console_scripts": ["mpitf=mpitf.cli:main"]},
+    entry_points={"console_scripts": ["mpitf=mpitf.cli.main:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",

@@ -28,11 +28,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpitf.client import Client
-from mpitf.optimizers import make_optimizer
 from mpitf.placement import Placement
+from mpitf.ps.optimizers import make_optimizer
 from mpitf.ps.service import serve
-from mpitf.server import Server
+from mpitf.runtime.server import Server
+from mpitf.worker.client import Client
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from scaling import write_json  # noqa: E402
@@ -265,7 +265,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from mpitf.guard import abort_on_error
+    from mpitf.runtime.exits import abort_on_error
 
     with abort_on_error():
         code = main()

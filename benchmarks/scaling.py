@@ -29,7 +29,7 @@ def default_launcher():
 
     if os.environ.get("SLURM_JOB_ID") and shutil.which("srun"):
         return ["srun"]
-    from mpitf.testing import find_mpiexec
+    from mpitf.runtime.launch import find_mpiexec
 
     return [find_mpiexec()]
 

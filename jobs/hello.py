@@ -19,11 +19,11 @@ import argparse
 
 from mpi4py import MPI
 
+from mpitf.cli.flags import check_roles, resolve_cluster
 from mpitf.cluster import add_cluster_arguments
-from mpitf.flags import check_roles, resolve_cluster
-from mpitf.guard import RankParser, abort_on_error, setup_logging
-from mpitf.protocol import TAG_CONTROL, recv_object
-from mpitf.server import Server
+from mpitf.runtime.exits import RankParser, abort_on_error, setup_logging
+from mpitf.runtime.server import Server
+from mpitf.wire.protocol import TAG_CONTROL, recv_object
 
 
 def parse_args(argv=None):

@@ -10,8 +10,7 @@ bit for bit. --batch-size is the chunk of one worker task.
 
 import sys
 
-from mpitf.errors import ConfigurationError
-from mpitf.flags import (
+from mpitf.cli.flags import (
     add_training_arguments,
     evaluate_session,
     model_from_args,
@@ -19,15 +18,16 @@ from mpitf.flags import (
     session_from_args,
     start_job,
 )
-from mpitf.guard import (
+from mpitf.errors import ConfigurationError
+from mpitf.placement import replica_device_setter
+from mpitf.runtime.exits import (
     CheckpointSignals,
     RankParser,
     abort_on_error,
 )
-from mpitf.layout import FlatLayout
-from mpitf.placement import replica_device_setter
-from mpitf.replication import InGraphBatches, InGraphReplica, InGraphWorker
-from mpitf.timeline import Timeline
+from mpitf.runtime.timeline import Timeline
+from mpitf.wire.layout import FlatLayout
+from mpitf.worker.replication import InGraphBatches, InGraphReplica, InGraphWorker
 
 
 def main(argv=None):

@@ -6,8 +6,7 @@ Every rank runs this script; the MPI rank decides whether it is a ps or a worker
 
 import sys
 
-from mpitf.data import ShardedDataset
-from mpitf.flags import (
+from mpitf.cli.flags import (
     add_training_arguments,
     evaluate_session,
     model_from_args,
@@ -15,7 +14,8 @@ from mpitf.flags import (
     session_from_args,
     start_job,
 )
-from mpitf.guard import RankParser, abort_on_error
+from mpitf.data.sharded import ShardedDataset
+from mpitf.runtime.exits import RankParser, abort_on_error
 
 
 def main(argv=None):

@@ -14,10 +14,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpitf.backend import describe_backend
-from mpitf.data import ShardedDataset, load_split
-from mpitf.errors import ConfigurationError
-from mpitf.flags import (
+from mpitf.cli.flags import (
     add_training_arguments,
     check_roles,
     data_path,
@@ -29,10 +26,13 @@ from mpitf.flags import (
     session_from_args,
     setup_backend,
 )
-from mpitf.guard import RankParser, abort_on_error, collective, setup_logging
+from mpitf.data.sharded import ShardedDataset, load_split
+from mpitf.errors import ConfigurationError
 from mpitf.models import evaluate
-from mpitf.server import Server
-from mpitf.towers import Towers, parse_devices, tower_backend
+from mpitf.runtime.backend import describe_backend
+from mpitf.runtime.exits import RankParser, abort_on_error, collective, setup_logging
+from mpitf.runtime.server import Server
+from mpitf.worker.towers import Towers, parse_devices, tower_backend
 
 
 def main(argv=None):

@@ -37,7 +37,7 @@ __all__ = [
 
 # Attributes loaded on first access: name -> module that defines it.
 _LAZY = {
-    "Server": "server",
+    "Server": "runtime.server",
     "replica_device_setter": "placement",
     "GreedyLoadBalancingStrategy": "placement",
     "min_max_variable_partitioner": "placement",

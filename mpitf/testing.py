@@ -6,12 +6,13 @@ failed test (the deadline kills the whole process group) instead of a stalled CI
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+
+from mpitf.runtime.launch import mpiexec_command
 
 _RANK_PREFIX = re.compile(r"^\[(\d+)\] ?(.*)$")
 
@@ -35,52 +36,6 @@ class MPIRun:
     def lines(self, rank):
         """Return the lines rank ``rank`` printed (needs ``tag_output=True``)."""
         return self.ranks.get(rank, [])
-
-
-def find_mpiexec():
-    """Return the mpiexec next to this Python (the MPICH wheel's), else the one on PATH."""
-    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if os.path.exists(here):
-        return here
-    found = shutil.which("mpiexec") or shutil.which("mpirun")
-    if not found:
-        raise RuntimeError(
-            "no mpiexec found: install an MPI (pip install mpich, or load your site's MPI "
-            "module) so that mpiexec is on PATH"
-        )
-    return found
-
-
-_HYDRA = {}
-
-
-def is_hydra(mpiexec):
-    """Return True if ``mpiexec`` is MPICH's Hydra launcher (asked once per path)."""
-    if mpiexec not in _HYDRA:
-        try:
-            out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
-                                 timeout=10, stdin=subprocess.DEVNULL).stdout
-        except (OSError, subprocess.SubprocessError):
-            out = ""
-        _HYDRA[mpiexec] = "HYDRA" in out
-    return _HYDRA[mpiexec]
-
-
-def mpiexec_command(n, argv, mpiexec=None, tag_output=False):
-    """Build the argv that runs ``argv`` on ``n`` ranks.
-
-    Under Hydra, ``-disable-auto-cleanup`` lets mpitf name a rank that was killed (see
-    :mod:`mpitf.lifeline`) and end the job itself; Hydra's own cleanup message names a
-    pid, often not the dead one.
-    """
-    mpiexec = mpiexec or find_mpiexec()
-    cmd = [mpiexec]
-    if is_hydra(mpiexec):
-        cmd.append("-disable-auto-cleanup")
-    cmd += ["-n", str(n)]
-    if tag_output:
-        cmd.append("-prepend-rank")
-    return cmd + list(argv)
 
 
 def run_mpi(n, argv, timeout=60, env=None, cwd=None, tag_output=False, python=True):
@@ -137,7 +92,7 @@ import contextlib  # noqa: E402  (kept with the section that uses it)
 import numpy as _np  # noqa: E402
 from numpy.lib.mixins import NDArrayOperatorsMixin as _OperatorsMixin  # noqa: E402
 
-from mpitf.backend import Backend  # noqa: E402
+from mpitf.runtime.backend import Backend  # noqa: E402
 
 
 def _unwrap(value, allow_host):
@@ -307,7 +262,7 @@ class FakeGPUArray(_OperatorsMixin):
 
 
 class FakeGPUBackend(Backend):
-    """A :class:`~mpitf.backend.Backend` whose "device" arrays are :class:`FakeGPUArray`.
+    """A :class:`~mpitf.runtime.backend.Backend` whose "device" arrays are :class:`FakeGPUArray`.
 
     ``xp`` is numpy; ``empty``/``zeros`` return fake device arrays; ``pinned_empty`` plain
     numpy arrays; ``to_host``/``to_device`` copy. It records what it was asked to do, so a

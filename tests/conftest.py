@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mpitf.testing import find_mpiexec, run_mpi
+from mpitf.runtime.launch import find_mpiexec
+from mpitf.testing import run_mpi
 
 REPO = Path(__file__).resolve().parent.parent
 _MPIEXEC_PROBLEM = []  # filled at session start when no mpiexec is found
@@ -35,7 +36,7 @@ def _uses_mpi(item):
 
 def _cuda_problem():
     """Return why CUDA cannot be used here, or "" when it can."""
-    from mpitf.backend import _load_cupy
+    from mpitf.runtime.backend import _load_cupy
 
     return _load_cupy()[2]
 

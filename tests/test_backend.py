@@ -7,8 +7,9 @@ import types
 import numpy as np
 import pytest
 
-from mpitf import backend as bk
-from mpitf.backend import (
+from mpitf.errors import ConfigurationError
+from mpitf.runtime import backend as bk
+from mpitf.runtime.backend import (
     Backend,
     cuda_aware_support,
     describe_backend,
@@ -17,7 +18,6 @@ from mpitf.backend import (
     select_backend,
     set_backend,
 )
-from mpitf.errors import ConfigurationError
 
 
 class FakeMPI:

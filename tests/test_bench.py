@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mpitf import costmodel as cm
+from mpitf.bench import costmodel as cm
 
 REPO = Path(__file__).resolve().parent.parent
 

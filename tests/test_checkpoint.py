@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpitf import checkpoint as ck
-from mpitf import ckpt_commands as cmds
+from mpitf.ckpt import commands as cmds
+from mpitf.ckpt import store as ck
 from mpitf.errors import CheckpointError
 from mpitf.placement import MinMaxVariablePartitioner, Placement
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mpitf.cli import main, parse_spec
+from mpitf.cli.main import main, parse_spec
 
 REPO = Path(__file__).resolve().parent.parent
 MPITF = Path(sys.executable).parent / "mpitf"
@@ -143,7 +143,7 @@ def test_data_mnist_missing_files_exit_1(tmp_path, capsys):
 
 
 def test_ckpt_calls_checkpoint_commands(tmp_path, monkeypatch):
-    from mpitf import ckpt_commands as checkpoint
+    from mpitf.ckpt import commands as checkpoint
     calls = []
     monkeypatch.setattr(checkpoint, "cmd_ls", lambda root: calls.append(("ls", root)) or 0)
     monkeypatch.setattr(checkpoint, "cmd_show",
@@ -169,6 +169,6 @@ def test_bench_without_module_is_a_clear_error(capsys, monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "mpitf.bench" else real(name, *a))
+                        lambda name, *a: None if name == "mpitf.bench.runner" else real(name, *a))
     assert main(["bench", "--quick", "--suite", "pushpull"]) == 1
-    assert "mpitf.bench" in capsys.readouterr().err
+    assert "mpitf.bench.runner" in capsys.readouterr().err

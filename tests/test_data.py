@@ -7,14 +7,14 @@ import h5py
 import numpy as np
 import pytest
 
-from mpitf.data import ShardedDataset, load_split
-from mpitf.datasets import (
+from mpitf.data.datasets import (
     convert_mnist_idx,
     default_data_path,
     ensure_digits,
     prepare_digits,
     write_dataset,
 )
+from mpitf.data.sharded import ShardedDataset, load_split
 from mpitf.errors import ConfigurationError, DataError
 
 

@@ -5,7 +5,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from mpitf.backend import Backend, describe_backend
+from mpitf.runtime.backend import Backend, describe_backend
 from mpitf.testing import FakeGPUArray, fake_gpu_backend
 
 # Rank 0 sends device arrays to rank 1 (whole, and a slice); then both run the in-graph
@@ -18,8 +18,8 @@ SCRIPT = textwrap.dedent("""
     import numpy as np
     from mpi4py import MPI
 
-    from mpitf.backend import select_backend
-    from mpitf.replication import _Channel
+    from mpitf.runtime.backend import select_backend
+    from mpitf.worker.replication import _Channel
     from mpitf.testing import FakeGPUArray, fake_gpu_backend
 
     def abort_on_failure(exc_type, exc, tb):  # a failed check must not leave a peer waiting

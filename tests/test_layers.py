@@ -235,8 +235,8 @@ def _train(model, x, y, steps, lr, batch=32, seed=0):
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
     pytest.importorskip("sklearn")
-    from mpitf.data import load_split
-    from mpitf.datasets import prepare_digits
+    from mpitf.data.datasets import prepare_digits
+    from mpitf.data.sharded import load_split
 
     path = str(tmp_path_factory.mktemp("digits") / "digits.h5")
     prepare_digits(path)

@@ -9,7 +9,7 @@ import pytest
 from numpy.testing import assert_allclose
 
 from mpitf.errors import ConfigurationError
-from mpitf.optimizers import (
+from mpitf.ps.optimizers import (
     Adam,
     ExponentialDecay,
     ExponentialMovingAverage,

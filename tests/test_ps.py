@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from mpitf.errors import ConfigurationError
-from mpitf.optimizers import make_optimizer
 from mpitf.ps.consistency import Async, BoundedStaleness, SyncReplicas, make_policy
+from mpitf.ps.optimizers import make_optimizer
 from mpitf.testing import run_mpi
 
 REPO = Path(__file__).resolve().parent.parent

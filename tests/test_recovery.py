@@ -21,9 +21,10 @@ import h5py
 import numpy as np
 import pytest
 
-from mpitf import checkpoint as ck
-from mpitf.guard import EXIT_REQUEUE
-from mpitf.testing import kill_group, mpiexec_command, run_mpi
+from mpitf.ckpt import store as ck
+from mpitf.runtime.exits import EXIT_REQUEUE
+from mpitf.runtime.launch import mpiexec_command
+from mpitf.testing import kill_group, run_mpi
 
 pytestmark = pytest.mark.mpi
 
@@ -144,7 +145,7 @@ def latest_step(root):
 
 
 def cli_verify(path):
-    return subprocess.run([sys.executable, "-m", "mpitf.cli", "ckpt", "verify", str(path)],
+    return subprocess.run([sys.executable, "-m", "mpitf.cli.main", "ckpt", "verify", str(path)],
                           capture_output=True, text=True, timeout=60, cwd=str(REPO))
 
 
@@ -441,7 +442,7 @@ def test_checkpoint_every_t_seconds(tmp):
     steps = [int(s) for _, s in CHECKPOINT.findall(run.stdout)]
     # 60 steps of at least 20 ms each take over a second: several timed cuts, then the end.
     assert len(steps) >= 3 and steps == sorted(steps) and steps[-1] == 60, run.output
-    verify = subprocess.run([sys.executable, "-m", "mpitf.cli", "ckpt", "verify", str(root)],
+    verify = subprocess.run([sys.executable, "-m", "mpitf.cli.main", "ckpt", "verify", str(root)],
                             capture_output=True, text=True, timeout=60, cwd=str(REPO))
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
@@ -458,6 +459,6 @@ def test_checkpoint_of_other_shapes_is_refused_naming_the_variable(tmp):
     # The checkpoint it refused is untouched and still verifies.
     after = {p.name: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
     assert after == before
-    verify = subprocess.run([sys.executable, "-m", "mpitf.cli", "ckpt", "verify", str(root)],
+    verify = subprocess.run([sys.executable, "-m", "mpitf.cli.main", "ckpt", "verify", str(root)],
                             capture_output=True, text=True, timeout=60, cwd=str(REPO))
     assert verify.returncode == 0, verify.stdout + verify.stderr

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpitf.backend import numpy_backend
 from mpitf.errors import ConfigurationError
 from mpitf.models import MLP
+from mpitf.runtime.backend import numpy_backend
 from mpitf.testing import run_mpi
-from mpitf.towers import Towers, parse_devices
+from mpitf.worker.towers import Towers, parse_devices
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -95,7 +95,7 @@ def test_towers_average_equals_full_batch_gradient(num_towers):
 
 
 def test_towers_apply_locally_is_sgd():
-    from mpitf.optimizers import make_optimizer
+    from mpitf.ps.optimizers import make_optimizer
 
     rng = np.random.default_rng(1)
     model = MLP(input_dim=12, hidden=(8,), num_classes=5)
@@ -127,9 +127,9 @@ def test_parse_devices():
 
 
 def test_in_graph_batches_stack_the_between_graph_batches():
-    from mpitf.data import ShardedDataset
-    from mpitf.datasets import default_data_path, ensure_digits
-    from mpitf.replication import InGraphBatches
+    from mpitf.data.datasets import default_data_path, ensure_digits
+    from mpitf.data.sharded import ShardedDataset
+    from mpitf.worker.replication import InGraphBatches
 
     path = default_data_path()
     ensure_digits(path)

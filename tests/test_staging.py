@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from mpitf.errors import ConfigurationError
-from mpitf.frames import chunk_ranges, chunk_tag
-from mpitf.protocol import CHUNK_TAG_OFFSET, TAG_REPLY
 from mpitf.testing import run_mpi
+from mpitf.wire.frames import chunk_ranges, chunk_tag
+from mpitf.wire.protocol import CHUNK_TAG_OFFSET, TAG_REPLY
 
 REPO = Path(__file__).resolve().parent.parent
 DRIVER = str(REPO / "tests" / "mpi" / "staging_driver.py")
@@ -76,7 +76,7 @@ def test_real_gpu_gives_the_numpy_bits(reference, tmp_path):
 
 
 def test_chunk_size_must_fit_the_header(tmp_path):
-    from mpitf.client import Client
+    from mpitf.worker.client import Client
 
     class _Server:  # only what Client reads before it checks chunk_bytes
         comm = None

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpitf.data import ShardedDataset
-from mpitf.datasets import ensure_digits
+from mpitf.data.datasets import ensure_digits
+from mpitf.data.sharded import ShardedDataset
 from mpitf.models import build_model
-from mpitf.optimizers import make_optimizer
+from mpitf.ps.optimizers import make_optimizer
 from mpitf.testing import run_mpi
 
 pytestmark = pytest.mark.mpi

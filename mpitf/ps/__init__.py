@@ -1,0 +1,9 @@
+"""The parameter-server side: a ps task's shard, its event loop, its policies and kernels.
+
+Holds ``shard`` (parameters, slots, moving average), ``service`` (the loop over
+nonblocking receives), ``consistency`` (sync, async, bounded staleness) and
+``optimizers`` (in-place update kernels).
+
+May import: ``mpitf.ckpt``, ``mpitf.wire``, ``mpitf.runtime`` and the spec layer; never
+``mpitf.worker``.
+"""

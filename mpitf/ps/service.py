@@ -13,14 +13,14 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .. import protocol as P
-from ..backend import get_backend
 from ..errors import DeadlineError, PeerError
-from ..frames import chunk_ranges, chunk_tag
-from ..guard import EXIT_REQUEUE, CheckpointSignals
-from ..optimizers import ExponentialMovingAverage, make_optimizer
-from ..timeline import Timeline
+from ..runtime.backend import get_backend
+from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
+from ..runtime.timeline import Timeline
+from ..wire import protocol as P
+from ..wire.frames import chunk_ranges, chunk_tag
 from .consistency import make_policy
+from .optimizers import ExponentialMovingAverage, make_optimizer
 from .shard import Frame, Shard
 
 _log = logging.getLogger("mpitf")
@@ -186,7 +186,7 @@ class Service:
                             **self.describe_worker(w, "push"))
 
     def _restore(self, ckpt_dir):
-        from ..checkpoint import load_shard, read_manifest  # storage layer, below the ps
+        from ..ckpt.store import load_shard, read_manifest  # storage layer, below the ps
 
         manifest = read_manifest(ckpt_dir)
         shard, be = self.shard, self.backend
@@ -214,7 +214,7 @@ class Service:
         self._write_header()
 
     def _save(self):
-        from ..checkpoint import checkpoint_name, write_shard
+        from ..ckpt.store import checkpoint_name, write_shard
 
         root = self.config["checkpoint_dir"]
         ckpt_dir = f"{root}/{checkpoint_name(self.global_step)}"

@@ -8,7 +8,7 @@ host memory (one device-host copy per received gradient and per update).
 
 import numpy as np
 
-from .. import protocol as P
+from ..wire import protocol as P
 
 
 class Frame:

@@ -8,7 +8,7 @@ rank finishes normally, rank r after r * 0.3 s.
 import sys
 import time
 
-from mpitf.server import Server
+from mpitf.runtime.server import Server
 
 mode = sys.argv[1]
 server = Server({"ps": 1, "worker": 2}, deadline=60)

@@ -22,12 +22,12 @@ import numpy as np
 from mpi4py import MPI
 
 import mpitf.ps.service as service_module
-from mpitf.client import Client
 from mpitf.errors import ConfigurationError
-from mpitf.guard import abort_on_error
-from mpitf.optimizers import make_optimizer
 from mpitf.placement import min_max_variable_partitioner, replica_device_setter
-from mpitf.server import Server
+from mpitf.ps.optimizers import make_optimizer
+from mpitf.runtime.exits import abort_on_error
+from mpitf.runtime.server import Server
+from mpitf.worker.client import Client
 
 # Uneven sizes; with PARTITIONER, "embed" is cut in 3 row blocks and "wide" in 2.
 SHAPES = [("embed", (40, 6)), ("bias", (7,)), ("kernel", (5, 3)), ("scalar", ()),
@@ -283,7 +283,7 @@ def scenario_nonfinite(server, args, phase):
     It is the gradient of that worker's run number ``--nan-run`` (from 0); in async mode use
     run 0 of the chief, the only run sure to happen whatever the timing.
     """
-    from mpitf.session import TrainingSession
+    from mpitf.worker.session import TrainingSession
 
     w = server.task_index
     opt = make_optimizer("sgd", LEARNING_RATES["sgd"])

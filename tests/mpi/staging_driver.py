@@ -12,12 +12,12 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from mpitf.backend import numpy_backend, select_backend, set_backend
-from mpitf.client import Client
-from mpitf.guard import abort_on_error
 from mpitf.placement import min_max_variable_partitioner, replica_device_setter
-from mpitf.server import Server
+from mpitf.runtime.backend import numpy_backend, select_backend, set_backend
+from mpitf.runtime.exits import abort_on_error
+from mpitf.runtime.server import Server
 from mpitf.testing import fake_gpu_backend
+from mpitf.worker.client import Client
 
 VARIABLES = [("dense/weights", (300, 4), "f4"), ("dense/biases", (4,), "f4"),
              ("out/weights", (37, 3), "f4")]

@@ -19,7 +19,8 @@ PID_DIR = os.environ.get("MPITF_TEST_PID_DIR")
 
 
 def _patch():
-    from mpitf import server, session
+    from mpitf.runtime import server
+    from mpitf.worker import session
 
     if STEP_SLEEP > 0:
         run = session.TrainingSession.run

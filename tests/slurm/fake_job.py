@@ -3,7 +3,7 @@
 Each rank counts steps (0.5 s each) up to --steps. The "checkpoint" is a JSON step counter in
 --checkpoint-dir (default: $MPITF_CHECKPOINT_DIR, else ./checkpoints), restored at start. On
 SIGUSR1 or SIGTERM every rank finishes its step, rank 0 writes the counter, and every rank exits
-with 75 (mpitf.guard.EXIT_REQUEUE). Rank 0 prints `step N, loss = ...` and `final: {json}`.
+with 75 (mpitf.runtime.exits.EXIT_REQUEUE). Rank 0 prints `step N, loss = ...` and `final: {json}`.
 """
 
 import argparse
@@ -15,7 +15,7 @@ import time
 
 from mpi4py import MPI
 
-EXIT_REQUEUE = 75  # mpitf.guard.EXIT_REQUEUE; not imported so the test runs without mpitf
+EXIT_REQUEUE = 75  # mpitf.runtime.exits.EXIT_REQUEUE; not imported so the test runs without mpitf
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=60)

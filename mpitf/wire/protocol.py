@@ -20,7 +20,7 @@ import time
 
 from mpi4py import MPI
 
-from .errors import DeadlineError
+from ..errors import DeadlineError
 
 HEADER_WORDS = 8
 HEADER_BYTES = HEADER_WORDS * 8

@@ -7,7 +7,7 @@ its chunk into its own flat buffer, and the client gathers them and combines the
 as a deterministic sync ps would (sum in worker order, then divide by the worker count),
 so in-graph training is bit-for-bit equal to between-graph deterministic sync training.
 :class:`InGraphReplica` is the client's model (it has the model protocol, so a plain
-:class:`~mpitf.session.TrainingSession` drives it); :class:`InGraphWorker` is the loop of
+:class:`~mpitf.worker.session.TrainingSession` drives it); :class:`InGraphWorker` is the loop of
 the other tasks, which never talk to a ps.
 """
 
@@ -15,9 +15,9 @@ the other tasks, which never talk to a ps.
 import numpy as np
 from mpi4py import MPI
 
-from .backend import get_backend
-from .errors import ConfigurationError
-from .models.wrapper import ModelWrapper
+from ..errors import ConfigurationError
+from ..models.wrapper import ModelWrapper
+from ..runtime.backend import get_backend
 
 __all__ = ["InGraphBatches", "InGraphReplica", "InGraphWorker"]
 
@@ -176,7 +176,7 @@ class InGraphWorker:
     Args:
         comm: the workers' communicator (``server.job_comm``); the client is rank 0.
         model: the same model the client trains.
-        layout: the :class:`~mpitf.layout.FlatLayout` of the client's placement.
+        layout: the :class:`~mpitf.wire.layout.FlatLayout` of the client's placement.
         backend: where the buffers live (the current backend by default).
     """
 
@@ -220,14 +220,14 @@ class InGraphWorker:
 class InGraphBatches:
     """The client's global batches: chunk ``i`` is what worker ``i`` reads between-graph.
 
-    Opens one :class:`~mpitf.data.ShardedDataset` per worker (shard ``i`` of ``W``) and
+    Opens one :class:`~mpitf.data.sharded.ShardedDataset` per worker (shard ``i`` of ``W``) and
     stacks their batches, so the chunks equal the between-graph batches exactly. Its
     position (for checkpoints) is the number of global batches served, kept as
     ``cursor`` (``epoch`` stays 0): every shard's own position follows from it.
     """
 
     def __init__(self, path, num_shards, batch_size, seed=0, split="train"):
-        from .data import ShardedDataset
+        from ..data.sharded import ShardedDataset
 
         self.shards = [ShardedDataset(path, split, i, num_shards, batch_size, seed)
                        for i in range(num_shards)]

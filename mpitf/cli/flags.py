@@ -2,9 +2,9 @@
 
 import os
 
-from .cluster import add_cluster_arguments, check_claimed_role, cluster_from_args
-from .errors import ConfigurationError, MpitfError
-from .guard import collective, setup_logging
+from ..cluster import add_cluster_arguments, check_claimed_role, cluster_from_args
+from ..errors import ConfigurationError, MpitfError
+from ..runtime.exits import collective, setup_logging
 
 
 def add_training_arguments(parser, steps=300, batch_size=32, lr=0.3):
@@ -75,7 +75,7 @@ def setup_backend(args, server):
     """Choose this rank's array backend from the flags, make it current, log it on rank 0."""
     import logging
 
-    from .backend import describe_backend, select_backend, set_backend
+    from ..runtime.backend import describe_backend, select_backend, set_backend
 
     be = select_backend(args.device, server.local_rank, rank=server.rank,
                         allow_soft_placement=args.allow_soft_placement,
@@ -117,8 +117,8 @@ def data_path(args, comm):
     broken file gives one message and every rank exits, instead of every worker failing
     on its own when it opens its shard.
     """
-    from .data import check_file
-    from .datasets import default_data_path, ensure_digits
+    from ..data.datasets import default_data_path, ensure_digits
+    from ..data.sharded import check_file
 
     path = args.data or default_data_path()
     problem = None
@@ -135,7 +135,7 @@ def data_path(args, comm):
 
 def make_optimizer_from_args(args):
     """Build the optimizer the flags ask for."""
-    from .optimizers import ExponentialDecay, make_optimizer
+    from ..ps.optimizers import ExponentialDecay, make_optimizer
 
     lr = args.lr
     if args.lr_decay:
@@ -145,7 +145,7 @@ def make_optimizer_from_args(args):
 
 def model_from_args(args, x_dim, num_classes, image_shape=None):
     """Build the reference model the flags ask for, sized for the data."""
-    from .models import build_model
+    from ..models import build_model
 
     cnn = args.model == "cnn"
     return build_model(args.model, x_dim, num_classes or 10,
@@ -156,7 +156,7 @@ def model_from_args(args, x_dim, num_classes, image_shape=None):
 
 def session_from_args(server, model, args, dataset, **overrides):
     """Start the TrainingSession the flags describe (``overrides`` win over the flags)."""
-    from .session import TrainingSession
+    from ..worker.session import TrainingSession
 
     options = dict(
         last_step=args.steps, checkpoint_dir=args.checkpoint_dir,
@@ -199,7 +199,7 @@ def evaluate_session(sess, args, path, **extra):
     The summary has at least step, loss, test_loss, test_accuracy and examples_per_sec,
     plus the ps counters (stale drops, staleness) and ``extra``.
     """
-    from .data import load_split
+    from ..data.sharded import load_split
 
     x_test, y_test = load_split(path, "test")
     test_loss, test_acc = sess.evaluate(x_test, y_test, average=bool(args.moving_average_decay))
@@ -226,7 +226,7 @@ def start_job(args, check_cluster=None):
     """
     from mpi4py import MPI
 
-    from .server import Server
+    from ..runtime.server import Server
 
     setup_logging()
     world = MPI.COMM_WORLD

@@ -7,8 +7,8 @@ and hands out the model's variables as views into any buffer of that layout.
 
 import numpy as np
 
+from ..errors import ConfigurationError
 from . import protocol as P
-from .errors import ConfigurationError
 
 
 class VariableViews:

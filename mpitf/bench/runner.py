@@ -16,15 +16,15 @@ import sys
 import time
 
 from . import costmodel as cm
-from .bench_report import write_report
+from .report import write_report
 
 SUITES = ("pushpull", "scaling", "modes")
 
 
 def benchmarks_dir():
     """Return the directory of the benchmark scripts (next to the package in a checkout)."""
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "benchmarks")
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    here = os.path.join(checkout, "benchmarks")
     if not os.path.exists(os.path.join(here, "pushpull.py")):
         raise FileNotFoundError(f"no benchmark scripts at {here}: run mpitf bench from a "
                                 "source checkout (pip install -e .)")
@@ -35,7 +35,7 @@ def launcher():
     """Return the launcher argv: ``srun`` inside a Slurm allocation, else mpiexec."""
     if os.environ.get("SLURM_JOB_ID") and shutil.which("srun"):
         return ["srun"]
-    from .testing import find_mpiexec
+    from ..runtime.launch import find_mpiexec
 
     return [find_mpiexec()]
 

@@ -10,7 +10,7 @@ import os
 
 import numpy
 
-from .errors import ConfigurationError, DataError
+from ..errors import ConfigurationError, DataError
 
 __all__ = [
     "convert_mnist_idx",

@@ -13,7 +13,7 @@ import threading
 
 import numpy
 
-from .errors import ConfigurationError, DataError
+from ..errors import ConfigurationError, DataError
 
 __all__ = ["ShardedDataset", "check_file", "load_split"]
 
@@ -26,7 +26,7 @@ def _open(path, split):
     if not os.path.isfile(path):
         raise DataError(
             f"data file {path} not found (looking for arrays {x_name}, {y_name}); "
-            "create it with `mpitf data` or mpitf.datasets.prepare_digits"
+            "create it with `mpitf data` or mpitf.data.datasets.prepare_digits"
         )
     try:
         f = h5py.File(path, "r")
@@ -91,7 +91,7 @@ class ShardedDataset:
     """One worker's shard of a split, served in shuffled batches forever.
 
     Args:
-        path: HDF5 file in the mpitf layout (see :mod:`mpitf.datasets`).
+        path: HDF5 file in the mpitf layout (see :mod:`mpitf.data.datasets`).
         split: ``"train"`` or ``"test"`` (arrays ``x_<split>``, ``y_<split>``).
         shard_index: this worker's index in ``[0, num_shards)``.
         num_shards: number of workers sharing the split.

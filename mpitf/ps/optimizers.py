@@ -20,8 +20,8 @@ import abc
 import math
 import numbers
 
-from mpitf.backend import array_module
 from mpitf.errors import ConfigurationError
+from mpitf.runtime.backend import array_module
 
 __all__ = [
     "Adagrad",

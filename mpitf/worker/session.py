@@ -10,13 +10,13 @@ import time
 
 import numpy as np
 
-from . import protocol as P
+from ..errors import ConfigurationError, NonFiniteGradientError
+from ..placement import replica_device_setter
+from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
+from ..runtime.timeline import Timeline
+from ..wire import protocol as P
 from .client import Client
-from .errors import ConfigurationError, NonFiniteGradientError
-from .guard import EXIT_REQUEUE, CheckpointSignals
 from .hooks import CheckpointSaverHook, LoggingHook, StopAtStepHook
-from .placement import replica_device_setter
-from .timeline import Timeline
 
 _log = logging.getLogger("mpitf")
 
@@ -25,12 +25,12 @@ class TrainingSession:
     """Train ``model`` on this worker against the ps tasks of ``server``'s cluster.
 
     Args:
-        server: this rank's :class:`~mpitf.server.Server` (a worker task).
+        server: this rank's :class:`~mpitf.runtime.server.Server` (a worker task).
         model: an object with ``variables()``, ``init(rng)`` and
             ``loss_and_grads(params, batch, grads)`` (see :mod:`mpitf.models`).
-        optimizer: an :class:`~mpitf.optimizers.Optimizer`; it runs on the ps.
+        optimizer: an :class:`~mpitf.ps.optimizers.Optimizer`; it runs on the ps.
         mode: "sync", "async" or "ssp" (bounded staleness).
-        dataset: a :class:`~mpitf.data.ShardedDataset`; its position is checkpointed.
+        dataset: a :class:`~mpitf.data.sharded.ShardedDataset`; its position is checkpointed.
         last_step: stop at this global step (``StopAtStepHook``).
         checkpoint_dir: where checkpoints live; the newest good one is restored.
         save_checkpoint_steps / save_checkpoint_secs: checkpoint triggers (chief).
@@ -87,7 +87,7 @@ class TrainingSession:
     def _start(self, optimizer):
         restore = None
         if self.server.is_chief and self.checkpoint_dir:
-            from .checkpoint import find_restorable, set_aside_newer
+            from ..ckpt.store import find_restorable, set_aside_newer
 
             found = find_restorable(self.checkpoint_dir, log=lambda m: _log.warning("%s", m))
             restore = found[0] if found else None
@@ -142,7 +142,7 @@ class TrainingSession:
         return (self.global_step - self._start_step) * self.examples_per_global_step
 
     def _restore_position(self, restore):
-        from .checkpoint import read_manifest
+        from ..ckpt.store import read_manifest
 
         workers = read_manifest(restore).get("workers", {})
         state = workers.get(str(self.server.task_index))
@@ -221,7 +221,7 @@ class TrainingSession:
         checkpoint that can stand at ``step`` is the restored one itself (a run resumed at
         its last step): then nothing is sent. A leftover directory is cleared first.
         """
-        from .checkpoint import prepare_save
+        from ..ckpt.store import prepare_save
 
         if not prepare_save(self.checkpoint_dir, step):
             return False
@@ -244,7 +244,7 @@ class TrainingSession:
             self.requeue = True
 
     def _collect_checkpoint(self):
-        from .checkpoint import write_manifest
+        from ..ckpt.store import write_manifest
 
         comm = self.server.comm
         reports = [P.recv_object(comm, rank, P.TAG_CONTROL, self.server.deadline,
@@ -290,7 +290,7 @@ class TrainingSession:
 
     def evaluate(self, x, y, average=False):
         """Pull the newest parameters (or their average) and return (loss, accuracy)."""
-        from .models import evaluate
+        from ..models import evaluate
 
         self.last_reply = self.client.pull(average=average)
         return evaluate(self.model, self.client.params, x, y)

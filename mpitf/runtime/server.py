@@ -12,10 +12,10 @@ import os
 
 from mpi4py import MPI
 
+from ..cluster import ClusterSpec
+from ..device import device_name, local_rank
+from ..roles import assign_roles, describe_roles
 from . import lifeline
-from .cluster import ClusterSpec
-from .device import device_name, local_rank
-from .roles import assign_roles, describe_roles
 
 _log = logging.getLogger("mpitf")
 
@@ -113,7 +113,7 @@ class Server:
         if self.job_name != "ps":
             raise RuntimeError("join() is for ps tasks; workers train and then finish")
         # The one forward reach of this module: the service builds on server, not the reverse.
-        from .ps.service import serve
+        from ..ps.service import serve
 
         self.exit_code = serve(self)
         return None

@@ -9,9 +9,9 @@ import contextlib
 
 import numpy as np
 
-from .backend import numpy_backend, select_backend
-from .errors import ConfigurationError
-from .models.wrapper import ModelWrapper
+from ..errors import ConfigurationError
+from ..models.wrapper import ModelWrapper
+from ..runtime.backend import numpy_backend, select_backend
 
 __all__ = ["Towers", "parse_devices", "tower_backend"]
 
@@ -88,7 +88,7 @@ class Towers(ModelWrapper):
 
     Args:
         model: the model every tower runs.
-        backends: one :class:`~mpitf.backend.Backend` per tower (see :func:`tower_backend`).
+        backends: one :class:`~mpitf.runtime.backend.Backend` per tower (see :func:`tower_backend`).
     """
 
     def __init__(self, model, backends):

@@ -11,11 +11,11 @@ before each push, since its slices are not adjacent.
 import numpy as np
 from mpi4py import MPI
 
-from . import protocol as P
-from .backend import get_backend
-from .errors import ConfigurationError, PeerError
-from .frames import make_frames
-from .layout import FlatLayout
+from ..errors import ConfigurationError, PeerError
+from ..runtime.backend import get_backend
+from ..wire import protocol as P
+from ..wire.frames import make_frames
+from ..wire.layout import FlatLayout
 
 
 class Reply:
@@ -90,7 +90,7 @@ class Client:
     """A worker's view of the sharded parameters.
 
     Args:
-        server: this rank's :class:`~mpitf.server.Server` (gives the communicator and ranks).
+        server: this rank's :class:`~mpitf.runtime.server.Server` (communicator and ranks).
         placement: the :class:`~mpitf.placement.Placement` of the model's variables.
         backend: the array backend (numpy by default).
         deadline: seconds to wait for a ps before ending the job; None waits forever.

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from .errors import MpitfError
+from ..errors import MpitfError
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2

@@ -1,7 +1,7 @@
 """The ``mpitf ckpt`` commands: list, show, verify and export checkpoints.
 
 Each ``cmd_*`` prints to stdout and returns the exit code; the storage itself is
-:mod:`mpitf.checkpoint`'s.
+:mod:`mpitf.ckpt.store`'s.
 """
 
 import json
@@ -11,7 +11,8 @@ import zipfile
 
 import numpy as np
 
-from .checkpoint import (
+from ..errors import CheckpointError
+from .store import (
     CKPT_RE,
     LATEST,
     MANIFEST,
@@ -24,7 +25,6 @@ from .checkpoint import (
     read_variables,
     verify_checkpoint,
 )
-from .errors import CheckpointError
 
 
 def describe_checkpoint(ckpt_dir):

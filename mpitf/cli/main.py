@@ -20,9 +20,9 @@ import shlex
 import subprocess
 import sys
 
-from . import __version__
-from .errors import ConfigurationError, MpitfError
-from .guard import EXIT_ERROR, EXIT_USAGE
+from .. import __version__
+from ..errors import ConfigurationError, MpitfError
+from ..runtime.exits import EXIT_ERROR, EXIT_USAGE
 
 __all__ = ["main", "build_parser", "parse_spec"]
 
@@ -39,7 +39,7 @@ def _error(message, code):
 # --- cluster ----------------------------------------------------------------------------
 def parse_spec(text):
     """Return the ClusterSpec a ``--spec`` value describes, in any of its three forms."""
-    from .cluster import ClusterSpec
+    from ..cluster import ClusterSpec
 
     text = (text or "").strip()
     if text.startswith("{"):
@@ -68,7 +68,7 @@ def parse_spec(text):
 
 def cmd_cluster(args):
     """Print which rank runs which task on which host, launching nothing."""
-    from .roles import assign_roles, describe_roles
+    from ..roles import assign_roles, describe_roles
 
     cluster = parse_spec(args.spec)
     hosts = [h.strip() for h in args.hosts.split(",")] if args.hosts else None
@@ -96,7 +96,7 @@ def cmd_cluster(args):
 # --- run --------------------------------------------------------------------------------
 def run_command(n, script, script_args, mpiexec=None):
     """Return the mpiexec argv that runs ``script`` (Python if it ends in .py) on n ranks."""
-    from .testing import mpiexec_command
+    from ..runtime.launch import mpiexec_command
 
     argv = [sys.executable, script] if script.endswith(".py") else [script]
     return mpiexec_command(n, argv + list(script_args), mpiexec=mpiexec)
@@ -104,7 +104,7 @@ def run_command(n, script, script_args, mpiexec=None):
 
 def cmd_run(args):
     """Run a job under the installed MPI's mpiexec and return its exit code."""
-    from .testing import find_mpiexec
+    from ..runtime.launch import find_mpiexec
 
     if args.n < 1:
         raise ConfigurationError(f"-n {args.n}: expecting at least one rank")
@@ -142,7 +142,7 @@ def _report_dataset(path):
 
 def cmd_data(args):
     """Write a data set in mpitf's HDF5 layout."""
-    from . import datasets
+    from ..data import datasets
 
     if args.dataset == "digits":
         out = args.out or datasets.default_data_path()
@@ -156,8 +156,8 @@ def cmd_data(args):
 
 # --- ckpt -------------------------------------------------------------------------------
 def cmd_ckpt(args):
-    """List, show, verify or export checkpoints (mpitf.ckpt_commands does the work)."""
-    from . import ckpt_commands
+    """List, show, verify or export checkpoints (mpitf.ckpt.commands does the work)."""
+    from ..ckpt import commands as ckpt_commands
 
     if not os.path.exists(args.dir):
         raise ConfigurationError(f"no such checkpoint directory: {args.dir}")
@@ -172,12 +172,12 @@ def cmd_ckpt(args):
 
 # --- bench ------------------------------------------------------------------------------
 def cmd_bench(args):
-    """Run the benchmark suites of mpitf.bench."""
-    if importlib.util.find_spec("mpitf.bench") is None:
-        return _error("the benchmarks (mpitf.bench) are not part of this mpitf installation;"
+    """Run the benchmark suites of mpitf.bench.runner."""
+    if importlib.util.find_spec("mpitf.bench.runner") is None:
+        return _error("the benchmarks (mpitf.bench.runner) are not part of this mpitf installation;"
                       " update mpitf, or run the scripts under benchmarks/ directly",
                       EXIT_ERROR)
-    from . import bench
+    from ..bench import runner as bench
 
     code = bench.main(args)
     return 0 if code is None else code

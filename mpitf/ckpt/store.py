@@ -19,7 +19,7 @@ from collections import defaultdict, namedtuple
 
 import numpy as np
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -557,7 +557,7 @@ def load_shard(ckpt_dir, manifest, slices, params, slots=None, average=None):
 
 def read_variables(ckpt_dir, manifest=None):
     """Return every variable of the checkpoint by name, reassembled at its full shape."""
-    from .placement import VariableSlice
+    from ..placement import VariableSlice
 
     manifest = manifest or read_manifest(ckpt_dir)
     slices, offset = [], 0

@@ -1,0 +1,57 @@
+"""Find the MPI launcher and build the argv that starts a job on N ranks.
+
+``mpitf run``, ``mpitf bench`` and the test helpers start jobs through here, so the
+launcher choice (the MPICH wheel's mpiexec next to this Python, else PATH) and Hydra's
+``-disable-auto-cleanup`` (see :mod:`mpitf.runtime.lifeline`) live in one place.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+
+
+def find_mpiexec():
+    """Return the mpiexec next to this Python (the MPICH wheel's), else the one on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.path.exists(here):
+        return here
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    if not found:
+        raise RuntimeError(
+            "no mpiexec found: install an MPI (pip install mpich, or load your site's MPI "
+            "module) so that mpiexec is on PATH"
+        )
+    return found
+
+
+_HYDRA = {}
+
+
+def is_hydra(mpiexec):
+    """Return True if ``mpiexec`` is MPICH's Hydra launcher (asked once per path)."""
+    if mpiexec not in _HYDRA:
+        try:
+            out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
+                                 timeout=10, stdin=subprocess.DEVNULL).stdout
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        _HYDRA[mpiexec] = "HYDRA" in out
+    return _HYDRA[mpiexec]
+
+
+def mpiexec_command(n, argv, mpiexec=None, tag_output=False):
+    """Build the argv that runs ``argv`` on ``n`` ranks.
+
+    Under Hydra, ``-disable-auto-cleanup`` lets mpitf name a rank that was killed (see
+    :mod:`mpitf.runtime.lifeline`) and end the job itself; Hydra's own cleanup message names a
+    pid, often not the dead one.
+    """
+    mpiexec = mpiexec or find_mpiexec()
+    cmd = [mpiexec]
+    if is_hydra(mpiexec):
+        cmd.append("-disable-auto-cleanup")
+    cmd += ["-n", str(n)]
+    if tag_output:
+        cmd.append("-prepend-rank")
+    return cmd + list(argv)
