@@ -17,7 +17,7 @@ setup(
         # out so mpi4py loads the site MPI library.
         "mpich": ["mpich"],
         "gpu": ["cupy-cuda12x"],
-        "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn", "ruff"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn", "ruff", "import-linter"],
         "bench": ["matplotlib"],
         "data": ["scikit-learn"],
     },

@@ -1,7 +1,8 @@
 """mpitf: distributed TensorFlow's ps/worker model (parameter servers, replicas) on MPI.
 
-Importing the package is cheap and does not initialise MPI: `Server` (which imports
-``mpi4py.MPI``) and the placement helpers (which import numpy) load on first use.
+The public API is ``__all__`` (one line each in ``docs/api.md``). Importing the package is
+cheap and does not initialise MPI: every name but the cluster spec and the errors loads
+its module on first use.
 """
 
 from .cluster import ClusterSpec
@@ -18,13 +19,27 @@ from .errors import (
 
 __version__ = "0.1.0"
 
+# Attributes loaded on first access: name -> module that defines it.
+_LAZY = {
+    "Server": "runtime.server",
+    "abort_on_error": "runtime.exits",
+    "TrainingSession": "worker.session",
+    "Hook": "worker.hooks",
+    "make_optimizer": "ps.optimizers",
+    "ExponentialDecay": "ps.optimizers",
+    "ShardedDataset": "data.sharded",
+    "default_data_path": "data.datasets",
+    "ensure_digits": "data.datasets",
+    "build_model": "models",
+    "replica_device_setter": "placement",
+    "GreedyLoadBalancingStrategy": "placement",
+    "min_max_variable_partitioner": "placement",
+}
+
 __all__ = [
     "ClusterSpec",
     "DeviceSpec",
-    "Server",
-    "replica_device_setter",
-    "GreedyLoadBalancingStrategy",
-    "min_max_variable_partitioner",
+    *_LAZY,
     "MpitfError",
     "ConfigurationError",
     "DataError",
@@ -34,14 +49,6 @@ __all__ = [
     "NonFiniteGradientError",
     "__version__",
 ]
-
-# Attributes loaded on first access: name -> module that defines it.
-_LAZY = {
-    "Server": "runtime.server",
-    "replica_device_setter": "placement",
-    "GreedyLoadBalancingStrategy": "placement",
-    "min_max_variable_partitioner": "placement",
-}
 
 
 def __getattr__(name):
