@@ -9,11 +9,12 @@ from hypothesis import strategies as st
 
 from mpitf.ckpt import commands as cmds
 from mpitf.ckpt.names import checkpoint_name, list_checkpoints, read_manifest
+from mpitf.ckpt.pieces import Piece, cover
 from mpitf.ckpt.restore import load_shard, read_variables
 from mpitf.ckpt.verify import find_restorable, verify_checkpoint
 from mpitf.ckpt.write import prepare_save, write_manifest, write_shard
 from mpitf.errors import CheckpointError
-from mpitf.placement import MinMaxVariablePartitioner, Placement
+from mpitf.placement import MinMaxVariablePartitioner, Placement, VariableSlice
 
 VARIABLES = [
     ("hidden1/weights", (8, 6), "float32"),
@@ -53,13 +54,13 @@ def save(root, step, placement=None, slots=("m", "v"), average=True, max_to_keep
         slot_bufs["_scratch"] = np.full(placement.shard_sizes[ps], np.nan, np.float32)
         avg = shard_of(placement, ps, values_at(step, salt=10)) if average else None
         entries.append(write_shard(ckpt_dir, ps, placement.num_ps, step,
-                                      placement.slices_for_ps(ps),
-                                      shard_of(placement, ps, values_at(step)), slot_bufs, avg))
+                                   placement.slices_for_ps(ps),
+                                   shard_of(placement, ps, values_at(step)), slot_bufs, avg))
     layout = {"num_ps": placement.num_ps, "num_workers": 2, "cluster": "ps:2,worker:2",
               "mode": "sync", "optimizer": {"name": "adam", "learning_rate": 0.001}}
     workers = {0: {"epoch": 1, "cursor": step * 10}, 1: {"epoch": 1, "cursor": step * 10 + 5}}
     return write_manifest(root, step, entries, placement.variables, layout, workers,
-                             extra={"note": "test"}, max_to_keep=max_to_keep)
+                          extra={"note": "test"}, max_to_keep=max_to_keep)
 
 
 def restore(ckpt_dir, placement, slots=("m", "v"), average=True):
@@ -71,7 +72,7 @@ def restore(ckpt_dir, placement, slots=("m", "v"), average=True):
         mine["_scratch"] = np.zeros(placement.shard_sizes[ps], np.float32)
         avgs[ps] = np.zeros(placement.shard_sizes[ps], np.float32) if average else None
         results.append(load_shard(ckpt_dir, manifest, placement.slices_for_ps(ps),
-                                     params[ps], mine, avgs[ps]))
+                                  params[ps], mine, avgs[ps]))
         for n in slots:
             slot_bufs[n][ps] = mine[n]
     return params, slot_bufs, avgs, results
@@ -259,7 +260,7 @@ def test_crash_mid_write_leaves_previous_whole(tmp_path):
     placement = Placement(VARIABLES, 2, partitioner=SPLIT)
     partial = os.path.join(root, "ckpt-00000300")
     write_shard(partial, 0, 2, 300, placement.slices_for_ps(0),
-                   shard_of(placement, 0, values_at(300)))
+                shard_of(placement, 0, values_at(300)))
     (tmp_path / "ckpt-00000300" / "shard-00001-of-00002.h5.tmp").write_bytes(b"\x89HDF half")
     (tmp_path / "latest.tmp").write_text("ckpt-00000300")
     assert (tmp_path / "latest").read_text().strip() == "ckpt-00000200"
@@ -293,7 +294,7 @@ def test_manifest_refuses_a_changed_shard(tmp_path):
     placement = Placement(VARIABLES, 2, partitioner=SPLIT)
     ckpt_dir = os.path.join(root, "ckpt-00000200")
     entries = [write_shard(ckpt_dir, ps, 2, 200, placement.slices_for_ps(ps),
-                              shard_of(placement, ps, values_at(200))) for ps in range(2)]
+                           shard_of(placement, ps, values_at(200))) for ps in range(2)]
     first = placement.slices_for_ps(1)[0]
     flip_byte(ckpt_dir, entries[1]["file"], f"params/{first.name}/part{first.part}")
     with pytest.raises(CheckpointError, match="sha256"):
@@ -350,3 +351,31 @@ def test_any_placement_restores_under_any_other(shapes, ps_a, parts_a, ps_b, par
         assert verify_checkpoint(ckpt_dir) == []
         params, _, _, _ = restore(ckpt_dir, b, slots=(), average=False)
         assert_same(gather(b, params), want)
+
+
+def test_cover_names_a_gap_an_overlap_and_a_short_end():
+    def pieces(*ranges):
+        return [Piece("f", 0, f"params/x/part{i}", "params", None, "x", lo, hi, (10,), "<f4", 0)
+                for i, (lo, hi) in enumerate(ranges)]
+
+    whole = pieces((0, 4), (4, 10))
+    assert cover(whole, 0, 10) == (whole, None)
+    assert cover(whole, 2, 6) == (whole, None)  # a slice may need part of a piece
+    assert cover(whole, 5, 9) == (whole[1:], None)
+    assert cover(pieces((0, 4), (5, 10)), 0, 10) == (None, "gap at element 4")
+    assert cover(pieces((0, 5), (4, 10)), 0, 10) == (None, "overlap at element 5")
+    assert cover(pieces((0, 4), (4, 8)), 0, 10) == (None, "covered up to element 8 of 10")
+    assert cover(pieces((0, 4), (5, 10)), 5, 10)[1] is None
+
+
+def test_a_piece_beyond_its_variable_is_damage(tmp_path):
+    root = str(tmp_path)
+    ckpt_dir = os.path.join(root, checkpoint_name(5))
+    variables = [("x", (4,), "float32")]
+    beyond = [VariableSlice("x", (4,), "float32", 0, 0, 6, 0)]
+    entry = write_shard(ckpt_dir, 0, 1, 5, beyond, np.arange(6, dtype=np.float32))
+    write_manifest(root, 5, [entry], variables, {"num_ps": 1}, {})
+    assert verify_checkpoint(ckpt_dir) == [
+        "shard-00000-of-00001.h5: params/x/part0 holds elements [0:6] of a variable of 4"]
+    with pytest.raises(CheckpointError, match=r"elements \[0:6\] of a variable of 4"):
+        read_variables(ckpt_dir)
