@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpitf.ckpt import commands as cmds
+from mpitf.ckpt import cut
 from mpitf.ckpt.names import checkpoint_name, list_checkpoints, read_manifest
 from mpitf.ckpt.pieces import Piece, cover
 from mpitf.ckpt.restore import load_shard, read_variables
@@ -15,6 +16,7 @@ from mpitf.ckpt.verify import find_restorable, verify_checkpoint
 from mpitf.ckpt.write import prepare_save, write_manifest, write_shard
 from mpitf.errors import CheckpointError
 from mpitf.placement import MinMaxVariablePartitioner, Placement, VariableSlice
+from mpitf.testing import fake_gpu_backend
 
 VARIABLES = [
     ("hidden1/weights", (8, 6), "float32"),
@@ -379,3 +381,44 @@ def test_a_piece_beyond_its_variable_is_damage(tmp_path):
         "shard-00000-of-00001.h5: params/x/part0 holds elements [0:6] of a variable of 4"]
     with pytest.raises(CheckpointError, match=r"elements \[0:6\] of a variable of 4"):
         read_variables(ckpt_dir)
+
+
+class _Outbox:
+    """A communicator that keeps what is sent to it."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, obj, dest, tag):
+        self.sent.append((obj, dest, tag))
+
+
+def test_the_cut_saves_and_restores_a_gpu_shard_through_host_memory(tmp_path):
+    root = str(tmp_path)
+    placement = Placement(VARIABLES, 2, partitioner=SPLIT)
+    outbox = _Outbox()
+    for ps in range(2):
+        be = fake_gpu_backend()
+        dev = {k: be.to_device(shard_of(placement, ps, values_at(3, salt=s)))
+               for k, s in (("params", 0), ("m", 1), ("average", 10))}
+        cut.save_shard(outbox, 7, root, ps, 2, 3, placement.slices_for_ps(ps), be,
+                       dev["params"], {"m": dev["m"]}, dev["average"], {0: (1, 30)}, {0},
+                       {"pushes_applied": 3})
+    reports = [obj for obj, dest, _ in outbox.sent if dest == 7]
+    assert [r["paused"] for r in reports] == [[0], [0]]
+    assert cut.commit(root, reports, placement.variables, {"num_ps": 2}, max_to_keep=5) == 3
+    ckpt_dir = os.path.join(root, checkpoint_name(3))
+    assert verify_checkpoint(ckpt_dir) == []
+    assert cut.data_position(ckpt_dir, 0) == {"epoch": 1, "cursor": 30}
+    assert cut.data_position(ckpt_dir, 1) == {"epoch": 1, "cursor": 0}
+    target = Placement(VARIABLES, 1)
+    be = fake_gpu_backend()
+    params, m, v, average = (be.zeros(target.shard_sizes[0], np.float32) for _ in range(4))
+    restored = cut.restore_shard(ckpt_dir, target.slices_for_ps(0), be, params,
+                                 {"m": m, "v": v}, average)
+    assert restored == {"missing_slots": ["v"], "missing_average": False, "global_step": 3,
+                        "positions": {0: (1, 30)}}
+    assert be.events[-3:] == ["to_device"] * 3
+    for buf, salt in ((params, 0), (m, 1), (average, 10)):
+        np.testing.assert_array_equal(buf.get(), shard_of(target, 0, values_at(3, salt=salt)))
+    assert not v.get().any()
