@@ -8,9 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpitf.ckpt import commands as cmds
-from mpitf.ckpt import store as ck
+from mpitf.ckpt import cut
+from mpitf.ckpt.names import checkpoint_name, list_checkpoints, read_manifest
+from mpitf.ckpt.pieces import Piece, cover
+from mpitf.ckpt.restore import load_shard, read_variables
+from mpitf.ckpt.verify import find_restorable, verify_checkpoint
+from mpitf.ckpt.write import prepare_save, write_manifest, write_shard
 from mpitf.errors import CheckpointError
-from mpitf.placement import MinMaxVariablePartitioner, Placement
+from mpitf.placement import MinMaxVariablePartitioner, Placement, VariableSlice
+from mpitf.testing import fake_gpu_backend
 
 VARIABLES = [
     ("hidden1/weights", (8, 6), "float32"),
@@ -42,33 +48,33 @@ def gather(placement, buffers):
 
 def save(root, step, placement=None, slots=("m", "v"), average=True, max_to_keep=5):
     placement = placement or Placement(VARIABLES, 2, partitioner=SPLIT)
-    ckpt_dir = os.path.join(root, ck.checkpoint_name(step))
+    ckpt_dir = os.path.join(root, checkpoint_name(step))
     entries = []
     for ps in range(placement.num_ps):
         slot_bufs = {n: shard_of(placement, ps, values_at(step, salt=k + 1))
                      for k, n in enumerate(slots)}
         slot_bufs["_scratch"] = np.full(placement.shard_sizes[ps], np.nan, np.float32)
         avg = shard_of(placement, ps, values_at(step, salt=10)) if average else None
-        entries.append(ck.write_shard(ckpt_dir, ps, placement.num_ps, step,
-                                      placement.slices_for_ps(ps),
-                                      shard_of(placement, ps, values_at(step)), slot_bufs, avg))
+        entries.append(write_shard(ckpt_dir, ps, placement.num_ps, step,
+                                   placement.slices_for_ps(ps),
+                                   shard_of(placement, ps, values_at(step)), slot_bufs, avg))
     layout = {"num_ps": placement.num_ps, "num_workers": 2, "cluster": "ps:2,worker:2",
               "mode": "sync", "optimizer": {"name": "adam", "learning_rate": 0.001}}
     workers = {0: {"epoch": 1, "cursor": step * 10}, 1: {"epoch": 1, "cursor": step * 10 + 5}}
-    return ck.write_manifest(root, step, entries, placement.variables, layout, workers,
-                             extra={"note": "test"}, max_to_keep=max_to_keep)
+    return write_manifest(root, step, entries, placement.variables, layout, workers,
+                          extra={"note": "test"}, max_to_keep=max_to_keep)
 
 
 def restore(ckpt_dir, placement, slots=("m", "v"), average=True):
-    manifest = ck.read_manifest(ckpt_dir)
+    manifest = read_manifest(ckpt_dir)
     params, slot_bufs, avgs, results = {}, {n: {} for n in slots}, {}, []
     for ps in range(placement.num_ps):
         params[ps] = np.full(placement.shard_sizes[ps], -1.0, np.float32)
         mine = {n: np.zeros(placement.shard_sizes[ps], np.float32) for n in slots}
         mine["_scratch"] = np.zeros(placement.shard_sizes[ps], np.float32)
         avgs[ps] = np.zeros(placement.shard_sizes[ps], np.float32) if average else None
-        results.append(ck.load_shard(ckpt_dir, manifest, placement.slices_for_ps(ps),
-                                     params[ps], mine, avgs[ps]))
+        results.append(load_shard(ckpt_dir, manifest, placement.slices_for_ps(ps),
+                                  params[ps], mine, avgs[ps]))
         for n in slots:
             slot_bufs[n][ps] = mine[n]
     return params, slot_bufs, avgs, results
@@ -103,9 +109,9 @@ def test_write_verify_and_read_back(tmp_path):
     assert (tmp_path / "latest").read_text().strip() == "ckpt-00000100"
     assert sorted(os.listdir(ckpt_dir)) == ["manifest.json", "shard-00000-of-00002.h5",
                                             "shard-00001-of-00002.h5"]
-    assert ck.verify_checkpoint(ckpt_dir) == []
-    assert_same(ck.read_variables(ckpt_dir), values_at(100))
-    manifest = ck.read_manifest(ckpt_dir)
+    assert verify_checkpoint(ckpt_dir) == []
+    assert_same(read_variables(ckpt_dir), values_at(100))
+    manifest = read_manifest(ckpt_dir)
     assert manifest["global_step"] == 100
     assert manifest["workers"]["1"] == {"epoch": 1, "cursor": 1005}
     assert [e["file"] for e in manifest["shards"]] == ["shard-00000-of-00002.h5",
@@ -149,13 +155,13 @@ def test_missing_slots_and_average_are_reported(tmp_path):
 
 def test_shape_mismatch_and_unknown_variable_raise(tmp_path):
     ckpt_dir = save(str(tmp_path), 100)
-    manifest = ck.read_manifest(ckpt_dir)
+    manifest = read_manifest(ckpt_dir)
     wrong = Placement([("hidden1/weights", (8, 7), "float32")], 1)
     with pytest.raises(CheckpointError, match=r"'hidden1/weights'.*\(8, 7\).*\(8, 6\)"):
-        ck.load_shard(ckpt_dir, manifest, wrong.slices, np.zeros(56, np.float32))
+        load_shard(ckpt_dir, manifest, wrong.slices, np.zeros(56, np.float32))
     extra = Placement([("hidden2/weights", (3,), "float32")], 1)
     with pytest.raises(CheckpointError, match="'hidden2/weights'"):
-        ck.load_shard(ckpt_dir, manifest, extra.slices, np.zeros(3, np.float32))
+        load_shard(ckpt_dir, manifest, extra.slices, np.zeros(3, np.float32))
 
 
 def test_corrupt_byte_is_named_and_skipped(tmp_path):
@@ -164,11 +170,11 @@ def test_corrupt_byte_is_named_and_skipped(tmp_path):
         save(root, step)
     bad = os.path.join(root, "ckpt-00000300")
     flip_byte(bad, "shard-00001-of-00002.h5", "params/hidden1/weights/part1")
-    problems = ck.verify_checkpoint(bad)
+    problems = verify_checkpoint(bad)
     assert ("shard-00001-of-00002.h5: checksum mismatch in params/hidden1/weights/part1"
             in problems)
     lines = []
-    path, manifest = ck.find_restorable(root, log=lines.append)
+    path, manifest = find_restorable(root, log=lines.append)
     assert os.path.basename(path) == "ckpt-00000200" and manifest["global_step"] == 200
     assert len(lines) == 1
     assert lines[0].startswith("skipping ckpt-00000300: shard-00001-of-00002.h5: checksum "
@@ -188,11 +194,11 @@ def test_truncated_shard_is_skipped(tmp_path):
     save(root, 200)
     shard = os.path.join(root, "ckpt-00000200", "shard-00000-of-00002.h5")
     os.truncate(shard, os.path.getsize(shard) // 2)
-    problems = ck.verify_checkpoint(os.path.dirname(shard))
+    problems = verify_checkpoint(os.path.dirname(shard))
     assert problems[0].startswith("shard-00000-of-00002.h5: unreadable HDF5")
     assert all(p.startswith("shard-00000-of-00002.h5: ") for p in problems)
     lines = []
-    path, _ = ck.find_restorable(root, log=lines.append)
+    path, _ = find_restorable(root, log=lines.append)
     assert os.path.basename(path) == "ckpt-00000100"
     assert lines[0].startswith("skipping ckpt-00000200: shard-00000-of-00002.h5: ")
 
@@ -204,11 +210,11 @@ def test_missing_shard_and_missing_manifest(tmp_path):
     save(root, 300)
     os.remove(os.path.join(root, "ckpt-00000300", "manifest.json"))
     os.remove(os.path.join(root, "ckpt-00000200", "shard-00001-of-00002.h5"))
-    assert [c["complete"] for c in ck.list_checkpoints(root)] == [True, True, False]
-    assert ck.verify_checkpoint(os.path.join(root, "ckpt-00000300")) == [
+    assert [c["complete"] for c in list_checkpoints(root)] == [True, True, False]
+    assert verify_checkpoint(os.path.join(root, "ckpt-00000300")) == [
         "incomplete (no manifest.json)"]
     lines = []
-    path, _ = ck.find_restorable(root, log=lines.append)
+    path, _ = find_restorable(root, log=lines.append)
     assert os.path.basename(path) == "ckpt-00000100"
     assert lines == [
         "skipping ckpt-00000300: incomplete (no manifest.json); using ckpt-00000100",
@@ -221,20 +227,20 @@ def test_latest_naming_a_missing_dir_falls_back(tmp_path):
     save(root, 200)
     (tmp_path / "latest").write_text("ckpt-00000900\n")
     lines = []
-    path, _ = ck.find_restorable(root, log=lines.append)
+    path, _ = find_restorable(root, log=lines.append)
     assert os.path.basename(path) == "ckpt-00000200"
     assert lines == ["skipping ckpt-00000900: named by `latest` but does not exist; "
                      "using ckpt-00000200"]
 
 
 def test_no_checkpoint_and_nothing_restorable(tmp_path):
-    assert ck.find_restorable(str(tmp_path / "absent")) is None
-    assert ck.find_restorable(str(tmp_path)) is None
+    assert find_restorable(str(tmp_path / "absent")) is None
+    assert find_restorable(str(tmp_path)) is None
     root = str(tmp_path)
     save(root, 100)
     os.remove(os.path.join(root, "ckpt-00000100", "shard-00000-of-00002.h5"))
     with pytest.raises(CheckpointError, match="ckpt-00000100: shard-00000-of-00002.h5"):
-        ck.find_restorable(root, log=lambda line: None)
+        find_restorable(root, log=lambda line: None)
 
 
 def test_max_to_keep_prunes_oldest(tmp_path):
@@ -242,11 +248,11 @@ def test_max_to_keep_prunes_oldest(tmp_path):
     os.makedirs(os.path.join(root, "ckpt-00000050"))  # a save cut short, long ago
     for step in range(100, 800, 100):
         save(root, step, max_to_keep=3)
-    assert [c["global_step"] for c in ck.list_checkpoints(root)] == [500, 600, 700]
+    assert [c["global_step"] for c in list_checkpoints(root)] == [500, 600, 700]
     assert (tmp_path / "latest").read_text().strip() == "ckpt-00000700"
     for step in range(800, 1000, 100):
         save(root, step, max_to_keep=None)
-    assert len(ck.list_checkpoints(root)) == 5
+    assert len(list_checkpoints(root)) == 5
 
 
 def test_crash_mid_write_leaves_previous_whole(tmp_path):
@@ -255,33 +261,33 @@ def test_crash_mid_write_leaves_previous_whole(tmp_path):
     save(root, 200)
     placement = Placement(VARIABLES, 2, partitioner=SPLIT)
     partial = os.path.join(root, "ckpt-00000300")
-    ck.write_shard(partial, 0, 2, 300, placement.slices_for_ps(0),
-                   shard_of(placement, 0, values_at(300)))
+    write_shard(partial, 0, 2, 300, placement.slices_for_ps(0),
+                shard_of(placement, 0, values_at(300)))
     (tmp_path / "ckpt-00000300" / "shard-00001-of-00002.h5.tmp").write_bytes(b"\x89HDF half")
     (tmp_path / "latest.tmp").write_text("ckpt-00000300")
     assert (tmp_path / "latest").read_text().strip() == "ckpt-00000200"
-    assert ck.verify_checkpoint(os.path.join(root, "ckpt-00000200")) == []
+    assert verify_checkpoint(os.path.join(root, "ckpt-00000200")) == []
     lines = []
-    path, _ = ck.find_restorable(root, log=lines.append)
+    path, _ = find_restorable(root, log=lines.append)
     assert os.path.basename(path) == "ckpt-00000200"
     assert lines == ["skipping ckpt-00000300: newer than ckpt-00000200, which `latest` "
                      "names; using ckpt-00000200"]
     assert cmds.cmd_verify(root) == 0
     # The restarted job saves step 300 again: the leftovers are cleared first.
-    assert ck.prepare_save(root, 300) is True
+    assert prepare_save(root, 300) is True
     assert not os.path.exists(partial)
     save(root, 300)
-    assert ck.find_restorable(root, log=lines.append)[0] == partial
-    assert_same(ck.read_variables(partial), values_at(300))
+    assert find_restorable(root, log=lines.append)[0] == partial
+    assert_same(read_variables(partial), values_at(300))
 
 
 def test_save_twice_at_one_step(tmp_path):
     root = str(tmp_path)
     ckpt_dir = save(root, 100)
-    assert ck.prepare_save(root, 100) is False
+    assert prepare_save(root, 100) is False
     with pytest.raises(CheckpointError, match="prepare_save"):
         save(root, 100)
-    assert ck.verify_checkpoint(ckpt_dir) == []
+    assert verify_checkpoint(ckpt_dir) == []
 
 
 def test_manifest_refuses_a_changed_shard(tmp_path):
@@ -289,14 +295,14 @@ def test_manifest_refuses_a_changed_shard(tmp_path):
     save(root, 100)
     placement = Placement(VARIABLES, 2, partitioner=SPLIT)
     ckpt_dir = os.path.join(root, "ckpt-00000200")
-    entries = [ck.write_shard(ckpt_dir, ps, 2, 200, placement.slices_for_ps(ps),
-                              shard_of(placement, ps, values_at(200))) for ps in range(2)]
+    entries = [write_shard(ckpt_dir, ps, 2, 200, placement.slices_for_ps(ps),
+                           shard_of(placement, ps, values_at(200))) for ps in range(2)]
     first = placement.slices_for_ps(1)[0]
     flip_byte(ckpt_dir, entries[1]["file"], f"params/{first.name}/part{first.part}")
     with pytest.raises(CheckpointError, match="sha256"):
-        ck.write_manifest(root, 200, entries, placement.variables, {"num_ps": 2}, {})
+        write_manifest(root, 200, entries, placement.variables, {"num_ps": 2}, {})
     with pytest.raises(CheckpointError, match="expecting one shard from each of 2"):
-        ck.write_manifest(root, 200, entries[:1], placement.variables, {"num_ps": 2}, {})
+        write_manifest(root, 200, entries[:1], placement.variables, {"num_ps": 2}, {})
     assert (tmp_path / "latest").read_text().strip() == "ckpt-00000100"
     assert not os.path.exists(os.path.join(ckpt_dir, "manifest.json"))
 
@@ -340,10 +346,79 @@ def test_any_placement_restores_under_any_other(shapes, ps_a, parts_a, ps_b, par
     b = Placement(variables, ps_b, "greedy", MinMaxVariablePartitioner(parts_b, 4))
     want = values_at(7, variables)
     with tempfile.TemporaryDirectory() as root:
-        ckpt_dir = os.path.join(root, ck.checkpoint_name(7))
-        entries = [ck.write_shard(ckpt_dir, p, ps_a, 7, a.slices_for_ps(p), shard_of(a, p, want))
+        ckpt_dir = os.path.join(root, checkpoint_name(7))
+        entries = [write_shard(ckpt_dir, p, ps_a, 7, a.slices_for_ps(p), shard_of(a, p, want))
                    for p in range(ps_a)]
-        ck.write_manifest(root, 7, entries, variables, {"num_ps": ps_a}, {})
-        assert ck.verify_checkpoint(ckpt_dir) == []
+        write_manifest(root, 7, entries, variables, {"num_ps": ps_a}, {})
+        assert verify_checkpoint(ckpt_dir) == []
         params, _, _, _ = restore(ckpt_dir, b, slots=(), average=False)
         assert_same(gather(b, params), want)
+
+
+def test_cover_names_a_gap_an_overlap_and_a_short_end():
+    def pieces(*ranges):
+        return [Piece("f", 0, f"params/x/part{i}", "params", None, "x", lo, hi, (10,), "<f4", 0)
+                for i, (lo, hi) in enumerate(ranges)]
+
+    whole = pieces((0, 4), (4, 10))
+    assert cover(whole, 0, 10) == (whole, None)
+    assert cover(whole, 2, 6) == (whole, None)  # a slice may need part of a piece
+    assert cover(whole, 5, 9) == (whole[1:], None)
+    assert cover(pieces((0, 4), (5, 10)), 0, 10) == (None, "gap at element 4")
+    assert cover(pieces((0, 5), (4, 10)), 0, 10) == (None, "overlap at element 5")
+    assert cover(pieces((0, 4), (4, 8)), 0, 10) == (None, "covered up to element 8 of 10")
+    assert cover(pieces((0, 4), (5, 10)), 5, 10)[1] is None
+
+
+def test_a_piece_beyond_its_variable_is_damage(tmp_path):
+    root = str(tmp_path)
+    ckpt_dir = os.path.join(root, checkpoint_name(5))
+    variables = [("x", (4,), "float32")]
+    beyond = [VariableSlice("x", (4,), "float32", 0, 0, 6, 0)]
+    entry = write_shard(ckpt_dir, 0, 1, 5, beyond, np.arange(6, dtype=np.float32))
+    write_manifest(root, 5, [entry], variables, {"num_ps": 1}, {})
+    assert verify_checkpoint(ckpt_dir) == [
+        "shard-00000-of-00001.h5: params/x/part0 holds elements [0:6] of a variable of 4"]
+    with pytest.raises(CheckpointError, match=r"elements \[0:6\] of a variable of 4"):
+        read_variables(ckpt_dir)
+
+
+class _Outbox:
+    """A communicator that keeps what is sent to it."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, obj, dest, tag):
+        self.sent.append((obj, dest, tag))
+
+
+def test_the_cut_saves_and_restores_a_gpu_shard_through_host_memory(tmp_path):
+    root = str(tmp_path)
+    placement = Placement(VARIABLES, 2, partitioner=SPLIT)
+    outbox = _Outbox()
+    for ps in range(2):
+        be = fake_gpu_backend()
+        dev = {k: be.to_device(shard_of(placement, ps, values_at(3, salt=s)))
+               for k, s in (("params", 0), ("m", 1), ("average", 10))}
+        cut.save_shard(outbox, 7, root, ps, 2, 3, placement.slices_for_ps(ps), be,
+                       dev["params"], {"m": dev["m"]}, dev["average"], {0: (1, 30)}, {0},
+                       {"pushes_applied": 3})
+    reports = [obj for obj, dest, _ in outbox.sent if dest == 7]
+    assert [r["paused"] for r in reports] == [[0], [0]]
+    assert cut.commit(root, reports, placement.variables, {"num_ps": 2}, max_to_keep=5) == 3
+    ckpt_dir = os.path.join(root, checkpoint_name(3))
+    assert verify_checkpoint(ckpt_dir) == []
+    assert cut.data_position(ckpt_dir, 0) == {"epoch": 1, "cursor": 30}
+    assert cut.data_position(ckpt_dir, 1) == {"epoch": 1, "cursor": 0}
+    target = Placement(VARIABLES, 1)
+    be = fake_gpu_backend()
+    params, m, v, average = (be.zeros(target.shard_sizes[0], np.float32) for _ in range(4))
+    restored = cut.restore_shard(ckpt_dir, target.slices_for_ps(0), be, params,
+                                 {"m": m, "v": v}, average)
+    assert restored == {"missing_slots": ["v"], "missing_average": False, "global_step": 3,
+                        "positions": {0: (1, 30)}}
+    assert be.events[-3:] == ["to_device"] * 3
+    for buf, salt in ((params, 0), (m, 1), (average, 10)):
+        np.testing.assert_array_equal(buf.get(), shard_of(target, 0, values_at(3, salt=salt)))
+    assert not v.get().any()

@@ -21,7 +21,8 @@ import h5py
 import numpy as np
 import pytest
 
-from mpitf.ckpt import store as ck
+from mpitf.ckpt.names import LATEST, checkpoint_name, read_manifest, shard_name
+from mpitf.ckpt.verify import find_restorable, verify_checkpoint
 from mpitf.runtime.exits import EXIT_REQUEUE
 from mpitf.runtime.launch import mpiexec_command
 from mpitf.testing import kill_group, run_mpi
@@ -138,7 +139,7 @@ class Background:
 
 def latest_step(root):
     try:
-        name = (Path(root) / ck.LATEST).read_text().strip()
+        name = (Path(root) / LATEST).read_text().strip()
     except FileNotFoundError:
         return None
     return int(name.split("-")[1])
@@ -206,7 +207,7 @@ def test_sigkill_then_resume_gives_the_same_bits(tmp, optimizer):
     assert resumed.returncode == 0, resumed.output
     (path, step), = RESTORED.findall(resumed.stdout)
     assert int(step) == saved and int(step) % 10 == 0 and int(step) < 60
-    assert Path(path).name == ck.checkpoint_name(saved)
+    assert Path(path).name == checkpoint_name(saved)
     assert final_summary(resumed)["step"] == 60
     assert_bitwise_equal(load_npz(tmp / "out.npz"), load_npz(tmp / "ref.npz"))
 
@@ -243,15 +244,15 @@ def test_damaged_newest_checkpoint_is_skipped(tmp, damage):
     first = run_job(tmp, ckpt=root, steps=30, extra=["--checkpoint-every", "10"])
     assert first.returncode == 0, first.output
     assert [int(s) for _, s in CHECKPOINT.findall(first.stdout)] == [10, 20, 30]
-    names = [ck.checkpoint_name(s) for s in (10, 20, 30)]
+    names = [checkpoint_name(s) for s in (10, 20, 30)]
     assert latest_step(root) == 30
     before = {n: tree_digests(root / n) for n in names[:2]}
 
-    shard = root / names[2] / ck.shard_name(0, 1)
+    shard = root / names[2] / shard_name(0, 1)
     what = damage(shard)
     bad = cli_verify(root / names[2])
     assert bad.returncode != 0 and "OK" not in bad.stdout, bad.stdout
-    assert ck.shard_name(0, 1) in bad.stdout
+    assert shard_name(0, 1) in bad.stdout
     if what != "truncated":
         assert f"checksum mismatch in {what}" in bad.stdout
     assert cli_verify(root).returncode != 0
@@ -263,7 +264,7 @@ def test_damaged_newest_checkpoint_is_skipped(tmp, damage):
     assert resumed.returncode == 0, resumed.output
     skip = re.search(rf"skipping {names[2]}: (.*); using {names[1]}", resumed.stderr)
     assert skip, resumed.output
-    assert ck.shard_name(0, 1) in skip.group(1)
+    assert shard_name(0, 1) in skip.group(1)
     (path, step), = RESTORED.findall(resumed.stdout)
     assert Path(path).name == names[1] and int(step) == 20
     assert [int(s) for _, s in CHECKPOINT.findall(resumed.stdout)] == [30, 40]
@@ -286,7 +287,7 @@ def test_checkpoint_restores_under_another_number_of_ps(tmp):
                   extra=["--checkpoint-every", "30", "--export", tmp / "a.npz"])
     assert one.returncode == 0, one.output
     assert latest_step(root) == 30
-    assert ck.read_manifest(root / ck.checkpoint_name(30))["layout"]["num_ps"] == 1
+    assert read_manifest(root / checkpoint_name(30))["layout"]["num_ps"] == 1
 
     # Two ps, already at the last step: restore, write nothing, export the same values.
     two = run_job(tmp, n=4, ckpt=root, num_ps=2, steps=30, extra=["--export", tmp / "b.npz"])
@@ -304,9 +305,9 @@ def test_checkpoint_restores_under_another_number_of_ps(tmp):
     summary = final_summary(more)
     assert summary["step"] == 40 and summary["ps"] == 2
     assert summary["test_accuracy"] > 0.8, summary
-    manifest = ck.read_manifest(root / ck.checkpoint_name(40))
+    manifest = read_manifest(root / checkpoint_name(40))
     assert manifest["layout"]["num_ps"] == 2 and len(manifest["shards"]) == 2
-    assert ck.verify_checkpoint(root / ck.checkpoint_name(40)) == []
+    assert verify_checkpoint(root / checkpoint_name(40)) == []
 
 
 # ---------------------------------------------------------- 4. SIGUSR1 / SIGTERM mid-run
@@ -332,10 +333,10 @@ def test_signal_checkpoints_and_exits_with_requeue_code(tmp, signame, target):
     assert code == EXIT_REQUEUE, out
     (path, step), = CHECKPOINT.findall(out)
     step = int(step)
-    assert step >= 20 and Path(path).name == ck.checkpoint_name(step)
+    assert step >= 20 and Path(path).name == checkpoint_name(step)
     assert (f"{signame}: checkpointed at step {step}; exiting with code {EXIT_REQUEUE}"
             in out), out
-    assert latest_step(root) == step and ck.verify_checkpoint(path) == []
+    assert latest_step(root) == step and verify_checkpoint(path) == []
     assert "final:" not in out
 
     resumed = run_job(tmp, ckpt=root, steps=step + 10)
@@ -421,11 +422,11 @@ def test_kills_at_random_instants_leave_latest_whole(tmp):
             assert m and int(m.group(2)) == before, out  # each run resumed where the last one left
         latest = latest_step(root)
         assert latest is not None and latest > (before or 0), out
-        assert ck.verify_checkpoint(root / ck.checkpoint_name(latest)) == []
-        found = ck.find_restorable(str(root), log=lambda m: None)
+        assert verify_checkpoint(root / checkpoint_name(latest)) == []
+        found = find_restorable(str(root), log=lambda m: None)
         assert found is not None
         path, manifest = found
-        assert Path(path).name == ck.checkpoint_name(latest) and ck.verify_checkpoint(path) == []
+        assert Path(path).name == checkpoint_name(latest) and verify_checkpoint(path) == []
         assert manifest["global_step"] == latest
     assert cli_verify(root).returncode == 0
 

@@ -1,8 +1,10 @@
 """Checkpoints: sharded HDF5 files, the manifest, ``latest``, verification, resharding.
 
-Storage below both sides: each ps writes and reads its own shard, the chief writes the
-manifest. Holds ``store`` (writing, listing, verifying, reading) and ``commands``
-(``mpitf ckpt``).
+Below both sides: each ps writes and reads its own shard, the chief writes the manifest.
+``files`` (atomic writes, checksums), ``names`` (checkpoint names, ``latest``, listing,
+manifests), ``pieces`` (a shard's datasets, read and tiled), ``write``, ``verify``,
+``restore`` (resharding), ``cut`` (the consistent-cut protocol both sides call) and
+``commands`` (``mpitf ckpt``).
 
 May import: ``mpitf.wire``, ``mpitf.runtime`` and the spec layer.
 """

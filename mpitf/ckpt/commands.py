@@ -1,7 +1,7 @@
 """The ``mpitf ckpt`` commands: list, show, verify and export checkpoints.
 
-Each ``cmd_*`` prints to stdout and returns the exit code; the storage itself is
-:mod:`mpitf.ckpt.store`'s.
+Each ``cmd_*`` prints to stdout and returns the exit code; the storage itself is the
+other ``mpitf.ckpt`` modules'.
 """
 
 import json
@@ -12,19 +12,19 @@ import zipfile
 import numpy as np
 
 from ..errors import CheckpointError
-from .store import (
+from .files import commit_file
+from .names import (
     CKPT_RE,
     LATEST,
     MANIFEST,
     checkpoint_name,
-    commit_file,
-    index_pieces,
     latest_name,
     list_checkpoints,
     read_manifest,
-    read_variables,
-    verify_checkpoint,
 )
+from .pieces import index_pieces
+from .restore import read_variables
+from .verify import verify_checkpoint
 
 
 def describe_checkpoint(ckpt_dir):

@@ -13,6 +13,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ..ckpt import cut
 from ..errors import DeadlineError, PeerError
 from ..runtime.backend import get_backend
 from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
@@ -186,49 +187,24 @@ class Service:
                             **self.describe_worker(w, "push"))
 
     def _restore(self, ckpt_dir):
-        from ..ckpt.store import load_shard, read_manifest  # storage layer, below the ps
-
-        manifest = read_manifest(ckpt_dir)
-        shard, be = self.shard, self.backend
-        # Checkpoints are read into host memory; a GPU shard is filled from there.
-        params = be.to_host(shard.params).copy() if be.is_gpu else shard.params
-        slots = {k: be.to_host(v).copy() if be.is_gpu else v
-                 for k, v in shard.saved_slots().items()}
-        average = None
-        if shard.average is not None:
-            average = be.to_host(shard.average_frame.payload).copy() if be.is_gpu \
-                else shard.average_frame.payload
-        missing = load_shard(ckpt_dir, manifest, shard.slices, params, slots, average)
-        if be.is_gpu:
-            be.to_device(params, out=shard.params)
-            for k, v in slots.items():
-                be.to_device(v, out=shard.slots[k])
-            if average is not None:
-                be.to_device(average, out=shard.average_frame.payload)
-        if shard.average is not None and missing.get("missing_average"):
+        shard = self.shard
+        average = shard.average_frame.payload if shard.average is not None else None
+        restored = cut.restore_shard(ckpt_dir, shard.slices, self.backend, shard.params,
+                                     shard.saved_slots(), average)
+        if restored["missing_average"]:
             shard.start_average()
-        self.global_step = int(manifest["global_step"])
-        self.positions = {int(k): (v["epoch"], v["cursor"])
-                          for k, v in manifest.get("workers", {}).items()}
+        self.global_step = restored["global_step"]
+        self.positions = restored["positions"]
         self.initialized = True
         self._write_header()
 
     def _save(self):
-        from ..ckpt.store import checkpoint_name, write_shard
-
-        root = self.config["checkpoint_dir"]
-        ckpt_dir = f"{root}/{checkpoint_name(self.global_step)}"
-        average = self.shard.average_frame.payload if self.shard.average else None
-        entry = write_shard(ckpt_dir, self.ps_task, self.config["num_ps"], self.global_step,
-                            self.shard.slices, self.backend.to_host(self.shard.params),
-                            {k: self.backend.to_host(v)
-                             for k, v in self.shard.saved_slots().items()},
-                            None if average is None else self.backend.to_host(average))
-        report = dict(entry=entry, ps_task=self.ps_task, global_step=self.global_step,
-                      positions={w: {"epoch": int(e), "cursor": int(c)}
-                                 for w, (e, c) in self.positions.items()},
-                      paused=sorted(self.paused), counters=self.counters)
-        self.comm.send(report, dest=self.chief, tag=P.TAG_CONTROL)
+        shard = self.shard
+        average = shard.average_frame.payload if shard.average is not None else None
+        cut.save_shard(self.comm, self.chief, self.config["checkpoint_dir"], self.ps_task,
+                       self.config["num_ps"], self.global_step, shard.slices, self.backend,
+                       shard.params, shard.saved_slots(), average, self.positions,
+                       self.paused, self.counters)
 
     def _check_quiescent(self):
         if self.pausing and all(w in self.done or w in self.paused

@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 
+from ..ckpt import cut
 from ..errors import ConfigurationError, NonFiniteGradientError
 from ..placement import replica_device_setter
 from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
@@ -85,23 +86,9 @@ class TrainingSession:
     # -- start -----------------------------------------------------------------------------
 
     def _start(self, optimizer):
-        restore = None
-        if self.server.is_chief and self.checkpoint_dir:
-            from ..ckpt.store import find_restorable, set_aside_newer
-
-            found = find_restorable(self.checkpoint_dir, log=lambda m: _log.warning("%s", m))
-            restore = found[0] if found else None
-            if found:
-                set_aside_newer(self.checkpoint_dir, int(found[1]["global_step"]),
-                                log=lambda m: _log.warning("%s", m))
-        # Every worker learns the chief's choice, so positions come from the same checkpoint.
-        # In-graph, only the clients run sessions: the other worker tasks are not asked.
-        comm = self.server.job_comm
-        if self.clients is not None:
-            comm = comm.Create_group(comm.Get_group().Incl(sorted(self.clients)))
-        restore = comm.bcast(restore, root=0)
-        if comm is not self.server.job_comm:
-            comm.Free()
+        restore = cut.agree_on_restore(
+            self.server.job_comm, self.checkpoint_dir if self.server.is_chief else None,
+            self.clients, log=lambda m: _log.warning("%s", m))
         values = None
         if restore is None:
             rng = np.random.default_rng(self.options.get("seed", 0))
@@ -142,19 +129,8 @@ class TrainingSession:
         return (self.global_step - self._start_step) * self.examples_per_global_step
 
     def _restore_position(self, restore):
-        from ..ckpt.store import read_manifest
-
-        workers = read_manifest(restore).get("workers", {})
-        state = workers.get(str(self.server.task_index))
-        if self.dataset is None:
-            return
-        if state is None:
-            first = next(iter(workers.values()), {"epoch": 0})
-            state = {"epoch": first["epoch"], "cursor": 0}
-            _log.info("no saved data position for worker %d (the checkpoint had %d workers); "
-                      "starting epoch %d from its beginning", self.server.task_index,
-                      len(workers), state["epoch"])
-        self.dataset.restore(state)
+        if self.dataset is not None:
+            self.dataset.restore(cut.data_position(restore, self.server.task_index))
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -215,18 +191,8 @@ class TrainingSession:
         return self.saver is not None and self.saver.due(self)
 
     def _send_save(self, step):
-        """Chief: ask every ps for a cut expected at ``step``; False if it is already saved.
-
-        Checkpoints newer than the restored one were set aside at the start, so the only
-        checkpoint that can stand at ``step`` is the restored one itself (a run resumed at
-        its last step): then nothing is sent. A leftover directory is cleared first.
-        """
-        from ..ckpt.store import prepare_save
-
-        if not prepare_save(self.checkpoint_dir, step):
-            return False
-        self.client.send_control(P.SAVE)
-        return True
+        """Chief: ask every ps for a cut expected at ``step``; False if it is already saved."""
+        return cut.request(self.checkpoint_dir, step, self.client.send_control)
 
     def _pause(self):
         """Stop for a checkpoint cut; the chief writes the manifest and releases the others."""
@@ -235,36 +201,18 @@ class TrainingSession:
             if self.server.is_chief:
                 message = self._collect_checkpoint()
             else:
-                chief = self.client_ranks[0]
-                message = P.recv_object(
-                    self.server.comm, chief, P.TAG_CONTROL, self.server.deadline,
-                    lambda: dict(rank=chief, job="worker", task=0,
-                                 host=self.server.host_of(chief), operation="checkpoint"))
+                message = cut.wait_for_release(self.server.comm, self.client_ranks[0],
+                                               self.server.deadline, self.server.host_of)
         if message.get("stop"):
             self.requeue = True
 
     def _collect_checkpoint(self):
-        from ..ckpt.store import write_manifest
-
-        comm = self.server.comm
-        reports = [P.recv_object(comm, rank, P.TAG_CONTROL, self.server.deadline,
-                                 lambda p=p, rank=rank: dict(
-                                     rank=rank, job="ps", task=p,
-                                     host=self.server.host_of(rank),
-                                     operation="checkpoint write"))
-                   for p, rank in enumerate(self.client.ps_ranks)]
-        steps = {r["global_step"] for r in reports}
-        if len(steps) > 1:
-            _log.warning("ps tasks cut the checkpoint at different steps %s", sorted(steps))
-        step = reports[0]["global_step"]
+        reports = cut.collect(self.server.comm, self.client.ps_ranks, self.server.deadline,
+                              self.server.host_of)
         layout = dict(num_ps=len(reports), num_workers=self.num_workers, mode=self.mode,
                       cluster=repr(self.server.cluster), optimizer=self.optimizer.config())
-        path = write_manifest(self.checkpoint_dir, step, [r["entry"] for r in reports],
-                              [{"name": n, "shape": list(s), "dtype": str(np.dtype(t))}
-                               for n, s, t in self.placement.variables],
-                              layout, reports[0]["positions"],
-                              max_to_keep=self.options.get("max_to_keep") or 5)
-        print(f"checkpoint {path} at step {step}", flush=True)
+        step = cut.commit(self.checkpoint_dir, reports, self.placement.variables, layout,
+                          max_to_keep=self.options.get("max_to_keep") or 5)
         if self.saver is not None:
             self.saver.saved(self)
         stop = self.signals.requested
@@ -272,12 +220,7 @@ class TrainingSession:
             print(f"{self.signals.received}: checkpointed at step {step}; exiting with code "
                   f"{EXIT_REQUEUE} so the job is requeued", flush=True)
         message = {"stop": stop, "step": step}
-        chief = self.server.rank
-        waiting = {w for r in reports for w in r["paused"]}
-        for w in sorted(waiting):
-            rank = self.client_ranks[w]
-            if rank != chief:
-                comm.send(message, dest=rank, tag=P.TAG_CONTROL)
+        cut.release(self.server.comm, reports, self.client_ranks, self.server.rank, message)
         return message
 
     # -- the end ---------------------------------------------------------------------------
