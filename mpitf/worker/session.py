@@ -30,7 +30,7 @@ class TrainingSession:
         model: an object with ``variables()``, ``init(rng)`` and
             ``loss_and_grads(params, batch, grads)`` (see :mod:`mpitf.models`).
         optimizer: an :class:`~mpitf.ps.optimizers.Optimizer`; it runs on the ps.
-        mode: "sync", "async" or "ssp" (bounded staleness).
+        mode: "sync", "async" or "ssp" (bounded staleness); default: the config's.
         dataset: a :class:`~mpitf.data.sharded.ShardedDataset`; its position is checkpointed.
         hooks: more :class:`Hook` objects.
         partitioner: how large variables are split over ps tasks (see :mod:`mpitf.placement`).
@@ -42,7 +42,7 @@ class TrainingSession:
             TypeError that names it; a bad value a ConfigurationError.
     """
 
-    def __init__(self, server, model, optimizer, mode=None, dataset=None, hooks=(),
+    def __init__(self, server, model, optimizer, mode=None, dataset=None, *, hooks=(),
                  partitioner=None, config=None, **options):
         if mode is not None:
             options["mode"] = mode
