@@ -26,6 +26,7 @@ __all__ = [
     "check_deadline",
     "check_int",
     "check_learning_rate",
+    "check_memory_fraction",
     "check_moving_average_decay",
     "check_multiple",
     "check_number",
@@ -99,6 +100,12 @@ def check_learning_rate(value, name="learning_rate", allow_zero=False):
 def check_moving_average_decay(value):
     """Return the decay of a moving average; raise unless it is in (0, 1)."""
     return check_number("moving_average_decay", value, low=0.0, high=1.0, low_open=True)
+
+
+def check_memory_fraction(value):
+    """Return the fraction of a GPU's memory a rank may use; raise unless it is in (0, 1]."""
+    return check_number("gpu memory fraction", value, low=0.0, high=1.0, low_open=True,
+                        high_open=False)
 
 
 def check_deadline(value):
@@ -179,7 +186,8 @@ class TrainingConfig:
                          low=0.0, low_open=True)
         check_int("max_to_keep", self.max_to_keep, 0)
         if self.replicas_to_aggregate is not None:
-            check_int("replicas_to_aggregate", self.replicas_to_aggregate, 1)
+            check_int("replicas_to_aggregate (leave it out for every worker)",
+                      self.replicas_to_aggregate, 1)
         check_int("staleness", self.staleness, 0)
         if self.moving_average_decay is not None:
             check_moving_average_decay(self.moving_average_decay)
@@ -212,6 +220,7 @@ class JobConfig:
     deadline: float = field(default_factory=default_deadline)
     data: str = None
     export: str = None
+    gpu_memory_fraction: float = None
 
     def __post_init__(self):
         check_choice("model", self.model, ("mlp", "cnn"))
@@ -223,6 +232,8 @@ class JobConfig:
                          low_open=True)
         check_int("decay steps (--lr-decay-steps)", self.lr_decay_steps, 1)
         check_deadline(self.deadline)
+        if self.gpu_memory_fraction is not None:
+            check_memory_fraction(self.gpu_memory_fraction)
 
     @classmethod
     def from_args(cls, args):
@@ -240,7 +251,8 @@ class JobConfig:
                    optimizer=args.optimizer, lr=args.lr, lr_decay=args.lr_decay,
                    lr_decay_steps=args.lr_decay_steps,
                    deadline=default_deadline() if args.deadline is None else args.deadline,
-                   data=args.data, export=args.export)
+                   data=args.data, export=args.export,
+                   gpu_memory_fraction=args.gpu_memory_fraction)
 
 
 @dataclass(frozen=True)

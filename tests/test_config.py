@@ -87,15 +87,17 @@ def test_from_args_carries_every_flag():
         "--seed", 3, "--log-every", 0, "--run-dir", "r", "--checkpoint-dir", "c",
         "--checkpoint-every", 2, "--checkpoint-secs", 1.5, "--max-to-keep", 0,
         "--replicas-to-aggregate", 1, "--timeline", "t.json", "--model", "cnn",
-        "--hidden", 9, "--deadline", 4, "--export", "e.npz", "--data", "d.h5"))
+        "--hidden", 9, "--deadline", 4, "--export", "e.npz", "--data", "d.h5",
+        "--gpu-memory-fraction", 0.5))
     assert config.training == TrainingConfig(
         mode="ssp", last_step=7, batch_size=4, checkpoint_dir="c", save_checkpoint_steps=2,
         save_checkpoint_secs=1.5, max_to_keep=0, replicas_to_aggregate=1, deterministic=True,
         staleness=0, skip_nonfinite=True, moving_average_decay=0.9, ps_strategy="greedy",
         seed=3, log_every=0, run_dir="r", timeline="t.json")
     assert (config.model, config.hidden, config.optimizer, config.lr, config.lr_decay,
-            config.lr_decay_steps, config.deadline, config.export, config.data) == \
-        ("cnn", 9, "adam", 0.1, 0.5, 3, 4.0, "e.npz", "d.h5")
+            config.lr_decay_steps, config.deadline, config.export, config.data,
+            config.gpu_memory_fraction) == \
+        ("cnn", 9, "adam", 0.1, 0.5, 3, 4.0, "e.npz", "d.h5", 0.5)
 
 
 # -- misspelt names ------------------------------------------------------------------------
@@ -136,7 +138,8 @@ def test_training_session_passes_options_straight_into_the_config():
     ("save_checkpoint_secs", -1.0, "save_checkpoint_secs .* > 0"),
     ("save_checkpoint_secs", math.inf, "save_checkpoint_secs .* finite"),
     ("max_to_keep", -1, "max_to_keep must be >= 0"),
-    ("replicas_to_aggregate", 0, "replicas_to_aggregate must be >= 1"),
+    ("replicas_to_aggregate", 0,
+     r"replicas_to_aggregate \(leave it out for every worker\) must be >= 1, got 0"),
     ("staleness", -1, "staleness must be >= 0"),
     ("moving_average_decay", 0.0, r"moving_average_decay must be in \(0.0, 1.0\)"),
     ("moving_average_decay", 1.0, r"moving_average_decay must be in \(0.0, 1.0\)"),
@@ -162,6 +165,8 @@ def test_training_checks(field, value, message):
     ("lr_decay_steps", 0, r"--lr-decay-steps\) must be >= 1"),
     ("deadline", 0.0, "deadline must be > 0"),
     ("deadline", -5.0, "deadline must be > 0"),
+    ("gpu_memory_fraction", 0.0, r"gpu memory fraction must be in \(0.0, 1.0\]"),
+    ("gpu_memory_fraction", 1.5, r"gpu memory fraction must be in \(0.0, 1.0\]"),
 ])
 def test_job_checks(field, value, message):
     with pytest.raises(ConfigurationError, match=message):
@@ -173,7 +178,8 @@ def test_good_values_pass():
                    save_checkpoint_secs=0.01, max_to_keep=0, replicas_to_aggregate=1,
                    staleness=0, moving_average_decay=0.5, log_every=0, clients=[0])
     assert TrainingConfig(clients=[0, 2]).clients == (0, 2)
-    JobConfig(lr=1e-9, lr_decay=2.0, lr_decay_steps=1, deadline=0.001, hidden=1)
+    JobConfig(lr=1e-9, lr_decay=2.0, lr_decay_steps=1, deadline=0.001, hidden=1,
+              gpu_memory_fraction=1.0)
 
 
 def test_config_from_args_errors_are_collective():
