@@ -28,6 +28,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mpitf.config import TrainingConfig
 from mpitf.placement import Placement
 from mpitf.ps.optimizers import make_optimizer
 from mpitf.ps.service import serve
@@ -159,7 +160,7 @@ class Bench:
             self.rss_peak = max(self.rss_peak, _peak_rss())
             return []
         config = make_optimizer(optimizer, LR).config()
-        client.start(config, self.args.mode, initial_values=client.params)
+        client.start(TrainingConfig(mode=self.args.mode), config, initial_values=client.params)
         times = []
         for i in range(WARMUP + reps):
             t0 = time.perf_counter()

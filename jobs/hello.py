@@ -21,6 +21,8 @@ from mpi4py import MPI
 
 from mpitf.cli.flags import check_roles, resolve_cluster
 from mpitf.cluster import add_cluster_arguments
+from mpitf.config import check_deadline
+from mpitf.errors import ConfigurationError
 from mpitf.runtime.exits import RankParser, abort_on_error, setup_logging
 from mpitf.runtime.server import Server
 from mpitf.wire.protocol import TAG_CONTROL, recv_object
@@ -37,8 +39,10 @@ def parse_args(argv=None):
     # Test hook: this rank withholds its greeting, so tests can check the deadline.
     parser.add_argument("--drop-greeting", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if not args.deadline > 0:
-        parser.error(f"argument --deadline: expecting seconds > 0, got {args.deadline:g}")
+    try:
+        check_deadline(args.deadline)
+    except ConfigurationError as exc:
+        parser.error(f"argument --deadline: {exc}")
     return args
 
 

@@ -12,10 +12,11 @@ import sys
 
 from mpitf.cli.flags import (
     add_training_arguments,
+    config_from_args,
     evaluate_session,
-    model_from_args,
+    model_from_config,
     report_final,
-    session_from_args,
+    session_from_config,
     start_job,
 )
 from mpitf.errors import ConfigurationError
@@ -36,25 +37,27 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.mode != "sync":
         parser.error("in-graph replication has a single client, so only --mode sync applies")
-    server, path = start_job(args, _check_cluster)
+    config = config_from_args(args)  # every value checked, alike on every rank
+    training = config.training
+    server, path = start_job(args, config, _check_cluster)
     cluster = server.cluster
     if server.job_name == "ps":
         server.join()
         return server.exit_code
     num_workers = cluster.num_tasks("worker")
-    batches = InGraphBatches(path, num_workers, args.batch_size, args.seed) \
+    batches = InGraphBatches(path, num_workers, training.batch_size, training.seed) \
         if server.is_chief else None
     # The compute tasks read no data; they learn the model's shape from the client.
     first = batches.shards[0] if batches else None
     x_dim, num_classes, image_shape = server.job_comm.bcast(
         (first.x_dim, first.num_classes, first.image_shape) if first else None, root=0)
-    model = model_from_args(args, x_dim, num_classes, image_shape)
+    model = model_from_config(config, x_dim, num_classes, image_shape)
     if not server.is_chief:
-        return _compute(server, model, args)
+        return _compute(server, model, training)
 
     replica = InGraphReplica(server.job_comm, model)
-    sess = session_from_args(server, replica, args, batches, mode="sync", clients=[0],
-                             replicas_to_aggregate=None, staleness=None)
+    sess = session_from_config(server, replica, config, batches, args.log_device_placement,
+                               clients=(0,), replicas_to_aggregate=None)
     replica.attach(sess.client)
     try:
         while not sess.should_stop():
@@ -62,9 +65,9 @@ def main(argv=None):
     finally:
         replica.stop()
     if not sess.requeue:
-        summary = evaluate_session(sess, args, path, workers=num_workers, mode="sync",
+        summary = evaluate_session(sess, config, path, workers=num_workers, mode="sync",
                                    replication="in-graph")
-        report_final(args, summary, sess.params)
+        report_final(config, summary, sess.params)
     sess.close()
     batches.close()
     return sess.exit_code
@@ -76,14 +79,15 @@ def _check_cluster(cluster):
                                  "or more (jobs/towers.py trains without one)")
 
 
-def _compute(server, model, args):
+def _compute(server, model, training):
     """Run a compute task: gradients of the client's chunks, no session, no ps traffic."""
     CheckpointSignals().install()  # a requeue signal is the client's to act on
-    placement = replica_device_setter(server.cluster, ps_strategy=args.ps_strategy)
+    placement = replica_device_setter(server.cluster, ps_strategy=training.ps_strategy)
     layout = FlatLayout(placement.place(model.variables()))
     InGraphWorker(server.job_comm, model, layout).serve()
-    if args.timeline:  # collective with the client's and the ps's end of training
-        Timeline(server.rank, server.device, True).gather_and_write(server.comm, args.timeline)
+    if training.timeline:  # collective with the client's and the ps's end of training
+        Timeline(server.rank, server.device, True).gather_and_write(server.comm,
+                                                                    training.timeline)
     return 0
 
 

@@ -8,10 +8,11 @@ import sys
 
 from mpitf.cli.flags import (
     add_training_arguments,
+    config_from_args,
     evaluate_session,
-    model_from_args,
+    model_from_config,
     report_final,
-    session_from_args,
+    session_from_config,
     start_job,
 )
 from mpitf.data.sharded import ShardedDataset
@@ -22,20 +23,23 @@ def main(argv=None):
     parser = RankParser(description=__doc__.splitlines()[0])
     add_training_arguments(parser)
     args = parser.parse_args(argv)
-    server, path = start_job(args)
+    config = config_from_args(args)  # every value checked, alike on every rank
+    server, path = start_job(args, config)
     if server.job_name == "ps":
         server.join()
         return server.exit_code
+    training = config.training
     workers = server.cluster.task_indices("worker")
     dataset = ShardedDataset(path, "train", workers.index(server.task_index), len(workers),
-                             args.batch_size, args.seed)
-    model = model_from_args(args, dataset.x_dim, dataset.num_classes, dataset.image_shape)
-    sess = session_from_args(server, model, args, dataset)
+                             training.batch_size, training.seed)
+    model = model_from_config(config, dataset.x_dim, dataset.num_classes, dataset.image_shape)
+    sess = session_from_config(server, model, config, dataset, args.log_device_placement)
     while not sess.should_stop():
         sess.run()
     if server.is_chief and not sess.requeue:
-        summary = evaluate_session(sess, args, path, workers=len(workers), mode=args.mode)
-        report_final(args, summary, sess.params)
+        summary = evaluate_session(sess, config, path, workers=len(workers),
+                                   mode=training.mode)
+        report_final(config, summary, sess.params)
     sess.close()
     dataset.close()
     return sess.exit_code

@@ -17,13 +17,14 @@ from mpi4py import MPI
 from mpitf.cli.flags import (
     add_training_arguments,
     check_roles,
+    config_from_args,
     data_path,
     evaluate_session,
-    make_optimizer_from_args,
-    model_from_args,
+    model_from_config,
+    optimizer_from_config,
     report_final,
     resolve_cluster,
-    session_from_args,
+    session_from_config,
     setup_backend,
 )
 from mpitf.data.sharded import ShardedDataset, load_split
@@ -42,6 +43,8 @@ def main(argv=None):
                         help="the towers' devices, e.g. cpu:0,cpu:1 or gpu:0,gpu:1")
     parser.set_defaults(num_ps=0)  # one process trains alone unless asked for a ps
     args = parser.parse_args(argv)
+    config = config_from_args(args)  # every value checked, alike on every rank
+    training = config.training
     setup_logging()
     world = MPI.COMM_WORLD
     cluster = resolve_cluster(args, world.Get_size())
@@ -49,8 +52,8 @@ def main(argv=None):
         raise collective(ConfigurationError(
             "towers without a ps train in one process: run without mpiexec, or give "
             "--num-ps to push through ps tasks"))
-    path = data_path(args, world)
-    server = Server(cluster, deadline=args.deadline) if cluster.num_tasks("ps") else None
+    path = data_path(config, world)
+    server = Server(cluster, deadline=config.deadline) if cluster.num_tasks("ps") else None
     if server is not None:
         check_roles(args, server)
         setup_backend(args, server)  # where the session's push/pull buffers live
@@ -65,31 +68,34 @@ def main(argv=None):
             print(f"tower {kind}:{index}: {describe_backend(be)}", flush=True)
     workers = cluster.task_indices("worker")
     shard = workers.index(server.task_index) if server else 0
-    batch = args.batch_size * len(backends)
-    dataset = ShardedDataset(path, "train", shard, len(workers), batch, args.seed)
-    model = model_from_args(args, dataset.x_dim, dataset.num_classes, dataset.image_shape)
+    batch = training.batch_size * len(backends)
+    dataset = ShardedDataset(path, "train", shard, len(workers), batch, training.seed)
+    model = model_from_config(config, dataset.x_dim, dataset.num_classes, dataset.image_shape)
     towers = Towers(model, backends)
     if server is None:
-        _train_locally(towers, make_optimizer_from_args(args), dataset, args, path)
+        _train_locally(towers, optimizer_from_config(config), dataset, config, args.devices,
+                       path)
         code = 0
     else:
-        code = _train_with_ps(server, towers, dataset, args, path)
+        code = _train_with_ps(server, towers, dataset, config, args, path)
     dataset.close()
     return code
 
 
-def _train_locally(towers, optimizer, dataset, args, path):
+def _train_locally(towers, optimizer, dataset, config, devices, path):
     """Train in this process: average on tower 0, apply there with the optimizer."""
+    training = config.training
+    steps = training.last_step
     params = towers.params
-    for name, value in towers.init(np.random.default_rng(args.seed)).items():
+    for name, value in towers.init(np.random.default_rng(training.seed)).items():
         towers.backends[0].to_device(value, out=params[name])
     slots, loss, logged = None, float("nan"), 0
     start = mark = time.monotonic()
-    for step in range(args.steps):
+    for step in range(steps):
         loss = towers.loss_and_grads(params, dataset.next_batch(), towers.grads)
         slots = towers.apply_locally(optimizer, step, slots)
         done = step + 1
-        if done % max(1, args.log_every) == 0 or done == args.steps:
+        if done % max(1, training.log_every) == 0 or done == steps:
             now = time.monotonic()
             n, logged = done - logged, done
             print(f"step {done}, loss = {loss:.2f} "
@@ -99,21 +105,21 @@ def _train_locally(towers, optimizer, dataset, args, path):
     elapsed = time.monotonic() - start
     x_test, y_test = load_split(path, "test")
     test_loss, test_acc = evaluate(towers.model, params, x_test, y_test)
-    summary = dict(step=args.steps, loss=loss, test_loss=test_loss, test_accuracy=test_acc,
-                   examples_per_sec=args.steps * dataset.batch_size / max(elapsed, 1e-9),
-                   towers=len(towers.towers), devices=args.devices, ps=0)
-    return report_final(args, summary, params, towers.backends[0].to_host)
+    summary = dict(step=steps, loss=loss, test_loss=test_loss, test_accuracy=test_acc,
+                   examples_per_sec=steps * dataset.batch_size / max(elapsed, 1e-9),
+                   towers=len(towers.towers), devices=devices, ps=0)
+    return report_final(config, summary, params, towers.backends[0].to_host)
 
 
-def _train_with_ps(server, towers, dataset, args, path):
+def _train_with_ps(server, towers, dataset, config, args, path):
     """Train as a worker: the towers' average is this worker's pushed gradient."""
-    sess = session_from_args(server, towers, args, dataset)
+    sess = session_from_config(server, towers, config, dataset, args.log_device_placement)
     while not sess.should_stop():
         sess.run()
     if server.is_chief and not sess.requeue:
-        report_final(args, evaluate_session(
-            sess, args, path, towers=len(towers.towers), devices=args.devices,
-            workers=server.cluster.num_tasks("worker"), mode=args.mode), sess.params)
+        report_final(config, evaluate_session(
+            sess, config, path, towers=len(towers.towers), devices=args.devices,
+            workers=server.cluster.num_tasks("worker"), mode=config.training.mode), sess.params)
     sess.close()
     return sess.exit_code
 

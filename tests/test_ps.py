@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mpitf.config import TrainingConfig
 from mpitf.errors import ConfigurationError
 from mpitf.ps.consistency import Async, BoundedStaleness, SyncReplicas, make_policy
 from mpitf.ps.optimizers import make_optimizer
@@ -273,12 +274,14 @@ def test_silent_worker_ends_the_job_naming_it(tmp_path):
 
 @pytest.mark.parametrize("workers", [1, 4, 16, 256])
 def test_receive_pool_does_not_grow_with_workers(workers):
-    assert make_policy("sync", workers).receive_buffers(workers) == 1
-    assert make_policy("sync", workers, replicas_to_aggregate=1).receive_buffers(workers) == 1
-    assert make_policy("async", workers).receive_buffers(workers) == 1
-    assert make_policy("ssp", workers, staleness=3).receive_buffers(workers) == 1
+    assert make_policy(TrainingConfig(mode="sync"), workers).receive_buffers(workers) == 1
+    assert make_policy(TrainingConfig(mode="sync", replicas_to_aggregate=1),
+                       workers).receive_buffers(workers) == 1
+    assert make_policy(TrainingConfig(mode="async"), workers).receive_buffers(workers) == 1
+    assert make_policy(TrainingConfig(mode="ssp", staleness=3),
+                       workers).receive_buffers(workers) == 1
     # only the deterministic mode holds a frame per worker, and says so
-    assert make_policy("sync", workers, deterministic=True).receive_buffers(workers) == \
+    assert make_policy(TrainingConfig(deterministic=True), workers).receive_buffers(workers) == \
         workers + 1
 
 
@@ -288,12 +291,12 @@ def test_policy_configuration_errors():
     with pytest.raises(ConfigurationError, match="deterministic"):
         SyncReplicas(1, 2, deterministic=True)
     with pytest.raises(ConfigurationError, match="total_num_replicas is 3"):
-        make_policy("sync", 2, total_num_replicas=3)
+        make_policy(TrainingConfig(mode="sync"), 2, total_num_replicas=3)
     with pytest.raises(ConfigurationError, match="staleness"):
         BoundedStaleness(-1)
     with pytest.raises(ConfigurationError, match="'bogus'"):
-        make_policy("bogus", 2)
-    assert isinstance(make_policy("async", 2), Async)
+        make_policy(TrainingConfig(mode="bogus"), 2)
+    assert isinstance(make_policy(TrainingConfig(mode="async"), 2), Async)
 
 
 @pytest.mark.mpi

@@ -1,34 +1,48 @@
 """The training flags every job shares, with the TensorFlow example scripts' names kept."""
 
+import dataclasses
 import os
 
 from ..cluster import add_cluster_arguments, check_claimed_role, cluster_from_args
+from ..config import DEFAULT_DEADLINE, MODES, JobConfig, TrainingConfig
 from ..errors import ConfigurationError, MpitfError
 from ..runtime.exits import collective, setup_logging
 
+# The defaults of the flags are those of the configuration: written once, there.
+_TRAINING = {f.name: f.default for f in dataclasses.fields(TrainingConfig)}
+_JOB = {f.name: f.default for f in dataclasses.fields(JobConfig)}
 
-def add_training_arguments(parser, steps=300, batch_size=32, lr=0.3):
-    """Add data, optimiser, consistency, checkpoint and logging flags to ``parser``."""
+
+def add_training_arguments(parser, steps=300, batch_size=32, lr=_JOB["lr"]):
+    """Add data, optimiser, consistency, checkpoint and logging flags to ``parser``.
+
+    Build the :class:`~mpitf.config.JobConfig` from the parsed flags with
+    :func:`config_from_args`, which checks every value.
+    """
     add_cluster_arguments(parser)
     g = parser.add_argument_group("training")
     g.add_argument("--data", default=None,
                    help="HDF5 data set (x_train, y_train, x_test, y_test); default: the digits "
                         "set, prepared on first use under $MPITF_DATA_DIR or ~/.cache/mpitf")
-    g.add_argument("--model", choices=("mlp", "cnn"), default="mlp", help="reference model")
-    g.add_argument("--hidden", type=int, default=128, help="hidden units of the MLP")
+    g.add_argument("--model", choices=("mlp", "cnn"), default=_JOB["model"],
+                   help="reference model")
+    g.add_argument("--hidden", type=int, default=_JOB["hidden"], help="hidden units of the MLP")
     g.add_argument("--steps", type=int, default=steps, help="stop at this global step")
     g.add_argument("--batch-size", type=int, default=batch_size, help="examples per worker step")
     g.add_argument("--lr", "--learning_rate", dest="lr", type=float, default=lr,
                    help="learning rate")
     g.add_argument("--lr-decay", type=float, default=None,
                    help="exponential decay rate of the learning rate per --lr-decay-steps")
-    g.add_argument("--lr-decay-steps", type=int, default=100, help="steps per decay")
-    g.add_argument("--optimizer", choices=("sgd", "momentum", "adam", "adagrad"), default="sgd")
-    g.add_argument("--mode", choices=("sync", "async", "ssp"), default="sync",
+    g.add_argument("--lr-decay-steps", type=int, default=_JOB["lr_decay_steps"],
+                   help="steps per decay")
+    g.add_argument("--optimizer", choices=("sgd", "momentum", "adam", "adagrad"),
+                   default=_JOB["optimizer"])
+    g.add_argument("--mode", choices=MODES, default=_TRAINING["mode"],
                    help="sync replicas, async, or bounded staleness (ssp)")
     g.add_argument("--replicas-to-aggregate", "--replicas_to_aggregate", type=int, default=None,
                    help="sync: gradients per step (default: all workers; fewer gives backups)")
-    g.add_argument("--staleness", type=int, default=2, help="ssp: largest lead over the slowest")
+    g.add_argument("--staleness", type=int, default=_TRAINING["staleness"],
+                   help="ssp: largest lead over the slowest")
     g.add_argument("--deterministic", action="store_true",
                    help="sync: sum gradients in worker order so runs are bit-for-bit equal")
     g.add_argument("--skip-nonfinite", action="store_true",
@@ -36,8 +50,10 @@ def add_training_arguments(parser, steps=300, batch_size=32, lr=0.3):
     g.add_argument("--moving-average-decay", type=float, default=None,
                    help="keep an exponential moving average of the variables for evaluation")
     g.add_argument("--ps-strategy", choices=("round_robin", "greedy"), default="round_robin")
-    g.add_argument("--seed", type=int, default=0, help="seed of initial values and shuffling")
-    g.add_argument("--log-every", type=int, default=20, help="chief logs every N steps")
+    g.add_argument("--seed", type=int, default=_TRAINING["seed"],
+                   help="seed of initial values and shuffling")
+    g.add_argument("--log-every", type=int, default=_TRAINING["log_every"],
+                   help="chief logs every N steps (0: never)")
     g.add_argument("--run-dir", default="runs/latest",
                    help="where metrics.jsonl and summary.json go")
     g.add_argument("--checkpoint-dir", default=os.environ.get("MPITF_CHECKPOINT_DIR"),
@@ -47,10 +63,12 @@ def add_training_arguments(parser, steps=300, batch_size=32, lr=0.3):
                    help="checkpoint every N global steps")
     g.add_argument("--checkpoint-secs", type=float, default=None,
                    help="checkpoint every T seconds")
-    g.add_argument("--max-to-keep", type=int, default=5, help="checkpoints kept")
-    g.add_argument("--deadline", type=float, default=float(os.environ.get("MPITF_DEADLINE", 300)),
-                   help="seconds to wait on a silent rank before ending the job (default 300;"
-                        " set it above the longest step)")
+    g.add_argument("--max-to-keep", type=int, default=_TRAINING["max_to_keep"],
+                   help="checkpoints kept")
+    g.add_argument("--deadline", type=float, default=None,
+                   help="seconds to wait on a silent rank before ending the job (default: "
+                        f"$MPITF_DEADLINE, else {DEFAULT_DEADLINE:g}; set it above the "
+                        "longest step)")
     g.add_argument("--timeline", default=None, help="write a Chrome trace of every rank here")
     g.add_argument("--log-device-placement", action="store_true",
                    help="print which rank runs which task, and (the chief) which ps task "
@@ -110,7 +128,19 @@ def check_roles(args, server):
         raise collective(ConfigurationError(problems[0] + more))
 
 
-def data_path(args, comm):
+def config_from_args(args):
+    """Return the :class:`~mpitf.config.JobConfig` of the parsed flags, checked.
+
+    Call it on every rank right after parsing: it is pure, so a bad value fails alike on
+    every rank, and the error is collective (rank 0 prints it once, every rank exits 2).
+    """
+    try:
+        return JobConfig.from_args(args)
+    except ConfigurationError as exc:
+        raise collective(exc) from None
+
+
+def data_path(config, comm):
     """Return the data file, checked (or, by default, the digits set prepared) by rank 0.
 
     Rank 0 alone looks at the file and tells every rank the outcome, so a missing or
@@ -120,11 +150,11 @@ def data_path(args, comm):
     from ..data.datasets import default_data_path, ensure_digits
     from ..data.sharded import check_file
 
-    path = args.data or default_data_path()
+    path = config.data or default_data_path()
     problem = None
     if comm.Get_rank() == 0:
         try:
-            check_file(ensure_digits(path) if not args.data else path)
+            check_file(ensure_digits(path) if not config.data else path)
         except Exception as exc:  # handed to every rank just below
             problem = exc
     problem = comm.bcast(problem, root=0)
@@ -133,67 +163,62 @@ def data_path(args, comm):
     return path
 
 
-def make_optimizer_from_args(args):
-    """Build the optimizer the flags ask for."""
+def optimizer_from_config(config):
+    """Build the optimizer a :class:`~mpitf.config.JobConfig` asks for."""
     from ..ps.optimizers import ExponentialDecay, make_optimizer
 
-    lr = args.lr
-    if args.lr_decay:
-        lr = ExponentialDecay(args.lr, args.lr_decay_steps, args.lr_decay)
-    return make_optimizer(args.optimizer, lr)
+    lr = config.lr
+    if config.lr_decay is not None:
+        lr = ExponentialDecay(config.lr, config.lr_decay_steps, config.lr_decay)
+    return make_optimizer(config.optimizer, lr)
 
 
-def model_from_args(args, x_dim, num_classes, image_shape=None):
-    """Build the reference model the flags ask for, sized for the data."""
+def model_from_config(config, x_dim, num_classes, image_shape=None):
+    """Build the reference model a :class:`~mpitf.config.JobConfig` asks for, sized for the data."""
     from ..models import build_model
 
-    cnn = args.model == "cnn"
-    return build_model(args.model, x_dim, num_classes or 10,
+    cnn = config.model == "cnn"
+    return build_model(config.model, x_dim, num_classes or 10,
                        image_shape=tuple(image_shape) if cnn and image_shape is not None
                        else None,
-                       **({} if cnn else {"hidden": (args.hidden,)}))
+                       **({} if cnn else {"hidden": (config.hidden,)}))
 
 
-def session_from_args(server, model, args, dataset, **overrides):
-    """Start the TrainingSession the flags describe (``overrides`` win over the flags)."""
+def session_from_config(server, model, config, dataset, log_device_placement=False,
+                        **overrides):
+    """Start the TrainingSession of ``config.training`` (``overrides`` win over it).
+
+    The batch size is the data set's (a tower job's batch spans its towers).
+    """
     from ..worker.session import TrainingSession
 
-    options = dict(
-        last_step=args.steps, checkpoint_dir=args.checkpoint_dir,
-        save_checkpoint_steps=args.checkpoint_every, save_checkpoint_secs=args.checkpoint_secs,
-        replicas_to_aggregate=args.replicas_to_aggregate, deterministic=args.deterministic,
-        staleness=args.staleness, skip_nonfinite=args.skip_nonfinite,
-        moving_average_decay=args.moving_average_decay, ps_strategy=args.ps_strategy,
-        seed=args.seed, log_every=args.log_every, run_dir=args.run_dir,
-        max_to_keep=args.max_to_keep, timeline=args.timeline,
-        batch_size=getattr(dataset, "batch_size", args.batch_size))
-    options.update(overrides)
-    mode = options.pop("mode", args.mode)
-    sess = TrainingSession(server, model, make_optimizer_from_args(args), mode, dataset,
-                           **options)
-    if args.log_device_placement and server.is_chief:
+    batch_size = getattr(dataset, "batch_size", config.training.batch_size)
+    sess = TrainingSession(server, model, optimizer_from_config(config), dataset=dataset,
+                           config=config.training, batch_size=batch_size, **overrides)
+    if log_device_placement and server.is_chief:
         print(sess.placement.describe(), flush=True)
     return sess
 
 
-def report_final(args, summary, params=None, to_host=None):
+def report_final(config, summary, params=None, to_host=None):
     """Print ``final: {json}``, write RUN_DIR/summary.json, export params if --export."""
     import json
 
     print("final: " + json.dumps(summary), flush=True)
-    if getattr(args, "export", None) and params is not None:
+    if config.export and params is not None:
         import numpy as np
 
         to_host = to_host or np.asarray
-        np.savez(args.export, **{k: to_host(v) for k, v in params.items()})
-    if args.run_dir:
-        os.makedirs(args.run_dir, exist_ok=True)
-        with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
+        np.savez(config.export, **{k: to_host(v) for k, v in params.items()})
+    run_dir = config.training.run_dir
+    if run_dir:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
     return summary
 
 
-def evaluate_session(sess, args, path, **extra):
+def evaluate_session(sess, config, path, **extra):
     """Evaluate the newest parameters on the test split; return the summary dict.
 
     The summary has at least step, loss, test_loss, test_accuracy and examples_per_sec,
@@ -202,7 +227,8 @@ def evaluate_session(sess, args, path, **extra):
     from ..data.sharded import load_split
 
     x_test, y_test = load_split(path, "test")
-    test_loss, test_acc = sess.evaluate(x_test, y_test, average=bool(args.moving_average_decay))
+    test_loss, test_acc = sess.evaluate(x_test, y_test,
+                                        average=config.training.moving_average_decay is not None)
     elapsed = sess.elapsed
     counters = sess.client.ps_counters()
     summary = dict(step=sess.global_step, loss=sess.loss, test_loss=test_loss,
@@ -213,14 +239,16 @@ def evaluate_session(sess, args, path, **extra):
                    max_staleness=max((c["max_staleness"] for c in counters), default=0),
                    max_lead=max((c["max_lead"] for c in counters), default=0))
     summary.update(extra)
-    if getattr(args, "export", None):
+    if config.export:
         sess.client.pull()  # evaluation may have pulled the average
     return summary
 
 
-def start_job(args, check_cluster=None):
+def start_job(args, config, check_cluster=None):
     """Start this rank's part of a job: cluster, Server, backend, data; return both.
 
+    ``args`` are the parsed flags (cluster and devices), ``config`` their
+    :class:`~mpitf.config.JobConfig` (see :func:`config_from_args`).
     ``check_cluster(cluster)`` may refuse a cluster the job cannot run; its errors, like
     every error here, are the same on every rank. Returns ``(server, data file)``.
     """
@@ -236,9 +264,9 @@ def start_job(args, check_cluster=None):
             check_cluster(cluster)
         except MpitfError as exc:
             raise collective(exc) from None
-    server = Server(cluster, deadline=args.deadline)
+    server = Server(cluster, deadline=config.deadline)
     check_roles(args, server)
     if args.log_device_placement:
         server.describe()  # rank 0 prints the rank -> task -> host table
     setup_backend(args, server)
-    return server, data_path(args, world)
+    return server, data_path(config, world)

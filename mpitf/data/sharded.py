@@ -13,6 +13,7 @@ import threading
 
 import numpy
 
+from ..config import check_batch_size, check_int
 from ..errors import ConfigurationError, DataError
 
 __all__ = ["ShardedDataset", "check_file", "load_split"]
@@ -114,10 +115,8 @@ class ShardedDataset:
             raise ConfigurationError(
                 f"shard_index must be in [0, num_shards), got {shard_index} of {num_shards}"
             )
-        if batch_size < 1 or prefetch < 0:
-            raise ConfigurationError(
-                f"batch_size must be >= 1 and prefetch >= 0, got {batch_size} and {prefetch}"
-            )
+        check_batch_size(batch_size)
+        check_int("prefetch", prefetch, 0)
         self.path, self.split = path, split
         self.shard_index, self.num_shards = int(shard_index), int(num_shards)
         self.batch_size, self.seed, self.prefetch = int(batch_size), seed, int(prefetch)

@@ -2,6 +2,7 @@
 
 import numpy
 
+from ..config import check_int
 from ..errors import ConfigurationError
 from .layers import (
     ReferenceModel,
@@ -41,13 +42,12 @@ class CNN(ReferenceModel):
         image_shape = tuple(int(s) for s in image_shape)
         if len(image_shape) == 2:
             image_shape = (*image_shape, 1)
-        if (len(image_shape) != 3 or min(image_shape[:2]) < 2 or image_shape[2] < 1
-                or filters < 1 or kernel_size < 1 or num_classes < 2):
+        if len(image_shape) != 3 or min(image_shape[:2]) < 2 or image_shape[2] < 1:
             raise ConfigurationError(
-                "CNN needs image_shape (H, W, C) with H, W >= 2, filters >= 1, kernel_size >= 1 "
-                f"and num_classes >= 2, got image_shape={image_shape}, filters={filters}, "
-                f"kernel_size={kernel_size}, num_classes={num_classes}"
-            )
+                f"CNN needs image_shape (H, W, C) with H, W >= 2 and C >= 1, got {image_shape}")
+        check_int("CNN filters", filters, 1)
+        check_int("CNN kernel_size", kernel_size, 1)
+        check_int("CNN num_classes", num_classes, 2)
         self.image_shape, self.num_classes = image_shape, int(num_classes)
         self.filters, self.kernel_size = int(filters), int(kernel_size)
         self.input_dim = int(numpy.prod(image_shape))

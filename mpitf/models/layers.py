@@ -21,6 +21,7 @@ import sys
 
 import numpy
 
+from ..config import check_batch_size
 from ..errors import ConfigurationError
 
 __all__ = [
@@ -257,8 +258,7 @@ def truncated_normal(rng, shape, scale, dtype):
 
 def _batches(x, y, batch_size):
     """Yield ``(x, y)`` slices of at most ``batch_size`` rows."""
-    if batch_size < 1:
-        raise ConfigurationError(f"batch_size must be >= 1, got {batch_size}")
+    check_batch_size(batch_size)
     for start in range(0, len(x), batch_size):
         yield x[start : start + batch_size], y[start : start + batch_size]
 

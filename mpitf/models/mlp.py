@@ -2,7 +2,7 @@
 
 import numpy
 
-from ..errors import ConfigurationError
+from ..config import check_int
 from .layers import (
     ReferenceModel,
     dense,
@@ -30,12 +30,9 @@ class MLP(ReferenceModel):
 
     def __init__(self, input_dim=64, hidden=(128,), num_classes=10, dtype=numpy.float32):
         super().__init__(dtype)
-        hidden = tuple(int(h) for h in hidden)
-        if input_dim < 1 or num_classes < 2 or any(h < 1 for h in hidden):
-            raise ConfigurationError(
-                "MLP needs input_dim >= 1, hidden widths >= 1 and num_classes >= 2, got "
-                f"input_dim={input_dim}, hidden={hidden}, num_classes={num_classes}"
-            )
+        check_int("MLP input_dim", input_dim, 1)
+        hidden = tuple(check_int("MLP hidden units", h, 1) for h in hidden)
+        check_int("MLP num_classes", num_classes, 2)
         self.input_dim, self.hidden, self.num_classes = int(input_dim), hidden, int(num_classes)
         self._layers = [f"hidden{i + 1}" for i in range(len(hidden))] + ["softmax_linear"]
         widths = (self.input_dim, *hidden, self.num_classes)

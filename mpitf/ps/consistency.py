@@ -4,6 +4,7 @@ The service loop is the same for every mode; a policy only answers "a push arriv
 "a worker left", calling back into the service to apply, reply, drop or hold.
 """
 
+from ..config import check_int
 from ..errors import ConfigurationError, PeerError
 
 
@@ -152,9 +153,7 @@ class BoundedStaleness(Async):
     name = "ssp"
 
     def __init__(self, staleness):
-        if staleness < 0:
-            raise ConfigurationError(f"staleness must be >= 0, got {staleness}")
-        self.staleness = staleness
+        self.staleness = check_int("staleness", staleness, 0)
         self.clock = {}
         self.held = []
 
@@ -195,17 +194,21 @@ class BoundedStaleness(Async):
         return worker in self.held
 
 
-def make_policy(mode, num_workers, replicas_to_aggregate=None, total_num_replicas=None,
-                deterministic=False, staleness=0):
-    """Return the policy object for ``mode`` ("sync", "async" or "ssp")."""
-    if mode == "sync":
+def make_policy(config, num_workers, total_num_replicas=None):
+    """Return the policy object for ``config`` (a :class:`~mpitf.config.TrainingConfig`).
+
+    Its ``mode`` picks the policy ("sync", "async" or "ssp"); sync takes its
+    ``replicas_to_aggregate`` (None: every worker) and ``deterministic``, ssp its
+    ``staleness``. ``total_num_replicas`` is the number of workers that push (None: all).
+    """
+    if config.mode == "sync":
         total = total_num_replicas or num_workers
         if total != num_workers:
             raise ConfigurationError(
                 f"total_num_replicas is {total} but the cluster has {num_workers} workers")
-        return SyncReplicas(replicas_to_aggregate or total, total, deterministic)
-    if mode == "async":
+        return SyncReplicas(config.replicas_to_aggregate or total, total, config.deterministic)
+    if config.mode == "async":
         return Async()
-    if mode == "ssp":
-        return BoundedStaleness(staleness)
-    raise ConfigurationError(f"unknown mode {mode!r}: use 'sync', 'async' or 'ssp'")
+    if config.mode == "ssp":
+        return BoundedStaleness(config.staleness)
+    raise ConfigurationError(f"unknown mode {config.mode!r}: use 'sync', 'async' or 'ssp'")

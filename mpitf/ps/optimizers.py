@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import abc
 import math
-import numbers
 
+from mpitf.config import check_learning_rate, check_moving_average_decay, check_number
 from mpitf.errors import ConfigurationError
 from mpitf.runtime.backend import array_module
 
@@ -54,13 +54,9 @@ class ExponentialDecay:
     kind = "exponential_decay"
 
     def __init__(self, initial_learning_rate, decay_steps, decay_rate, staircase=False):
-        _check_number("initial_learning_rate", initial_learning_rate, low=0.0)
-        _check_number("decay_steps", decay_steps, low=0.0)
-        if decay_steps == 0:
-            raise ConfigurationError("exponential_decay: decay_steps must be > 0, got 0")
-        _check_number("decay_rate", decay_rate, low=0.0)
-        if decay_rate == 0:
-            raise ConfigurationError("exponential_decay: decay_rate must be > 0, got 0")
+        check_learning_rate(initial_learning_rate, "initial_learning_rate", allow_zero=True)
+        check_number("exponential_decay: decay_steps", decay_steps, low=0.0, low_open=True)
+        check_number("exponential_decay: decay_rate", decay_rate, low=0.0, low_open=True)
         self.initial_learning_rate = float(initial_learning_rate)
         steps = float(decay_steps)
         self.decay_steps = int(steps) if steps.is_integer() else steps
@@ -114,8 +110,7 @@ def make_schedule(learning_rate):
             return _SCHEDULES[kind](**cfg)
         except TypeError as exc:
             raise ConfigurationError(f"bad arguments for schedule {kind!r}: {exc}") from None
-    _check_number("learning_rate", learning_rate, low=0.0)
-    return float(learning_rate)
+    return check_learning_rate(learning_rate, allow_zero=True)
 
 
 # -------------------------------------------------------------------- optimizers
@@ -222,7 +217,7 @@ class Momentum(Optimizer):
 
     def __init__(self, learning_rate=0.01, momentum=0.9, use_nesterov=False):
         super().__init__(learning_rate)
-        _check_number("momentum", momentum, low=0.0)
+        check_number("momentum", momentum, low=0.0)
         self.momentum = float(momentum)
         self.use_nesterov = bool(use_nesterov)
 
@@ -255,9 +250,9 @@ class Adam(Optimizer):
 
     def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8):
         super().__init__(learning_rate)
-        _check_number("beta1", beta1, low=0.0, high=1.0)
-        _check_number("beta2", beta2, low=0.0, high=1.0)
-        _check_number("epsilon", epsilon, low=0.0)
+        check_number("beta1", beta1, low=0.0, high=1.0)
+        check_number("beta2", beta2, low=0.0, high=1.0)
+        check_number("epsilon", epsilon, low=0.0)
         self.beta1, self.beta2, self.epsilon = float(beta1), float(beta2), float(epsilon)
 
     def _update(self, xp, params, grad, slots, step):
@@ -287,11 +282,10 @@ class Adagrad(Optimizer):
 
     def __init__(self, learning_rate=0.01, initial_accumulator_value=0.1):
         super().__init__(learning_rate)
-        _check_number("initial_accumulator_value", initial_accumulator_value, low=0.0)
-        if initial_accumulator_value == 0:
-            # TF refuses 0 too: the first update would divide by sqrt(g*g) and
-            # any zero gradient entry would give 0/0.
-            raise ConfigurationError("adagrad: initial_accumulator_value must be > 0, got 0")
+        # TF refuses 0 too: the first update would divide by sqrt(g*g) and
+        # any zero gradient entry would give 0/0.
+        check_number("adagrad: initial_accumulator_value", initial_accumulator_value, low=0.0,
+                     low_open=True)
         self.initial_accumulator_value = float(initial_accumulator_value)
 
     def make_slots(self, size, xp, dtype):
@@ -349,7 +343,7 @@ class ExponentialMovingAverage:
     """
 
     def __init__(self, decay, num_updates=True):
-        _check_number("decay", decay, low=0.0, high=1.0, high_inclusive=True)
+        check_moving_average_decay(decay)
         self.decay = float(decay)
         self.num_updates = bool(num_updates)
 
@@ -387,17 +381,3 @@ class ExponentialMovingAverage:
 
     def __repr__(self):
         return f"ExponentialMovingAverage(decay={self.decay!r}, num_updates={self.num_updates!r})"
-
-
-# ---------------------------------------------------------------------- checks
-
-
-def _check_number(what, value, low=None, high=None, high_inclusive=False):
-    """Raise ConfigurationError unless ``value`` is a finite real in [low, high)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ConfigurationError(f"{what} must be a finite number, got {value!r}")
-    if low is not None and value < low:
-        raise ConfigurationError(f"{what} must be >= {low}, got {value!r}")
-    if high is not None and (value > high or (value == high and not high_inclusive)):
-        bracket = "]" if high_inclusive else ")"
-        raise ConfigurationError(f"{what} must be in [{low}, {high}{bracket}, got {value!r}")

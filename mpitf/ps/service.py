@@ -30,36 +30,31 @@ _log = logging.getLogger("mpitf")
 class Service:
     """One ps task serving the workers of a cluster under a consistency policy."""
 
-    def __init__(self, server, config, backend=None):
+    def __init__(self, server, config, assignment, backend=None):
         self.server = server
         self.comm = server.comm
-        self.deadline = config.get("deadline", server.deadline)
+        self.config = config  # the TrainingConfig the chief trains by
+        self.assignment = assignment  # this ps's PsAssignment: its slices, optimizer, ...
+        self.deadline = assignment.deadline
         self.ps_task = server.task_index
-        self.chief = config["chief_rank"]
+        self.chief = assignment.chief_rank
         # The workers that talk to the ps: all of them, or (in-graph replication) the clients.
         all_workers = server.ranks_of("worker")
-        self.worker_ranks = [all_workers[i] for i in config.get("clients") or
-                             range(len(all_workers))]
+        self.worker_ranks = [all_workers[i] for i in config.clients or range(len(all_workers))]
         self.worker_of = {r: i for i, r in enumerate(self.worker_ranks)}
         self.num_workers = len(self.worker_ranks)
         self.backend = backend or get_backend()
         self.xp = self.backend.xp
-        self.config = config
-        slices = config["slices"]
-        dtype = np.dtype(config["dtype"])
-        size = config["shard_size"]
-        ema = config.get("moving_average_decay")
-        optimizer = make_optimizer(**config["optimizer"])
-        self.shard = Shard(slices, size, dtype, optimizer, self.backend,
+        dtype = np.dtype(assignment.dtype)
+        size = assignment.shard_size
+        ema = config.moving_average_decay
+        optimizer = make_optimizer(**assignment.optimizer)
+        self.shard = Shard(assignment.slices, size, dtype, optimizer, self.backend,
                            ExponentialMovingAverage(ema) if ema else None)
-        self.policy = make_policy(config["mode"], self.num_workers,
-                                  config.get("replicas_to_aggregate"),
-                                  config.get("total_num_replicas"),
-                                  config.get("deterministic", False),
-                                  config.get("staleness", 0))
-        self.ssp = config["mode"] == "ssp"
-        self.timeline = Timeline(server.rank, server.device, bool(config.get("timeline")))
-        self.chunk_bytes = config.get("chunk_bytes")
+        self.policy = make_policy(config, self.num_workers, assignment.total_num_replicas)
+        self.ssp = config.mode == "ssp"
+        self.timeline = Timeline(server.rank, server.device, bool(config.timeline))
+        self.chunk_bytes = assignment.chunk_bytes
         self.chunked_workers = set()  # workers that stage through host memory, in chunks
         self.pool = [Frame(self.backend, size, dtype)
                      for _ in range(self.policy.receive_buffers(self.num_workers))]
@@ -80,9 +75,8 @@ class Service:
                              nonfinite_skipped=0, staleness_histogram={}, max_staleness=0,
                              max_lead=0,
                              bytes_in=0, bytes_out=0)
-        restore = config.get("restore")
-        if restore:
-            self._restore(restore)
+        if assignment.restore:
+            self._restore(assignment.restore)
 
     # -- what policies call -------------------------------------------------------------
 
@@ -201,8 +195,8 @@ class Service:
     def _save(self):
         shard = self.shard
         average = shard.average_frame.payload if shard.average is not None else None
-        cut.save_shard(self.comm, self.chief, self.config["checkpoint_dir"], self.ps_task,
-                       self.config["num_ps"], self.global_step, shard.slices, self.backend,
+        cut.save_shard(self.comm, self.chief, self.config.checkpoint_dir, self.ps_task,
+                       self.assignment.num_ps, self.global_step, shard.slices, self.backend,
                        shard.params, shard.saved_slots(), average, self.positions,
                        self.paused, self.counters)
 
@@ -308,17 +302,20 @@ class Service:
 
 
 def serve(server):
-    """Receive the configuration from the chief and serve until every worker is done."""
+    """Receive the configuration from the chief and serve until every worker is done.
+
+    The chief sends a (:class:`~mpitf.config.TrainingConfig`,
+    :class:`~mpitf.config.PsAssignment`) pair to each ps.
+    """
     # A checkpoint signal is the chief's to act on; the ps must only survive it.
     CheckpointSignals().install()
     chief = server.rank_of("worker", min(server.cluster.task_indices("worker")))
-    config = P.recv_object(server.comm, chief, P.TAG_CONTROL, server.deadline,
-                           lambda: dict(rank=chief, job="worker", task=0,
-                                        host=server.host_of(chief),
-                                        operation="configuration of the ps"))
-    config["chief_rank"] = chief
-    service = Service(server, config)
+    config, assignment = P.recv_object(
+        server.comm, chief, P.TAG_CONTROL, server.deadline,
+        lambda: dict(rank=chief, job="worker", task=0, host=server.host_of(chief),
+                     operation="configuration of the ps"))
+    service = Service(server, config, assignment)
     code = service.run()
-    if config.get("timeline"):  # collective with the workers' end of training
-        service.timeline.gather_and_write(server.comm, config["timeline"])
+    if config.timeline:  # collective with the workers' end of training
+        service.timeline.gather_and_write(server.comm, config.timeline)
     return code

@@ -13,6 +13,7 @@ import os
 from mpi4py import MPI
 
 from ..cluster import ClusterSpec
+from ..config import DEFAULT_DEADLINE, check_deadline
 from ..device import device_name, local_rank
 from ..roles import assign_roles, describe_roles
 from . import lifeline
@@ -31,8 +32,8 @@ class Server:
             naming it; set it above the longest step. None waits forever.
     """
 
-    def __init__(self, cluster=None, comm=None, deadline=300.0):
-        self.deadline = deadline
+    def __init__(self, cluster=None, comm=None, deadline=DEFAULT_DEADLINE):
+        self.deadline = check_deadline(deadline)
         world = comm if comm is not None else MPI.COMM_WORLD
         if cluster is None:
             size = world.Get_size()

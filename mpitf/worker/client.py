@@ -11,6 +11,7 @@ before each push, since its slices are not adjacent.
 import numpy as np
 from mpi4py import MPI
 
+from ..config import DEFAULT_DEADLINE, PsAssignment, check_multiple
 from ..errors import ConfigurationError, PeerError
 from ..runtime.backend import get_backend
 from ..wire import protocol as P
@@ -97,7 +98,7 @@ class Client:
         chunk_bytes: chunk size when device buffers are staged through host memory.
     """
 
-    def __init__(self, server, placement, backend=None, deadline=300.0,
+    def __init__(self, server, placement, backend=None, deadline=DEFAULT_DEADLINE,
                  chunk_bytes=P.DEFAULT_CHUNK_BYTES):
         self.server = server
         self.placement = placement
@@ -113,9 +114,8 @@ class Client:
         self.layout = FlatLayout(placement)
         self.segments = self.layout.segments
         dtype, pos = placement.dtype, self.layout.size
-        if chunk_bytes is not None and (chunk_bytes <= 0 or chunk_bytes % P.HEADER_BYTES):
-            raise ConfigurationError(f"chunk_bytes must be a positive multiple of "
-                                     f"{P.HEADER_BYTES}, got {chunk_bytes}")
+        if chunk_bytes is not None:
+            check_multiple("chunk_bytes", chunk_bytes, P.HEADER_BYTES)
         self.params_flat = self.backend.zeros(pos, dtype)
         self.grads_flat = self.backend.zeros(pos, dtype)
         self.chunk_bytes = chunk_bytes
@@ -284,26 +284,29 @@ class Client:
                               lambda p=p: dict(self._describe_ps(p), operation="counters"))
                 for p, rank in enumerate(self.ps_ranks)]
 
-    def start(self, optimizer, mode="sync", initial_values=None, restore=None, **options):
+    def start(self, config, optimizer, initial_values=None, restore=None,
+              total_num_replicas=None):
         """Configure every ps (chief only), then pull the starting parameters (every worker).
 
         Args:
+            config: the :class:`~mpitf.config.TrainingConfig` (mode, consistency options,
+                checkpoint directory, ...); every ps gets it.
             optimizer: the config dict of an optimizer (``Optimizer.config()``).
-            mode: "sync", "async" or "ssp".
             initial_values: dict of starting values, sent by the chief unless restoring.
             restore: a checkpoint directory every ps loads its shard from, or None.
-            options: replicas_to_aggregate, total_num_replicas, deterministic, staleness,
-                moving_average_decay, skip_nonfinite, checkpoint_dir, layout.
+            total_num_replicas: the number of workers that push (None: all of them).
         Returns the :class:`Reply` of the first pull (its ``global_step`` is where to start).
         """
         if self.server.is_chief:
             for p, rank in enumerate(self.ps_ranks):
-                config = dict(options, optimizer=optimizer, mode=mode, restore=restore,
-                              slices=self.placement.slices_for_ps(p),
-                              shard_size=self.placement.shard_sizes[p],
-                              dtype=self.placement.dtype.str, num_ps=len(self.ps_ranks),
-                              deadline=self.deadline, chunk_bytes=self.chunk_bytes)
-                self.comm.send(config, dest=rank, tag=P.TAG_CONTROL)
+                assignment = PsAssignment(
+                    slices=self.placement.slices_for_ps(p),
+                    shard_size=self.placement.shard_sizes[p],
+                    dtype=self.placement.dtype.str, num_ps=len(self.ps_ranks),
+                    optimizer=optimizer, chief_rank=self.server.rank, restore=restore,
+                    deadline=self.deadline, chunk_bytes=self.chunk_bytes,
+                    total_num_replicas=total_num_replicas)
+                self.comm.send((config, assignment), dest=rank, tag=P.TAG_CONTROL)
             if restore is None:
                 if initial_values is None:
                     raise ConfigurationError("the chief needs initial values or a checkpoint")

@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from ..ckpt import cut
+from ..config import TrainingConfig
 from ..errors import ConfigurationError, NonFiniteGradientError
 from ..placement import replica_device_setter
 from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
@@ -30,55 +31,60 @@ class TrainingSession:
         model: an object with ``variables()``, ``init(rng)`` and
             ``loss_and_grads(params, batch, grads)`` (see :mod:`mpitf.models`).
         optimizer: an :class:`~mpitf.ps.optimizers.Optimizer`; it runs on the ps.
-        mode: "sync", "async" or "ssp" (bounded staleness).
+        mode: "sync", "async" or "ssp" (bounded staleness); default: the config's.
         dataset: a :class:`~mpitf.data.sharded.ShardedDataset`; its position is checkpointed.
-        last_step: stop at this global step (``StopAtStepHook``).
-        checkpoint_dir: where checkpoints live; the newest good one is restored.
-        save_checkpoint_steps / save_checkpoint_secs: checkpoint triggers (chief).
         hooks: more :class:`Hook` objects.
-        options: replicas_to_aggregate, deterministic, staleness, moving_average_decay,
-            skip_nonfinite, ps_strategy, partitioner, seed, log_every, run_dir,
-            max_to_keep, timeline (a path), batch_size.
+        partitioner: how large variables are split over ps tasks (see :mod:`mpitf.placement`).
+        config: a :class:`~mpitf.config.TrainingConfig`; ``options`` (its field names:
+            last_step, checkpoint_dir, save_checkpoint_steps, save_checkpoint_secs,
+            replicas_to_aggregate, deterministic, staleness, moving_average_decay,
+            skip_nonfinite, ps_strategy, seed, log_every, run_dir, max_to_keep, timeline,
+            batch_size, clients) build one or change the given one. A misspelt option is a
+            TypeError that names it; a bad value a ConfigurationError.
     """
 
-    def __init__(self, server, model, optimizer, mode="sync", dataset=None, last_step=None,
-                 checkpoint_dir=None, save_checkpoint_steps=None, save_checkpoint_secs=None,
-                 hooks=(), **options):
+    def __init__(self, server, model, optimizer, mode=None, dataset=None, *, hooks=(),
+                 partitioner=None, config=None, **options):
+        if mode is not None:
+            options["mode"] = mode
+        self.config = config = TrainingConfig(**options) if config is None \
+            else config.replace(**options)
         if server.job_name != "worker":
             raise ConfigurationError("TrainingSession runs on worker tasks; ps tasks join()")
         self.server = server
         self.model = model
         self.dataset = dataset
-        self.mode = mode
-        self.options = options
-        self.checkpoint_dir = checkpoint_dir
-        self.clients = options.get("clients")  # in-graph: the worker tasks that talk to the ps
+        self.mode = config.mode
+        self.checkpoint_dir = config.checkpoint_dir
+        self.clients = config.clients  # in-graph: the worker tasks that talk to the ps
         workers = server.ranks_of("worker")
         self.client_ranks = [workers[i] for i in self.clients or range(len(workers))]
         self.num_workers = len(self.client_ranks)
-        self.batch_size = options.get("batch_size") or getattr(dataset, "batch_size", 1)
-        r = options.get("replicas_to_aggregate") or self.num_workers
-        self.examples_per_global_step = self.batch_size * (r if mode == "sync" else 1)
-        self.timeline = Timeline(server.rank, server.device, bool(options.get("timeline")))
+        self.batch_size = config.batch_size or getattr(dataset, "batch_size", 1)
+        r = config.replicas_to_aggregate or self.num_workers
+        self.examples_per_global_step = self.batch_size * (r if self.mode == "sync" else 1)
+        self.timeline = Timeline(server.rank, server.device, bool(config.timeline))
         self.signals = CheckpointSignals().install()
         self._stop = False
         self.requeue = False
         self.steps_run = 0
         self.loss = None  # no step run yet (e.g. resumed at the last step)
-        placement = replica_device_setter(server.cluster, ps_strategy=options.get("ps_strategy"),
-                                          partitioner=options.get("partitioner"))
+        placement = replica_device_setter(server.cluster, ps_strategy=config.ps_strategy,
+                                          partitioner=partitioner)
         self.placement = placement.place(model.variables())
         self.client = Client(server, self.placement, deadline=server.deadline)
         self.hooks = []
-        if last_step is not None:
-            self.hooks.append(StopAtStepHook(last_step))
+        if config.last_step is not None:
+            self.hooks.append(StopAtStepHook(config.last_step))
         self.saver = None
         if server.is_chief:
-            if options.get("log_every", 20):
-                self.hooks.append(LoggingHook(options.get("log_every", 20),
-                                              options.get("run_dir"), last_step))
-            if checkpoint_dir and (save_checkpoint_steps or save_checkpoint_secs):
-                self.saver = CheckpointSaverHook(save_checkpoint_steps, save_checkpoint_secs)
+            if config.log_every:
+                self.hooks.append(LoggingHook(config.log_every, config.run_dir,
+                                              config.last_step))
+            if self.checkpoint_dir and (config.save_checkpoint_steps or
+                                        config.save_checkpoint_secs):
+                self.saver = CheckpointSaverHook(config.save_checkpoint_steps,
+                                                 config.save_checkpoint_secs)
                 self.hooks.append(self.saver)
         self.hooks.extend(hooks)
         self._start(optimizer)
@@ -91,17 +97,11 @@ class TrainingSession:
             self.clients, log=lambda m: _log.warning("%s", m))
         values = None
         if restore is None:
-            rng = np.random.default_rng(self.options.get("seed", 0))
+            rng = np.random.default_rng(self.config.seed)
             values = self.model.init(rng)
-        opts = {k: self.options.get(k) for k in (
-            "replicas_to_aggregate", "deterministic", "staleness", "moving_average_decay",
-            "skip_nonfinite")}
-        opts.update(checkpoint_dir=self.checkpoint_dir, total_num_replicas=self.num_workers,
-                    clients=self.clients, timeline=self.options.get("timeline"))
         with self.timeline.span("pull"):
-            self.last_reply = self.client.start(optimizer.config(), self.mode, values, restore,
-                                                **{k: v for k, v in opts.items()
-                                                   if v is not None})
+            self.last_reply = self.client.start(self.config, optimizer.config(), values, restore,
+                                                total_num_replicas=self.num_workers)
         self.global_step = self.last_reply.global_step
         self.optimizer = optimizer
         # A worker waiting on a reply cannot tell a silent ps from a ps waiting (sync) on a
@@ -162,7 +162,7 @@ class TrainingSession:
         state = self.dataset.state() if self.dataset is not None else {"epoch": 0, "cursor": 0}
         bad = self.client.nonfinite_gradient()
         if bad is not None:
-            if not self.options.get("skip_nonfinite"):
+            if not self.config.skip_nonfinite:
                 raise NonFiniteGradientError(
                     f"the gradient of variable {bad!r} holds NaN or Inf at step "
                     f"{self.global_step}; pass skip_nonfinite (--skip-nonfinite) to drop such "
@@ -212,7 +212,7 @@ class TrainingSession:
         layout = dict(num_ps=len(reports), num_workers=self.num_workers, mode=self.mode,
                       cluster=repr(self.server.cluster), optimizer=self.optimizer.config())
         step = cut.commit(self.checkpoint_dir, reports, self.placement.variables, layout,
-                          max_to_keep=self.options.get("max_to_keep") or 5)
+                          max_to_keep=self.config.max_to_keep or 5)
         if self.saver is not None:
             self.saver.saved(self)
         stop = self.signals.requested
@@ -256,7 +256,7 @@ class TrainingSession:
             self.client.done(P.FLAG_REQUEUE if self.requeue else 0)
             for hook in self.hooks:
                 hook.end(self)
-            path = self.options.get("timeline")
+            path = self.config.timeline
             if path:  # collective with the ps tasks, which gather after serving
                 self.timeline.gather_and_write(self.server.comm, path)
 

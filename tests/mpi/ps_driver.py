@@ -22,6 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpitf.ps.service as service_module
+from mpitf.config import TrainingConfig
 from mpitf.errors import ConfigurationError
 from mpitf.placement import min_max_variable_partitioner, replica_device_setter
 from mpitf.ps.optimizers import make_optimizer
@@ -129,8 +130,8 @@ def make_client(server, args, dtype=np.float32):
 def start(client, args, optimizer, mode, values, lr=None, **options):
     """Configure the ps (chief) and pull; then switch to the client-side deadline."""
     opt = make_optimizer(optimizer, LEARNING_RATES[optimizer] if lr is None else lr)
-    reply = client.start(opt.config(), mode, values, skip_nonfinite=args.skip_nonfinite,
-                         **options)
+    config = TrainingConfig(mode=mode, skip_nonfinite=args.skip_nonfinite, **options)
+    reply = client.start(config, opt.config(), values)
     if args.client_deadline is not None:
         client.deadline = args.client_deadline
     return reply

@@ -12,6 +12,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
+from mpitf.config import TrainingConfig
 from mpitf.placement import min_max_variable_partitioner, replica_device_setter
 from mpitf.runtime.backend import numpy_backend, select_backend, set_backend
 from mpitf.runtime.exits import abort_on_error
@@ -42,8 +43,8 @@ def main():
     client = Client(server, placement, be, deadline=30, chunk_bytes=chunk)
     rng = np.random.default_rng(0)
     init = {n: rng.standard_normal(s).astype(t) for n, s, t in VARIABLES}
-    client.start({"name": "momentum", "learning_rate": 0.05}, "sync", init,
-                 deterministic=True)
+    client.start(TrainingConfig(deterministic=True),
+                 {"name": "momentum", "learning_rate": 0.05}, init)
     steps = []
     for step in range(5):
         for name, grad in client.grads.items():
