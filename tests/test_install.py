@@ -60,11 +60,15 @@ def installed(tmp_path_factory):
     return venv / "bin", env, work
 
 
-def test_the_installed_package_is_the_wheel(installed):
+def test_the_installed_package_is_the_wheel_with_every_module(installed):
     bin_dir, env, work = installed
     proc = _run([bin_dir / "python", "-c", "import mpitf; print(mpitf.__file__)"], 60,
                 env=env, cwd=work)
-    assert Path(proc.stdout.strip()).is_relative_to(bin_dir.parent)
+    package = Path(proc.stdout.strip()).parent
+    assert package.is_relative_to(bin_dir.parent)
+    # A subpackage without __init__.py is silently left out by find_packages.
+    modules = {p.relative_to(REPO / "mpitf") for p in (REPO / "mpitf").rglob("*.py")}
+    assert modules - {p.relative_to(package) for p in package.rglob("*.py")} == set()
 
 
 def test_run_builtin_job_by_name(installed):
