@@ -3,11 +3,12 @@
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from mpitf.cli.main import main, parse_spec
+from mpitf.cli.main import builtin_jobs, main, parse_spec
 
 REPO = Path(__file__).resolve().parent.parent
 MPITF = Path(sys.executable).parent / "mpitf"
@@ -114,6 +115,54 @@ def test_run_missing_script_exits_2(capsys):
     assert "no such script: no/such/job.py" in capsys.readouterr().err
 
 
+BUILTIN = ["hello", "in_graph", "mnist_mlp", "towers"]
+
+
+def test_builtin_jobs_are_the_modules_of_mpitf_jobs():
+    assert builtin_jobs() == BUILTIN
+
+
+def test_run_builtin_job_by_name_dry_run(capsys):
+    assert main(["run", "-n", "3", "--dry-run", "mnist_mlp", "--steps", "50"]) == 0
+    cmd = capsys.readouterr().out.split()
+    assert cmd[cmd.index("-n"):cmd.index("-n") + 2] == ["-n", "3"]
+    assert cmd[-5:] == [sys.executable, "-m", "mpitf.jobs.mnist_mlp", "--steps", "50"]
+
+
+def test_run_unknown_job_exits_2_listing_the_builtin_jobs(capsys):
+    assert main(["run", "-n", "2", "no_such_job"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith("mpitf: error: unknown job 'no_such_job'")
+    for name in BUILTIN:
+        assert name in captured.err
+
+
+def test_run_help_names_the_builtin_jobs(capsys):
+    assert main(["run", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the epilog
+    assert "JOB" in out and "python -m mpitf.jobs.NAME" in out
+    for name in BUILTIN:
+        assert name in out
+
+
+@pytest.mark.parametrize("script, module", [
+    *((f"jobs/{name}.py", f"mpitf.jobs.{name}") for name in BUILTIN),
+    *((f"benchmarks/{name}.py", f"mpitf.bench.{name}") for name in ("pushpull", "scaling",
+                                                                     "modes")),
+])
+def test_checkout_scripts_launch_the_package_code(script, module):
+    by_path = subprocess.run([sys.executable, str(REPO / script), "--help"], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+    by_module = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO,
+                               capture_output=True, text=True, timeout=60)
+    assert by_path.returncode == by_module.returncode == 0, by_path.stderr + by_module.stderr
+    assert by_path.stdout == by_module.stdout and "usage: " in by_path.stdout
+    bad = subprocess.run([sys.executable, str(REPO / script), "--no-such-flag"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--no-such-flag" in bad.stderr
+
+
 @pytest.mark.mpi
 def test_run_hello_under_mpiexec_and_pass_its_exit_code():
     ok = subprocess.run([str(MPITF), "run", "-n", "2", "jobs/hello.py"], cwd=REPO,
@@ -124,6 +173,14 @@ def test_run_hello_under_mpiexec_and_pass_its_exit_code():
                           f"--cluster_spec={SPEC5}"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "4 ranks" in bad.stderr
+
+
+@pytest.mark.mpi
+def test_run_builtin_job_by_name_from_any_directory(tmp_path):
+    ok = subprocess.run([str(MPITF), "run", "-n", "2", "hello"], cwd=tmp_path,
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.count("Hello, distributed TensorFlow!") == 2
 
 
 def test_data_digits(tmp_path, capsys):
@@ -172,3 +229,21 @@ def test_bench_without_module_is_a_clear_error(capsys, monkeypatch):
                         lambda name, *a: None if name == "mpitf.bench.runner" else real(name, *a))
     assert main(["bench", "--quick", "--suite", "pushpull"]) == 1
     assert "mpitf.bench.runner" in capsys.readouterr().err
+
+
+def test_bench_without_matplotlib_stops_at_once_naming_the_extra(tmp_path):
+    """matplotlib hidden (a None entry in sys.modules makes its import fail): one line, exit 1."""
+    out = tmp_path / "report"
+    code = ("import sys, time; sys.modules['matplotlib'] = None; "
+            "from mpitf.cli.main import main; t0 = time.perf_counter(); code = main(); "
+            "print(f'{time.perf_counter() - t0:.3f}'); sys.exit(code)")
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code, "bench", "--quick", "--out", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    wall = time.monotonic() - started
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("mpitf: error: ")
+    assert "pip install 'mpitf[bench]'" in proc.stderr and "matplotlib" in proc.stderr
+    assert float(proc.stdout) < 1.0  # main() itself, interpreter start-up aside
+    assert wall < 10, wall  # the whole process, on a loaded machine
+    assert not out.exists()  # no suite ran: the report directory was never made

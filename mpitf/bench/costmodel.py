@@ -1,6 +1,6 @@
 """An alpha-beta model of parameter-server training: fit the link, project step times.
 
-Pure functions, no MPI. The link is what ``benchmarks/pushpull.py`` measures between one
+Pure functions, no MPI. The link is what ``mpitf.bench.pushpull`` measures between one
 worker and one ps: a round trip of ``B`` bytes each way takes ``alpha + beta * B``
 seconds. The ps also spends ``gamma`` seconds per byte on each gradient it takes in
 (accumulate and apply; the axpy figure of the same benchmark).

@@ -1,12 +1,13 @@
 """Consistency modes compared: throughput, and the loss each reaches in a fixed wall time.
 
-Run: python benchmarks/modes.py --json OUT.json [--quick] [--workers W] [--launcher CMD]
+Run: python -m mpitf.bench.modes --json OUT.json [--quick] [--workers W] [--launcher CMD]
+(or python benchmarks/modes.py ... in a checkout)
 
 Modes: sync (all W gradients per step), backup (sync with ``--replicas-to-aggregate W-1``),
-async, and bounded staleness (ssp, ``--staleness 2``). Each runs ``jobs/mnist_mlp.py`` for
-many steps, logging every few steps; the loss curve is read from ``RUN_DIR/metrics.jsonl``
-(time measured from the chief's first logged step) and the loss reached by the fixed wall
-time is the last logged loss at or before it.
+async, and bounded staleness (ssp, ``--staleness 2``). Each runs the built-in job
+``mpitf.jobs.mnist_mlp`` for many steps, logging every few steps; the loss curve is read
+from ``RUN_DIR/metrics.jsonl`` (time measured from the chief's first logged step) and the
+loss reached by the fixed wall time is the last logged loss at or before it.
 """
 
 import argparse
@@ -16,8 +17,7 @@ import shlex
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scaling import default_launcher, machine, run_job, write_json  # noqa: E402
+from .scaling import default_launcher, machine, run_job, write_json
 
 MODES = {
     "sync": lambda w: ["--mode", "sync"],
@@ -95,5 +95,10 @@ def main(argv=None):
     return 0
 
 
-if __name__ == "__main__":
+def run():
+    """Run from the command line (``python -m``, benchmarks/) and exit with main's code."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

@@ -1,6 +1,7 @@
 """Push+pull round trip of mpitf against raw MPI between the same ranks, size by size.
 
-Run: mpiexec -n N python benchmarks/pushpull.py --num-ps P --json OUT.json [--quick]
+Run: mpiexec -n N python -m mpitf.bench.pushpull --num-ps P --json OUT.json [--quick]
+(or mpiexec -n N python benchmarks/pushpull.py ... in a checkout)
 
 The first P ranks' worth of tasks are ps (the cluster's own rank map decides which), the
 rest workers. For each size B, interleaved in rounds so drift affects every figure alike:
@@ -32,11 +33,11 @@ from mpitf.config import TrainingConfig
 from mpitf.placement import Placement
 from mpitf.ps.optimizers import make_optimizer
 from mpitf.ps.service import serve
+from mpitf.runtime.exits import abort_on_error
 from mpitf.runtime.server import Server
 from mpitf.worker.client import Client
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scaling import write_json  # noqa: E402
+from .scaling import write_json
 
 FULL_SIZES = [4 << 10 << (2 * k) for k in range(9)]  # 4 KiB, 16 KiB, ... 256 MiB
 QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
@@ -265,9 +266,12 @@ def main(argv=None):
     return 0
 
 
-if __name__ == "__main__":
-    from mpitf.runtime.exits import abort_on_error
-
+def run():
+    """Run from the command line (``python -m``, benchmarks/); every rank ends on an error."""
     with abort_on_error():
         code = main()
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,43 +1,36 @@
 """``mpitf bench``: run the benchmark suites, fit the cost model, write plots and a report.
 
-The suites are the scripts under ``benchmarks/`` (``pushpull.py`` runs under the launcher
-itself; ``scaling.py`` and ``modes.py`` launch one training job per point). Each writes
-JSON; this module gathers them into ``OUT/results.json``, draws PNGs with matplotlib's Agg
-backend, and writes ``OUT/report.md`` with measured and projected figures side by side.
+The suites are modules of this package, run as ``python -m`` (``mpitf.bench.pushpull``
+under the launcher itself; ``scaling`` and ``modes`` launch the built-in job
+``mpitf.jobs.mnist_mlp`` once per point), so an installed mpitf needs no source tree. Each
+writes JSON; this module gathers them into ``OUT/results.json``, draws PNGs with
+matplotlib's Agg backend, and writes ``OUT/report.md`` with measured and projected figures
+side by side.
 """
 
 import json
 import os
 import platform
 import shlex
-import shutil
 import subprocess
 import sys
 import time
 
+from ..errors import MpitfError
 from . import costmodel as cm
 from .report import write_report
+from .scaling import default_launcher
 
 SUITES = ("pushpull", "scaling", "modes")
 
 
-def benchmarks_dir():
-    """Return the directory of the benchmark scripts (next to the package in a checkout)."""
-    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    here = os.path.join(checkout, "benchmarks")
-    if not os.path.exists(os.path.join(here, "pushpull.py")):
-        raise FileNotFoundError(f"no benchmark scripts at {here}: run mpitf bench from a "
-                                "source checkout (pip install -e .)")
-    return here
-
-
-def launcher():
-    """Return the launcher argv: ``srun`` inside a Slurm allocation, else mpiexec."""
-    if os.environ.get("SLURM_JOB_ID") and shutil.which("srun"):
-        return ["srun"]
-    from ..runtime.launch import find_mpiexec
-
-    return [find_mpiexec()]
+def require_matplotlib():
+    """Raise MpitfError naming the extra to install when matplotlib cannot be imported."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise MpitfError("mpitf bench draws its plots with matplotlib, which is not "
+                         "installed: pip install 'mpitf[bench]'") from None
 
 
 def _run(cmd, log, timeout):
@@ -60,7 +53,7 @@ def _load(path):
 
 def run_suites(args, out, log):
     """Run the chosen suites; return (results dict, commands run, errors)."""
-    bdir, launch = benchmarks_dir(), launcher()
+    launch = default_launcher()
     suites = SUITES if args.suite in (None, "all") else (args.suite,)
     quick = ["--quick"] if args.quick else []
     n = args.n or 2
@@ -83,7 +76,7 @@ def run_suites(args, out, log):
             if tag != "main" and ranks == n and ps == 1:
                 continue
             if step(f"pushpull {tag}", [*launch, "-n", str(ranks), py,
-                                        os.path.join(bdir, "pushpull.py"), "--num-ps", str(ps),
+                                        "-m", "mpitf.bench.pushpull", "--num-ps", str(ps),
                                         "--json", path, *quick]):
                 res[f"pushpull_{tag}"] = _load(path)
     common = [*quick, "--launcher", shlex.join(launch)]
@@ -91,18 +84,18 @@ def run_suites(args, out, log):
         path = os.path.join(out, "scaling.json")
         workers = [] if args.n is None else ["--workers", ",".join(
             str(w) for w in range(1, max(2, args.n - 1) + 1))]
-        if step("scaling", [py, os.path.join(bdir, "scaling.py"), "--json", path, *common,
+        if step("scaling", [py, "-m", "mpitf.bench.scaling", "--json", path, *common,
                             *workers]):
             res["scaling"] = _load(path)
     if "modes" in suites:
         path = os.path.join(out, "modes.json")
         workers = [] if args.n is None else ["--workers", str(max(2, args.n - 1))]
-        if step("modes", [py, os.path.join(bdir, "modes.py"), "--json", path, *common,
+        if step("modes", [py, "-m", "mpitf.bench.modes", "--json", path, *common,
                           *workers]):
             res["modes"] = _load(path)
     trace = os.path.join(out, "timeline.json")
-    job = os.path.join(os.path.dirname(bdir), "jobs", "mnist_mlp.py")
-    if step("timeline", [*launch, "-n", "3", py, job, "--num-ps", "1", "--steps", "20",
+    if step("timeline", [*launch, "-n", "3", py, "-m", "mpitf.jobs.mnist_mlp",
+                         "--num-ps", "1", "--steps", "20",
                          "--log-every", "10", "--run-dir", os.path.join(out, "timeline-run"),
                          "--timeline", trace]):
         res["timeline"] = trace
@@ -162,6 +155,7 @@ def project_modes(fit, modes, scaling):
 
 def main(args):
     """Run ``mpitf bench``: the suites, the model, the plots and the report; return 0 or 1."""
+    require_matplotlib()  # before any suite runs, not after minutes of measuring
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
     log = os.path.join(out, "bench.log")

@@ -1,9 +1,11 @@
 """Training throughput of the reference MLP and CNN over worker and ps counts.
 
-Run: python benchmarks/scaling.py --json OUT.json [--quick] [--launcher "mpiexec"]
+Run: python -m mpitf.bench.scaling --json OUT.json [--quick] [--launcher "mpiexec"]
+(or python benchmarks/scaling.py ... in a checkout)
 
-Each point is one run of ``jobs/mnist_mlp.py`` under the launcher (``mpiexec -n W+P``, or
-``srun -n W+P`` inside a Slurm allocation), read from its ``final:`` line. Weak scaling
+Each point is one run of the built-in job ``mpitf.jobs.mnist_mlp`` under the launcher
+(``mpiexec -n W+P``, or ``srun -n W+P`` inside a Slurm allocation), read from its
+``final:`` line. Weak scaling
 keeps the per-worker batch; strong scaling splits a fixed global batch over the workers.
 Efficiency is ``examples/sec(W) / (W * examples/sec(1))`` at the same ps count.
 Each point is the median of ``--repeats`` runs.
@@ -19,8 +21,7 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOB = os.path.join(REPO, "jobs", "mnist_mlp.py")
+JOB = ["-m", "mpitf.jobs.mnist_mlp"]  # run by the launched Python, from the package
 
 
 def default_launcher():
@@ -36,12 +37,12 @@ def default_launcher():
 
 def run_job(ranks, job_args, launcher=None, timeout=300):
     """Run the training job on ``ranks`` ranks; return its ``final:`` dict (raises on failure)."""
-    cmd = [*(launcher or default_launcher()), "-n", str(ranks), sys.executable, JOB,
+    cmd = [*(launcher or default_launcher()), "-n", str(ranks), sys.executable, *JOB,
            *map(str, job_args)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     started = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=REPO, stdin=subprocess.DEVNULL)
+                          stdin=subprocess.DEVNULL)
     wall = time.monotonic() - started
     for line in proc.stdout.splitlines():
         if line.startswith("final: "):
@@ -141,5 +142,10 @@ def main(argv=None):
     return 0
 
 
-if __name__ == "__main__":
+def run():
+    """Run from the command line (``python -m``, benchmarks/) and exit with main's code."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

@@ -3,10 +3,14 @@
 Subcommands::
 
     mpitf cluster --spec SPEC [-n N] [--hosts h1,h1,h2,...]   print the rank -> task map
-    mpitf run -n N [--dry-run] SCRIPT [ARGS...]             run a job under mpiexec
+    mpitf run -n N [--dry-run] JOB [ARGS...]                run a job under mpiexec
     mpitf data digits|mnist ...                             write an HDF5 data set
     mpitf ckpt ls|show|verify|export DIR ...                inspect checkpoints
     mpitf bench [--quick] [--suite S] [--out DIR] [-n N]    run the benchmarks
+
+JOB is a built-in job's name (hello, mnist_mlp, in_graph, towers: ``mpitf run -n 3
+mnist_mlp --steps 50`` runs ``python -m mpitf.jobs.mnist_mlp --steps 50`` on 3 ranks), a
+``.py`` script (run with this Python), or a program.
 
 Exit codes: 0 success, 1 an error, 2 bad input (usage or configuration); ``run`` exits
 with the job's own code.
@@ -16,7 +20,9 @@ import argparse
 import importlib.util
 import json
 import os
+import pkgutil
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -94,12 +100,32 @@ def cmd_cluster(args):
 
 
 # --- run --------------------------------------------------------------------------------
-def run_command(n, script, script_args, mpiexec=None):
-    """Return the mpiexec argv that runs ``script`` (Python if it ends in .py) on n ranks."""
+def builtin_jobs():
+    """Return the names of the built-in jobs: the modules of mpitf.jobs."""
+    where = importlib.util.find_spec("mpitf.jobs").submodule_search_locations
+    return sorted(m.name for m in pkgutil.iter_modules(where) if not m.name.startswith("_"))
+
+
+def job_argv(job):
+    """Return the argv that starts ``job``: a built-in job's name, a .py script or a program."""
+    if job.endswith(".py"):
+        if not os.path.isfile(job):
+            raise ConfigurationError(f"no such script: {job}")
+        return [sys.executable, job]
+    if job in builtin_jobs():
+        return [sys.executable, "-m", f"mpitf.jobs.{job}"]
+    if os.sep in job or os.path.isfile(job) or shutil.which(job):
+        return [job]
+    raise ConfigurationError(
+        f"unknown job {job!r}: expecting a built-in job ({', '.join(builtin_jobs())}), "
+        "a .py script or a program")
+
+
+def run_command(n, job, job_args, mpiexec=None):
+    """Return the mpiexec argv that runs ``job`` (see job_argv) on n ranks."""
     from ..runtime.launch import mpiexec_command
 
-    argv = [sys.executable, script] if script.endswith(".py") else [script]
-    return mpiexec_command(n, argv + list(script_args), mpiexec=mpiexec)
+    return mpiexec_command(n, job_argv(job) + list(job_args), mpiexec=mpiexec)
 
 
 def cmd_run(args):
@@ -108,18 +134,18 @@ def cmd_run(args):
 
     if args.n < 1:
         raise ConfigurationError(f"-n {args.n}: expecting at least one rank")
-    if args.script.endswith(".py") and not os.path.isfile(args.script):
-        raise ConfigurationError(f"no such script: {args.script}")
+    argv = job_argv(args.job)
     if os.environ.get("SLURM_JOB_ID"):
+        shown = shlex.join(["python", *argv[1:]] if argv[0] == sys.executable else argv)
         sys.stderr.write(
             f"mpitf: note: this is Slurm job {os.environ['SLURM_JOB_ID']}; inside an allocation"
-            f" launch with srun (srun -n {args.n} python {args.script} ...) so Slurm places"
+            f" launch with srun (srun -n {args.n} {shown} ...) so Slurm places"
             " and tracks the ranks; see slurm/README.md\n")
     try:
         mpiexec = args.mpiexec or find_mpiexec()
     except RuntimeError as exc:
         return _error(str(exc), EXIT_ERROR)
-    cmd = run_command(args.n, args.script, args.args, mpiexec=mpiexec)
+    cmd = run_command(args.n, args.job, args.args, mpiexec=mpiexec)
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
@@ -202,13 +228,19 @@ def build_parser():
     p.set_defaults(handler=cmd_cluster)
 
     p = sub.add_parser("run", help="run a job under mpiexec on this workstation",
-                       description="Run SCRIPT on N ranks with the installed MPI's mpiexec;"
-                                   " exit with its exit code. Under Slurm, prefer srun.")
+                       description="Run JOB on N ranks with the installed MPI's mpiexec;"
+                                   " exit with its exit code. Under Slurm, prefer srun.",
+                       epilog=f"built-in jobs: {', '.join(builtin_jobs())} (each runs as"
+                              " 'python -m mpitf.jobs.NAME'), e.g. 'mpitf run -n 3 mnist_mlp"
+                              " --steps 50'; 'python -m mpitf.jobs.NAME --help' lists a"
+                              " job's flags.")
     p.add_argument("-n", type=int, required=True, help="number of MPI ranks")
     p.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     p.add_argument("--mpiexec", default=None,
                    help="the mpiexec to use (default: the one next to this Python, else PATH)")
-    p.add_argument("script", help="the job: a .py file (run with this Python) or a program")
+    p.add_argument("job", metavar="JOB",
+                   help="a built-in job's name (e.g. mnist_mlp), a .py file (run with this"
+                        " Python) or a program")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the job")
     p.set_defaults(handler=cmd_run)
 
@@ -243,7 +275,8 @@ def build_parser():
     p.set_defaults(handler=cmd_ckpt)
 
     p = sub.add_parser("bench", help="run the push/pull, scaling and consistency benchmarks",
-                       description="Run mpitf's benchmarks and write reports.")
+                       description="Run mpitf's benchmarks and write reports.",
+                       epilog="needs matplotlib for the plots: pip install 'mpitf[bench]'")
     p.add_argument("--quick", action="store_true", help="short runs, for a smoke test")
     p.add_argument("--out", default="benchmarks", help="report directory (default: benchmarks)")
     p.add_argument("--suite", choices=("pushpull", "scaling", "modes", "all"), default="all",

@@ -1,11 +1,11 @@
-"""Hello, distributed TensorFlow! -- on MPI.
+r"""Hello, distributed TensorFlow! -- on MPI.
 
 Every rank finds its task in the cluster and greets rank 0, which prints the placement
 table and then the greetings in task order (ps tasks, then workers)::
 
-    mpiexec -n 5 python jobs/hello.py \\
+    mpiexec -n 5 python jobs/hello.py \
         --cluster_spec='ps|localhost:2222;localhost:2223,worker|localhost:2224;localhost:2225;localhost:2226'
-    mpiexec -n 3 python jobs/hello.py --ps_hosts=localhost:2222 \\
+    mpiexec -n 3 python jobs/hello.py --ps_hosts=localhost:2222 \
         --worker_hosts=localhost:2223,localhost:2224
     mpiexec -n 4 python jobs/hello.py --num-ps 2
 
@@ -91,5 +91,10 @@ def main(argv=None):
     return 0
 
 
-if __name__ == "__main__":
+def run():
+    """Run the job from the command line and exit with its code (``python -m``, jobs/)."""
     raise SystemExit(main())
+
+
+if __name__ == "__main__":
+    run()

@@ -91,7 +91,12 @@ def _compute(server, model, training):
     return 0
 
 
-if __name__ == "__main__":
+def run():
+    """Run the job from the command line and exit with its code (``python -m``, jobs/)."""
     with abort_on_error():
         code = main()
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    run()

@@ -45,7 +45,12 @@ def main(argv=None):
     return sess.exit_code
 
 
-if __name__ == "__main__":
+def run():
+    """Run the job from the command line and exit with its code (``python -m``, jobs/)."""
     with abort_on_error():
         code = main()
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    run()

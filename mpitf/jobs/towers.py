@@ -124,7 +124,12 @@ def _train_with_ps(server, towers, dataset, config, args, path):
     return sess.exit_code
 
 
-if __name__ == "__main__":
+def run():
+    """Run the job from the command line and exit with its code (``python -m``, jobs/)."""
     with abort_on_error():
         code = main()
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,7 @@
+"""Training data: HDF5 files sharded over workers, and the offline data sets mpitf ships.
+
+Holds ``sharded`` (``ShardedDataset``, checks, positions for checkpoints) and ``datasets``
+(the digits set, MNIST IDX conversion).
+
+May import: ``mpitf.errors`` only.
+"""
