@@ -83,11 +83,16 @@ def pack_reply(words, step, ps, flags, pushes_applied, stale_dropped, max_stalen
     words[7] = max_lead
 
 
+# tuple.__new__ straight from the list: _make's length check costs more than the rest
+# (the arrays are HEADER_WORDS long by construction).
+_new = tuple.__new__
+
+
 def unpack_request(words):
     """Return the :class:`RequestHeader` in the int64 array ``words``."""
-    return RequestHeader._make(words.tolist())
+    return _new(RequestHeader, words.tolist())
 
 
 def unpack_reply(words):
     """Return the :class:`ReplyHeader` in the int64 array ``words``."""
-    return ReplyHeader._make(words.tolist())
+    return _new(ReplyHeader, words.tolist())

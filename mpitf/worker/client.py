@@ -12,10 +12,10 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import ConfigurationError, PeerError
-from ..runtime.backend import get_backend
+from ..runtime.backend import get_backend, numpy_backend
 from ..wire import header as H
 from ..wire import protocol as P
-from ..wire.frame import frames_over
+from ..wire.frame import Frame, frames_over
 from ..wire.layout import FlatLayout
 
 
@@ -134,8 +134,9 @@ class Client:
                                        chunk_bytes)
         self.chunked = self.param_frames[0].staged
         self.request_flags = P.FLAG_CHUNKED if self.chunked else 0
-        # Header-only requests (pull, done, paused) go from a small buffer of their own.
-        self.request_headers = np.zeros((len(self.segments), H.HEADER_WORDS), np.int64)
+        # Header-only requests (pull, done, paused) go from small host frames of their own.
+        self.request_frames = [Frame.allocate(numpy_backend(), 0, np.int64)
+                               for _ in self.segments]
         self.ps_steps = [0] * len(self.segments)
         self.param_views = self.layout.views(self.params_flat, self.backend)
         self.grad_views = self.layout.views(self.grads_flat, self.backend)
@@ -172,12 +173,11 @@ class Client:
     def _request(self, kind, want_reply, flags=0, operation="pull"):
         receives, sends = [], []
         for p, rank in enumerate(self.ps_ranks):
-            H.pack_request(self.request_headers[p], kind, self.ps_steps[p], self.worker, 0,
-                           flags | self.request_flags)
+            H.pack_request(self.request_frames[p].header, kind, self.ps_steps[p], self.worker,
+                           0, flags | self.request_flags)
             if want_reply:
                 receives.append(self.param_frames[p].irecv(self.comm, rank, P.TAG_REPLY))
-            sends.append(P.frame_op(self.comm.Isend, self.request_headers[p], rank,
-                                    P.TAG_REQUEST))
+            sends.extend(self.request_frames[p].isend(self.comm, rank, P.TAG_REQUEST))
         handle = PushPullHandle(self, receives, sends, operation)
         return handle.wait() if want_reply else handle.wait_sends()
 
@@ -219,8 +219,8 @@ class Client:
             if reply.kind != P.REPLY:
                 raise PeerError(f"unexpected message kind {reply.kind} from a ps",
                                 **self._describe_ps(p))
-            self.ps_steps[p] = reply.step
-            step = reply.step if step is None else min(step, reply.step)
+            self.ps_steps[p] = ps_step = reply.step
+            step = ps_step if step is None else min(step, ps_step)
             flags |= reply.flags
             dropped += reply.stale_dropped
             applied += reply.pushes_applied
