@@ -76,15 +76,13 @@ class PushPullHandle:
     def wait(self):
         """Block until every ps answered; raise on a deadline or a refused gradient."""
         if self.reply is None:
-            frames = self.client.param_frames
             if not self.client.chunked:  # one wait for everything: replies land in place
                 # One receive and one send per ps, in ps order: request i is ps i % P's.
                 requests = [r for rs in self.receives for r in rs] + self.sends
                 nps = len(self.client.ps_ranks)
                 P.wait_all(requests, self.client.deadline, lambda i: self._describe(i % nps))
-                for p in range(len(self.receives)):
-                    frames[p].fetch_header()
             else:
+                frames = self.client.param_frames
                 for p, requests in enumerate(self.receives):
                     frames[p].receive_chunks(requests, self.client.deadline,
                                              lambda i, p=p: self._describe(p))
@@ -215,7 +213,7 @@ class Client:
         step = None
         flags = dropped = applied = staleness = lead = 0
         for p, frame in enumerate(self.param_frames):
-            reply = H.unpack_reply(frame.header)
+            reply = H.unpack_reply(frame.fetch_header())
             if reply.kind != P.REPLY:
                 raise PeerError(f"unexpected message kind {reply.kind} from a ps",
                                 **self._describe_ps(p))
