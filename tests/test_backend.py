@@ -11,13 +11,13 @@ from mpitf.errors import ConfigurationError
 from mpitf.runtime import backend as bk
 from mpitf.runtime.backend import (
     Backend,
-    cuda_aware_support,
     describe_backend,
     get_backend,
     numpy_backend,
     select_backend,
     set_backend,
 )
+from mpitf.runtime.cuda_aware import cuda_aware_support
 
 
 class FakeMPI:

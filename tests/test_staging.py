@@ -14,7 +14,7 @@ import pytest
 
 from mpitf.errors import ConfigurationError
 from mpitf.testing import run_mpi
-from mpitf.wire.frames import chunk_ranges, chunk_tag
+from mpitf.wire.frame import chunk_ranges, chunk_tag
 from mpitf.wire.protocol import CHUNK_TAG_OFFSET, TAG_REPLY
 
 REPO = Path(__file__).resolve().parent.parent

@@ -18,11 +18,12 @@ from ..errors import DeadlineError, PeerError
 from ..runtime.backend import get_backend
 from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
 from ..runtime.timeline import Timeline
+from ..wire import header as H
 from ..wire import protocol as P
-from ..wire.frames import chunk_ranges, chunk_tag
+from ..wire.frame import Frame
 from .consistency import make_policy
 from .optimizers import ExponentialMovingAverage, make_optimizer
-from .shard import Frame, Shard
+from .shard import Shard
 
 _log = logging.getLogger("mpitf")
 
@@ -52,15 +53,14 @@ class Service:
         self.shard = Shard(assignment.slices, size, dtype, optimizer, self.backend,
                            ExponentialMovingAverage(ema) if ema else None)
         self.policy = make_policy(config, self.num_workers, assignment.total_num_replicas)
-        self.ssp = config.mode == "ssp"
         self.timeline = Timeline(server.rank, server.device, bool(config.timeline))
         self.chunk_bytes = assignment.chunk_bytes
         self.chunked_workers = set()  # workers that stage through host memory, in chunks
-        self.pool = [Frame(self.backend, size, dtype)
+        self.pool = [Frame.allocate(self.backend, size, dtype)
                      for _ in range(self.policy.receive_buffers(self.num_workers))]
         # Each pool frame has one persistent receive, built once and restarted after use.
-        self.recv_requests = [P.frame_op(self.comm.Recv_init, frame.bytes, MPI.ANY_SOURCE,
-                                         P.TAG_REQUEST) for frame in self.pool]
+        self.recv_requests = [frame.recv_init(self.comm, MPI.ANY_SOURCE, P.TAG_REQUEST)
+                              for frame in self.pool]
         self.reply_requests = []
         self.reply_workers = []  # the worker of each outstanding reply request, to name it
         self.global_step = 0
@@ -129,15 +129,10 @@ class Service:
     def reply(self, worker, frame=None):
         """Send the parameters (or ``frame``) to ``worker`` without blocking."""
         frame = frame or self.shard.reply
-        rank = self.worker_ranks[worker]
-        if worker in self.chunked_workers:
-            for k, (lo, hi) in enumerate(chunk_ranges(frame.bytes.nbytes, self.chunk_bytes)):
-                self.reply_requests.append(P.frame_op(
-                    self.comm.Isend, frame.bytes[lo:hi], rank, chunk_tag(P.TAG_REPLY, k)))
-                self.reply_workers.append(worker)
-        else:
-            self.reply_requests.append(
-                P.frame_op(self.comm.Isend, frame.bytes, rank, P.TAG_REPLY))
+        chunk_bytes = self.chunk_bytes if worker in self.chunked_workers else None
+        for request in frame.isend_published(self.comm, self.worker_ranks[worker],
+                                             P.TAG_REPLY, chunk_bytes):
+            self.reply_requests.append(request)
             self.reply_workers.append(worker)
         self.counters["bytes_out"] += frame.bytes.nbytes
 
@@ -149,17 +144,15 @@ class Service:
 
     def _write_header(self):
         """Refresh the reply header; only called when no reply is in flight."""
-        c = self.counters
+        c, reply, average = self.counters, self.shard.reply, self.shard.average_frame
         c["global_step"] = self.global_step
-        P.set_header(self.shard.reply.header, P.REPLY, self.global_step, self.ps_task,
-                     self.shard.size, P.FLAG_PAUSE if self.pausing else 0,
-                     c["stale_dropped"], c["max_lead" if self.ssp else "max_staleness"],
-                     c["pushes_applied"])
-        if self.shard.reply.on_device:
-            self.shard.reply.publish()
-        if self.shard.average_frame is not None:
-            self.shard.average_frame.header[...] = self.shard.reply.header
-            self.shard.average_frame.publish()
+        H.pack_reply(reply.header, self.global_step, self.ps_task,
+                     P.FLAG_PAUSE if self.pausing else 0, c["pushes_applied"],
+                     c["stale_dropped"], c["max_staleness"], c["max_lead"])
+        reply.publish()
+        if average is not None:
+            average.header[...] = reply.header
+            average.publish()
 
     def _finish_replies(self):
         if self.reply_requests:
@@ -209,19 +202,10 @@ class Service:
             self.paused.clear()
             self._write_header()
 
-    def _receive_rest(self, frame, worker, source):
-        """Receive the continuation chunks of a frame staged by its worker."""
-        ranges = chunk_ranges(frame.bytes.nbytes, self.chunk_bytes)[1:]
-        requests = [P.frame_op(self.comm.Irecv, frame.bytes[lo:hi], source,
-                               chunk_tag(P.TAG_REQUEST, 1)) for lo, hi in ranges]
-        P.wait_all(requests, self.deadline,
-                   lambda i: self.describe_worker(worker, "push (chunked)"))
-
     def _handle(self, index, source):
         frame = self.pool[index]
-        if frame.on_device and not frame.staged:
-            frame.device_header.get(out=frame.header)
-        kind, step, _, _, flags, a, b, _ = frame.header.tolist()  # one conversion, not eight
+        request = H.unpack_request(frame.fetch_header())
+        kind, flags = request.kind, request.flags
         worker = self.worker_of.get(source)
         if worker is None:
             raise PeerError(f"request from rank {source}, which is not a worker")
@@ -229,13 +213,14 @@ class Service:
         if flags & P.FLAG_CHUNKED:
             self.chunked_workers.add(worker)
             if kind in (P.PUSH, P.INIT) and self.chunk_bytes:
-                self._receive_rest(frame, worker, source)
+                frame.receive_rest(self.comm, source, P.TAG_REQUEST, self.chunk_bytes,
+                                   self.deadline,
+                                   lambda i: self.describe_worker(worker, "push (chunked)"))
         if kind == P.PUSH:
-            if frame.on_device:
-                frame.received()
+            frame.received()
             self.counters["bytes_in"] += frame.bytes.nbytes
-            self.positions[worker] = (a, b)
-            return self.policy.on_push(self, worker, step, frame, index)
+            self.positions[worker] = (request.epoch, request.cursor)
+            return self.policy.on_push(self, worker, request.step, frame, index)
         if kind == P.PULL or kind == P.PULL_AVERAGE:
             if not self.initialized:
                 self.pending_pulls.append((worker, kind))

@@ -1,8 +1,9 @@
 """The process around the training: this rank's Server, its array backend, how it exits.
 
 Holds ``server`` (roles over COMM_WORLD, communicators, ``join``), ``backend`` (numpy or
-CuPy: the only module that imports CuPy), ``lifeline`` (names a killed peer), ``exits``
-(exit codes, abort-on-error, signals), ``launch`` (mpiexec argv) and ``timeline``.
+CuPy: the only module that imports CuPy), ``cuda_aware`` (whether MPI takes device
+buffers), ``lifeline`` (names a killed peer), ``exits`` (exit codes, abort-on-error,
+signals), ``launch`` (mpiexec argv) and ``timeline``.
 
 May import: the spec layer (``mpitf.cluster``, ``roles``, ``device``, ``placement``,
 ``config``, ``errors``). ``Server.join`` reaches up to ``mpitf.ps`` on purpose (see

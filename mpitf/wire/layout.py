@@ -8,7 +8,7 @@ and hands out the model's variables as views into any buffer of that layout.
 import numpy as np
 
 from ..errors import ConfigurationError
-from . import protocol as P
+from .header import HEADER_BYTES
 
 
 class VariableViews:
@@ -37,21 +37,32 @@ class VariableViews:
                 piece[...] = whole[s.start:s.stop]
 
 
+def frame_segments(sizes, dtype):
+    """Return ``(start of header, start of payload, end)`` in elements of each frame.
+
+    Frames of payloads of ``sizes`` elements of ``dtype`` follow each other in one flat
+    buffer, each behind a header slot.
+    """
+    itemsize = np.dtype(dtype).itemsize
+    if HEADER_BYTES % itemsize:
+        raise ConfigurationError(f"unsupported parameter dtype {np.dtype(dtype)}")
+    hdr = HEADER_BYTES // itemsize
+    segments, pos = [], 0
+    for size in sizes:
+        segments.append((pos, pos + hdr, pos + hdr + size))
+        pos += hdr + size
+    return segments
+
+
 class FlatLayout:
     """Where each ps's frame and each variable sit in a worker's flat buffer (in elements)."""
 
     def __init__(self, placement):
         self.placement = placement
         self.dtype = placement.dtype
-        if P.HEADER_BYTES % self.dtype.itemsize:
-            raise ConfigurationError(f"unsupported parameter dtype {self.dtype}")
-        hdr = P.HEADER_BYTES // self.dtype.itemsize
-        self.segments = []  # (start of header, start of payload, end) per ps
-        pos = 0
-        for size in placement.shard_sizes:
-            self.segments.append((pos, pos + hdr, pos + hdr + size))
-            pos += hdr + size
-        self.size = pos
+        # (start of header, start of payload, end) per ps
+        self.segments = frame_segments(placement.shard_sizes, self.dtype)
+        self.size = self.segments[-1][2] if self.segments else 0
 
     @property
     def num_elements(self):

@@ -6,9 +6,9 @@ buffers are laid out ps by ps with a header slot in front of each ps's part, so 
 a pull sends or receives one contiguous view with no copy and one MPI call (two messages,
 header then payload, would double the per-message cost that dominates small models).
 
-Header words: ``kind, step, worker, count, flags, a, b, c``. Requests (worker -> ps) use
-``a``/``b`` for the worker's data position after the batch (epoch, cursor); replies
-(ps -> worker) carry the ps's counters in ``a``/``b``/``c``.
+What each header word holds, per kind, is in :mod:`mpitf.wire.header`, the one module
+that packs and reads them; this one holds the kinds, tags and flags, the one MPI call
+that moves a frame, and the waits.
 
 Ordering: MPI does not let two messages between one pair of ranks on one tag overtake each
 other, so a worker's pushes reach each ps in the order sent and no sequence numbers are
@@ -21,9 +21,6 @@ import time
 from mpi4py import MPI
 
 from ..errors import DeadlineError
-
-HEADER_WORDS = 8
-HEADER_BYTES = HEADER_WORDS * 8
 
 # Tags. Requests and replies use separate tags so a worker's outstanding reply receive can
 # never match another worker's request.
@@ -46,7 +43,7 @@ SKIP = 9  # no payload; the worker dropped a NaN/Inf gradient: count it, reply p
 # Reply kinds (ps -> worker).
 REPLY = 21
 
-# Flags in replies.
+# Flags (the header's ``flags`` word).
 FLAG_PAUSE = 1  # stop after this step and wait for the chief (a checkpoint is being cut)
 FLAG_REQUEUE = 8  # (in done) the job ends on a signal: exit with the requeue code
 FLAG_CHUNKED = 16  # (in requests) this worker stages through host memory: frames in chunks
@@ -63,18 +60,6 @@ def frame_op(mpi_call, frame, peer, tag):
     ``comm.Recv``; ``frame`` is a byte view over header and payload.
     """
     return mpi_call([frame, MPI.BYTE], peer, tag)
-
-
-def set_header(header, kind, step=0, worker=0, count=0, flags=0, a=0, b=0, c=0):
-    """Fill a preallocated int64 header in place (no allocation)."""
-    header[0] = kind
-    header[1] = step
-    header[2] = worker
-    header[3] = count
-    header[4] = flags
-    header[5] = a
-    header[6] = b
-    header[7] = c
 
 
 # Polling: MPI moves a large message only while this rank is inside an MPI call, so a

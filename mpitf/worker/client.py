@@ -13,23 +13,31 @@ from mpi4py import MPI
 
 from ..config import DEFAULT_DEADLINE, PsAssignment, check_multiple
 from ..errors import ConfigurationError, PeerError
-from ..runtime.backend import get_backend
+from ..runtime.backend import get_backend, numpy_backend
+from ..wire import header as H
 from ..wire import protocol as P
-from ..wire.frames import make_frames
+from ..wire.frame import Frame, frames_over
 from ..wire.layout import FlatLayout
 
 
 class Reply:
-    """What the ps tasks answered to one push or pull."""
+    """What the ps tasks answered to one push or pull, over every ps.
 
-    __slots__ = ("global_step", "flags", "dropped", "max_staleness", "applied")
+    ``global_step`` is the smallest ps step; ``dropped`` and ``applied`` add up the stale
+    gradients dropped and the gradients applied; ``max_staleness`` is the largest
+    staleness (global step minus the gradient's step) and ``max_lead`` the largest lead of
+    a worker over the slowest one (bounded staleness only; 0 in other modes).
+    """
 
-    def __init__(self, global_step, flags, dropped, max_staleness, applied):
+    __slots__ = ("global_step", "flags", "dropped", "applied", "max_staleness", "max_lead")
+
+    def __init__(self, global_step, flags, dropped, applied, max_staleness, max_lead):
         self.global_step = global_step
         self.flags = flags
         self.dropped = dropped
-        self.max_staleness = max_staleness  # SSP: the largest lead over the slowest worker
         self.applied = applied
+        self.max_staleness = max_staleness
+        self.max_lead = max_lead
 
     @property
     def pause(self):
@@ -69,19 +77,16 @@ class PushPullHandle:
     def wait(self):
         """Block until every ps answered; raise on a deadline or a refused gradient."""
         if self.reply is None:
-            io = self.client.param_io
-            if not io.chunked:  # one wait for everything: replies land where they are read
+            if not self.client.chunked:  # one wait for everything: replies land in place
                 # One receive and one send per ps, in ps order: request i is ps i % P's.
                 requests = [r for rs in self.receives for r in rs] + self.sends
                 nps = len(self.client.ps_ranks)
                 P.wait_all(requests, self.client.deadline, lambda i: self._describe(i % nps))
-                if io.on_device:
-                    for p in range(len(self.receives)):
-                        io.fetch_header(p)
             else:
+                frames = self.client.param_frames
                 for p, requests in enumerate(self.receives):
-                    io.finish_recv(p, requests, self.client.deadline,
-                                   lambda i, p=p: self._describe(p))
+                    frames[p].receive_chunks(requests, self.client.deadline,
+                                             lambda i, p=p: self._describe(p))
                 self.wait_sends()
             self.reply = self.client._finish()
         return self.reply
@@ -115,16 +120,21 @@ class Client:
         self.segments = self.layout.segments
         dtype, pos = placement.dtype, self.layout.size
         if chunk_bytes is not None:
-            check_multiple("chunk_bytes", chunk_bytes, P.HEADER_BYTES)
+            check_multiple("chunk_bytes", chunk_bytes, H.HEADER_BYTES)
         self.params_flat = self.backend.zeros(pos, dtype)
         self.grads_flat = self.backend.zeros(pos, dtype)
         self.chunk_bytes = chunk_bytes
-        # How frames reach MPI: as they are, or staged through pinned host memory.
-        self.param_io = make_frames(self.backend, self.params_flat, self.segments, chunk_bytes)
-        self.grad_io = make_frames(self.backend, self.grads_flat, self.segments, chunk_bytes)
-        self.request_flags = P.FLAG_CHUNKED if self.param_io.chunked else 0
-        # Header-only requests (pull, done, paused) go from a small buffer of their own.
-        self.request_headers = np.zeros((len(self.segments), P.HEADER_WORDS), np.int64)
+        # One frame per ps in each buffer: sent as they are, or staged through pinned
+        # host memory in chunks (and then the ps is told so, to answer in chunks).
+        self.param_frames = frames_over(self.backend, self.params_flat, self.segments,
+                                        chunk_bytes)
+        self.grad_frames = frames_over(self.backend, self.grads_flat, self.segments,
+                                       chunk_bytes)
+        self.chunked = self.param_frames[0].staged
+        self.request_flags = P.FLAG_CHUNKED if self.chunked else 0
+        # Header-only requests (pull, done, paused) go from small host frames of their own.
+        self.request_frames = [Frame.allocate(numpy_backend(), 0, np.int64)
+                               for _ in self.segments]
         self.ps_steps = [0] * len(self.segments)
         self.param_views = self.layout.views(self.params_flat, self.backend)
         self.grad_views = self.layout.views(self.grads_flat, self.backend)
@@ -146,27 +156,26 @@ class Client:
         """
         self.grad_views.scatter()
         epoch, cursor = data_position
-        for p in range(len(self.ps_ranks)):
+        for p, frame in enumerate(self.grad_frames):
             count = self.segments[p][2] - self.segments[p][1]
-            P.set_header(self.grad_io.headers[p], P.PUSH, self.ps_steps[p], self.worker, count,
-                         self.request_flags, epoch, cursor)
-            self.grad_io.commit(p)
+            H.pack_request(frame.header, P.PUSH, self.ps_steps[p], self.worker, count,
+                           self.request_flags, epoch, cursor)
+            frame.commit()
         self.backend.synchronize()  # MPI must see the finished gradient
         receives, sends = [], []
         for p, rank in enumerate(self.ps_ranks):
-            receives.append(self.param_io.irecv(self.comm, p, rank, P.TAG_REPLY))
-            sends.extend(self.grad_io.isend(self.comm, p, rank, P.TAG_REQUEST))
+            receives.append(self.param_frames[p].irecv(self.comm, rank, P.TAG_REPLY))
+            sends.extend(self.grad_frames[p].isend(self.comm, rank, P.TAG_REQUEST))
         return PushPullHandle(self, receives, sends, "push_pull")
 
     def _request(self, kind, want_reply, flags=0, operation="pull"):
         receives, sends = [], []
         for p, rank in enumerate(self.ps_ranks):
-            P.set_header(self.request_headers[p], kind, self.ps_steps[p], self.worker, 0,
-                         flags | self.request_flags)
+            H.pack_request(self.request_frames[p].header, kind, self.ps_steps[p], self.worker,
+                           0, flags | self.request_flags)
             if want_reply:
-                receives.append(self.param_io.irecv(self.comm, p, rank, P.TAG_REPLY))
-            sends.append(P.frame_op(self.comm.Isend, self.request_headers[p], rank,
-                                    P.TAG_REQUEST))
+                receives.append(self.param_frames[p].irecv(self.comm, rank, P.TAG_REPLY))
+            sends.extend(self.request_frames[p].isend(self.comm, rank, P.TAG_REQUEST))
         handle = PushPullHandle(self, receives, sends, operation)
         return handle.wait() if want_reply else handle.wait_sends()
 
@@ -202,20 +211,21 @@ class Client:
     def _finish(self):
         """Read the reply headers, gather partitioned variables, raise on refused gradients."""
         step = None
-        flags = dropped = lead = applied = 0
-        for p, header in enumerate(self.param_io.headers):
-            kind, ps_step, _, _, ps_flags, ps_dropped, ps_lead, ps_applied = header.tolist()
-            if kind != P.REPLY:
-                raise PeerError(f"unexpected message kind {kind} from a ps",
+        flags = dropped = applied = staleness = lead = 0
+        for p, frame in enumerate(self.param_frames):
+            reply = H.unpack_reply(frame.fetch_header())
+            if reply.kind != P.REPLY:
+                raise PeerError(f"unexpected message kind {reply.kind} from a ps",
                                 **self._describe_ps(p))
-            self.ps_steps[p] = ps_step
+            self.ps_steps[p] = ps_step = reply.step
             step = ps_step if step is None else min(step, ps_step)
-            flags |= ps_flags
-            dropped += ps_dropped
-            lead = max(lead, ps_lead)
-            applied += ps_applied
+            flags |= reply.flags
+            dropped += reply.stale_dropped
+            applied += reply.pushes_applied
+            staleness = max(staleness, reply.max_staleness)
+            lead = max(lead, reply.max_lead)
         self.param_views.gather()
-        return Reply(step or 0, flags, dropped, lead, applied)
+        return Reply(step or 0, flags, dropped, applied, staleness, lead)
 
     # -- set-up and shutdown -------------------------------------------------------------
 
@@ -258,15 +268,14 @@ class Client:
 
     def send_initial_values(self):
         """Send the parameter buffer to every ps as its initial shard (the chief does this)."""
-        for p in range(len(self.ps_ranks)):
+        for p, frame in enumerate(self.param_frames):
             count = self.segments[p][2] - self.segments[p][1]
-            P.set_header(self.param_io.headers[p], P.INIT, 0, self.worker, count,
-                         self.request_flags)
-            self.param_io.commit(p)
+            H.pack_request(frame.header, P.INIT, 0, self.worker, count, self.request_flags)
+            frame.commit()
         self.backend.synchronize()
         sends = []
         for p, rank in enumerate(self.ps_ranks):
-            sends.extend(self.param_io.isend(self.comm, p, rank, P.TAG_REQUEST))
+            sends.extend(self.param_frames[p].isend(self.comm, rank, P.TAG_REQUEST))
         PushPullHandle(self, [], sends, "init").wait_sends()
 
     def send_control(self, kind, flags=0):

@@ -80,7 +80,8 @@ class LoggingHook(Hook):
                       examples_per_sec=examples / elapsed,
                       sec_per_batch=elapsed / max(batches, 1),
                       stale_dropped=session.last_reply.dropped,
-                      max_staleness=session.last_reply.max_staleness)
+                      max_staleness=session.last_reply.max_staleness,
+                      max_lead=session.last_reply.max_lead)
         if sys.stderr.isatty():
             sys.stderr.write("\r\033[K")
         print(f"step {step}, loss = {loss:.2f} ({record['examples_per_sec']:.1f} "

@@ -18,6 +18,7 @@ from mpi4py import MPI
 from ..errors import ConfigurationError
 from ..models.wrapper import ModelWrapper
 from ..runtime.backend import get_backend
+from ..wire.frame import MPIBuffer
 
 __all__ = ["InGraphBatches", "InGraphReplica", "InGraphWorker"]
 
@@ -27,37 +28,32 @@ _STOP, _RUN = 0, 1
 class _Channel:
     """Bcast and Gather of flat buffers that may live on a GPU.
 
-    With a CUDA-aware MPI (or on CPU) buffers go to MPI as they are, after the stream is
-    synchronised; otherwise through page-locked host buffers, allocated once per buffer.
+    Each buffer reaches MPI through its :class:`~mpitf.wire.frame.MPIBuffer`: as it is with
+    a CUDA-aware MPI (or on CPU), after the stream is synchronised; otherwise through a
+    page-locked host mirror, allocated once per buffer.
     """
 
     def __init__(self, comm, backend):
         self.comm = comm
         self.backend = backend
-        self.staged = backend.is_gpu and not backend.cuda_aware
-        self._stages = {}
+        self._buffers = {}  # (operation, id(array)) -> MPIBuffer, which keeps the array alive
 
-    def _stage(self, key, shape, dtype):
-        stage = self._stages.get(key)
-        if stage is None:
-            stage = self.backend.pinned_empty(int(np.prod(shape)), dtype).reshape(shape)
-            self._stages[key] = stage
-        return stage
+    def _buffer(self, operation, array):
+        buffer = self._buffers.get((operation, id(array)))
+        if buffer is None or buffer.array is not array:
+            buffer = self._buffers[(operation, id(array))] = MPIBuffer(self.backend, array)
+        return buffer
 
     def bcast(self, buf, root=0):
         """Broadcast ``buf`` from ``root`` into ``buf`` on every rank."""
-        be, mine = self.backend, self.comm.Get_rank() == root
+        mine = self.comm.Get_rank() == root
+        buffer = self._buffer("bcast", buf)
         if mine:
-            be.synchronize()  # MPI (or the copy below) must see finished data
-        if not self.staged:
-            self.comm.Bcast(buf, root=root)
-            return buf
-        stage = self._stage(("bcast", buf.shape), buf.shape, buf.dtype)
-        if mine:
-            be.to_host(buf, out=stage)
-        self.comm.Bcast(stage, root=root)
+            self.backend.synchronize()  # MPI (or the copy below) must see finished data
+            buffer.to_mpi()
+        self.comm.Bcast(buffer.mpi, root=root)
         if not mine:
-            be.to_device(stage, out=buf)
+            buffer.from_mpi()
         return buf
 
     def gather(self, send, recv=None, root=0):
@@ -65,20 +61,16 @@ class _Channel:
 
         On ``root``, its own contribution must already be in ``recv[root]`` (MPI.IN_PLACE).
         """
-        be, mine = self.backend, self.comm.Get_rank() == root
-        be.synchronize()
-        if not self.staged:
-            self.comm.Gather(MPI.IN_PLACE if mine else send, recv, root=root)
-            return recv
-        if mine:
-            stage = self._stage(("gather", recv.shape), recv.shape, recv.dtype)
-            be.to_host(recv[root], out=stage[root])
-            self.comm.Gather(MPI.IN_PLACE, stage, root=root)
-            be.to_device(stage, out=recv)
+        self.backend.synchronize()
+        if self.comm.Get_rank() == root:
+            buffer = self._buffer("gather", recv)
+            buffer.to_mpi(root)
+            self.comm.Gather(MPI.IN_PLACE, buffer.mpi, root=root)
+            buffer.from_mpi()
         else:
-            stage = self._stage(("gather", send.shape), send.shape, send.dtype)
-            be.to_host(send, out=stage)
-            self.comm.Gather(stage, None, root=root)
+            buffer = self._buffer("gather", send)
+            buffer.to_mpi()
+            self.comm.Gather(buffer.mpi, None, root=root)
         return recv
 
 

@@ -11,10 +11,9 @@ import numpy as np
 
 from ..errors import ConfigurationError
 from ..models.wrapper import ModelWrapper
-from ..runtime.backend import numpy_backend, select_backend
+from ..runtime.backend import copy_array, numpy_backend, select_backend
 
 __all__ = ["Towers", "parse_devices", "tower_backend"]
-
 
 
 def parse_devices(spec):
@@ -45,27 +44,6 @@ def tower_backend(kind, index, **select):
 def _on(be):
     """Return a context manager that makes ``be``'s device current (nothing on CPU)."""
     return be.device() if be.is_gpu else contextlib.nullcontext()
-
-
-def _is_device(a):
-    return hasattr(a, "__cuda_array_interface__") and not isinstance(a, np.ndarray)
-
-
-def copy_array(dst, src):
-    """Copy ``src`` into ``dst`` (same shape, contiguous) between host and devices."""
-    src_dev, dst_dev = _is_device(src), _is_device(dst)
-    if not src_dev and not dst_dev:
-        np.copyto(dst, src)
-    elif src_dev and not dst_dev:
-        src.get(out=dst)
-    elif dst_dev and not src_dev:
-        dst.set(np.ascontiguousarray(src))
-    elif hasattr(dst, "data") and hasattr(dst.data, "copy_from_device"):
-        # CuPy: a raw memcpy works between two GPUs too (peer or through the host).
-        dst.data.copy_from_device(src.data, src.nbytes)
-    else:
-        dst[...] = src
-    return dst
 
 
 class _Tower:

@@ -1,0 +1,221 @@
+"""A frame as MPI moves it, on either side: header and payload in one buffer, staged or not.
+
+Every message of the data path is a frame (header words in :mod:`mpitf.wire.header`): a
+worker's flat buffer holds one per ps, a ps holds its reply frames and a pool of receive
+frames. Where MPI can read the memory (host, or a device with CUDA-aware MPI) a frame goes
+as it is; where it cannot, through a pinned host mirror of the same layout
+(:class:`MPIBuffer`). A side that stages sends and receives its frames in chunks, so that
+the device-host copy of one chunk overlaps the transfer of another; chunks after the first
+travel on their own tag (:func:`chunk_tag`), so a ps's ``ANY_SOURCE`` receives never match
+them, and the ps receives the rest of a staging worker's push, and answers it, in chunks.
+"""
+
+import numpy as np
+
+from . import protocol as P
+from .header import HEADER_WORDS
+from .layout import frame_segments
+
+
+def chunk_ranges(nbytes, chunk_bytes):
+    """Return the byte ranges a frame of ``nbytes`` is sent in (one range if unchunked)."""
+    if not chunk_bytes or nbytes <= chunk_bytes:
+        return [(0, nbytes)]
+    return [(lo, min(lo + chunk_bytes, nbytes)) for lo in range(0, nbytes, chunk_bytes)]
+
+
+def chunk_tag(tag, k):
+    """Return the tag of chunk ``k`` of a frame sent on ``tag``."""
+    return tag if k == 0 else tag + P.CHUNK_TAG_OFFSET
+
+
+class MPIBuffer:
+    """An array as MPI sees it: the array itself, or a pinned host mirror of it.
+
+    ``mpi`` is what to hand to MPI. Host memory, and device memory when MPI is CUDA-aware,
+    go as they are (the copies below do nothing); other device memory goes through a
+    page-locked host array of the same shape, allocated once.
+    """
+
+    def __init__(self, backend, array):
+        self.backend = backend
+        self.array = array
+        self.staged = backend.is_device_array(array) and not backend.cuda_aware
+        if self.staged:
+            self.mpi = backend.pinned_empty(array.size, array.dtype).reshape(array.shape)
+        else:
+            self.mpi = array
+
+    def to_mpi(self, key=...):
+        """Copy ``array[key]`` to where MPI reads it; return when it is there."""
+        if self.staged:
+            self.backend.to_host(self.array[key], out=self.mpi[key])
+
+    def from_mpi(self, key=...):
+        """Copy ``array[key]`` from where MPI wrote it; return when it is there."""
+        if self.staged:
+            self.backend.to_device(self.mpi[key], out=self.array[key])
+
+    def to_mpi_async(self, lo, hi):
+        """Start copying elements ``[lo, hi)`` of a staged 1-D array out; return an event."""
+        return self.backend.copy_to_host_async(self.array[lo:hi], self.mpi[lo:hi])
+
+    def from_mpi_async(self, lo, hi):
+        """Start copying elements ``[lo, hi)`` of a staged 1-D array in; return an event."""
+        return self.backend.copy_to_device_async(self.mpi[lo:hi], self.array[lo:hi])
+
+
+class Frame:
+    """One frame: a header readable on the host, and a payload on the backend's device.
+
+    ``bytes`` is what MPI sends and receives (the frame itself or its pinned mirror);
+    ``header`` is a host int64 array (pack and read it with :mod:`mpitf.wire.header`);
+    ``payload`` is where arithmetic happens. In device memory that MPI reads directly the
+    header is a host copy, written into the frame by :meth:`commit` and read back by
+    :meth:`fetch_header` (one small copy instead of eight device writes).
+
+    Two ways out: :meth:`isend` sends what was just computed (the worker: a staged frame
+    goes chunk by chunk, each copied out while the one before travels); :meth:`publish`
+    then :meth:`isend_published` send one state many times (the ps: its reply frame goes
+    to every worker from one copy). Two ways in: :meth:`irecv` and
+    :meth:`receive_chunks` (the worker, from a known ps), and :meth:`recv_init`,
+    :meth:`receive_rest`, :meth:`received` (the ps, from any worker).
+
+    Args:
+        buffer: the :class:`MPIBuffer` of the flat array the frame lies in.
+        segment: ``(start of header, start of payload, end)`` in elements of that array.
+        chunk_bytes: chunk size of this side's frames when it stages (None: whole).
+    """
+
+    def __init__(self, buffer, segment, chunk_bytes=None):
+        a, b, c = segment
+        self.backend = buffer.backend
+        self.buffer = buffer
+        self.segment = segment
+        self.itemsize = buffer.array.dtype.itemsize
+        self.staged = buffer.staged
+        self.bytes = buffer.mpi[a:c].view(np.uint8)
+        self.payload = buffer.array[b:c]
+        if self.backend.is_device_array(buffer.mpi):
+            self._device_header = buffer.array[a:b].view(np.int64)
+            self.header = np.zeros(HEADER_WORDS, np.int64)
+        else:
+            self._device_header = None
+            self.header = buffer.mpi[a:b].view(np.int64)
+            self.header[...] = 0  # a staged mirror starts uninitialised
+        self.chunks = chunk_ranges(self.bytes.nbytes, chunk_bytes if self.staged else None)
+        self._persistent = {}  # (MPI call, peer, tag) -> a persistent request, made once
+        self._chunks_for = {}  # chunk_bytes -> byte ranges, for isend_published
+
+    @classmethod
+    def allocate(cls, backend, size, dtype):
+        """Return a frame over a new zeroed buffer: a header slot and ``size`` elements."""
+        (segment,) = frame_segments([size], dtype)
+        return cls(MPIBuffer(backend, backend.zeros(segment[2], dtype)), segment)
+
+    # -- out ---------------------------------------------------------------------------
+
+    def commit(self):
+        """Write the header, as packed on the host, into a device frame MPI reads directly."""
+        if self._device_header is not None:
+            self.backend.to_device(self.header, out=self._device_header)
+
+    def isend(self, comm, peer, tag):
+        """Start sending what the frame holds now; return its requests.
+
+        The caller has committed the header and synchronised the stream. A direct frame
+        restarts a persistent request (the same frame goes to the same peer every step); a
+        staged one is copied to the host chunk by chunk, each sent as soon as it is there.
+        """
+        if not self.staged:
+            return self._start(comm.Send_init, peer, tag)
+        events = [self.buffer.to_mpi_async(*self._elements(lo, hi)) for lo, hi in self.chunks]
+        requests = []
+        for k, ((lo, hi), event) in enumerate(zip(self.chunks, events)):
+            event.synchronize()
+            requests.append(P.frame_op(comm.Isend, self.bytes[lo:hi], peer, chunk_tag(tag, k)))
+        return requests
+
+    def publish(self):
+        """Make the header and payload as they are now visible to MPI; return when they are."""
+        if self._device_header is not None:
+            self.commit()
+            self.backend.synchronize()
+        elif self.staged:
+            self.buffer.to_mpi(slice(self.segment[1], self.segment[2]))
+
+    def isend_published(self, comm, peer, tag, chunk_bytes=None):
+        """Start sending the frame as last published, whole or in chunks; return the requests.
+
+        ``chunk_bytes`` is the peer's chunk size when the peer stages, else None.
+        """
+        if not chunk_bytes:
+            return [P.frame_op(comm.Isend, self.bytes, peer, tag)]
+        ranges = self._chunks_for.get(chunk_bytes)
+        if ranges is None:
+            ranges = self._chunks_for[chunk_bytes] = chunk_ranges(self.bytes.nbytes, chunk_bytes)
+        return [P.frame_op(comm.Isend, self.bytes[lo:hi], peer, chunk_tag(tag, k))
+                for k, (lo, hi) in enumerate(ranges)]
+
+    # -- in ----------------------------------------------------------------------------
+
+    def irecv(self, comm, peer, tag):
+        """Post the receive of the frame from ``peer``; return its requests."""
+        if not self.staged:
+            return self._start(comm.Recv_init, peer, tag)
+        return [P.frame_op(comm.Irecv, self.bytes[lo:hi], peer, chunk_tag(tag, k))
+                for k, (lo, hi) in enumerate(self.chunks)]
+
+    def receive_chunks(self, requests, deadline, describe):
+        """Wait for a staged frame's chunks, copying each to the device as soon as it lands."""
+        event = None
+        for (lo, hi), request in zip(self.chunks, requests):
+            P.wait_all([request], deadline, describe)
+            e0, e1 = self._elements(lo, hi)
+            if e1 > e0:
+                event = self.buffer.from_mpi_async(e0, e1)
+        if event is not None:
+            event.synchronize()
+
+    def recv_init(self, comm, source, tag):
+        """Return a persistent receive of the whole frame (``source`` may be ANY_SOURCE)."""
+        return P.frame_op(comm.Recv_init, self.bytes, source, tag)
+
+    def receive_rest(self, comm, source, tag, chunk_bytes, deadline, describe):
+        """Receive chunks 1.. of a frame ``source`` stages in chunks (chunk 0 has arrived)."""
+        ranges = chunk_ranges(self.bytes.nbytes, chunk_bytes)
+        requests = [P.frame_op(comm.Irecv, self.bytes[lo:hi], source, chunk_tag(tag, k))
+                    for k, (lo, hi) in enumerate(ranges) if k]
+        P.wait_all(requests, deadline, describe)
+
+    def fetch_header(self):
+        """Return the received header on the host (one small copy from a device frame)."""
+        if self._device_header is not None:
+            self.backend.to_host(self._device_header, out=self.header)
+        return self.header
+
+    def received(self):
+        """Make a frame received whole readable on the device (a staged payload is copied)."""
+        if self.staged:
+            self.buffer.from_mpi(slice(self.segment[1], self.segment[2]))
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _start(self, init, peer, tag):
+        key = (init, peer, tag)
+        request = self._persistent.get(key)
+        if request is None:
+            request = self._persistent[key] = P.frame_op(init, self.bytes, peer, tag)
+        request.Start()
+        return [request]
+
+    def _elements(self, lo, hi):
+        """Return the payload elements that bytes ``[lo, hi)`` of the frame cover."""
+        a, b, _ = self.segment
+        return max(a + lo // self.itemsize, b), a + hi // self.itemsize
+
+
+def frames_over(backend, flat, segments, chunk_bytes=None):
+    """Return one :class:`Frame` per segment of the flat array ``flat``, staged together."""
+    buffer = MPIBuffer(backend, flat)
+    return [Frame(buffer, segment, chunk_bytes) for segment in segments]

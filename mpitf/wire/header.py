@@ -1,0 +1,98 @@
+"""The 64-byte frame header: eight int64 words, named per kind, packed and read here only.
+
+A request (worker -> ps) and a reply (ps -> worker) share the words that route a message
+(kind, step, sender, flags) and name the others for what they carry:
+
+====  ===========================================  =========================================
+word  request (push, pull, init, done, ...)        reply
+====  ===========================================  =========================================
+0     kind                                         kind (``REPLY``)
+1     step: the ps's step the gradient was         step: the ps's global step
+      computed on
+2     worker: the sending worker task              ps: the answering ps task
+3     count: payload elements (0: header only)     pushes_applied: gradients applied so far
+4     flags (``FLAG_CHUNKED``, ``FLAG_REQUEUE``)   flags (``FLAG_PAUSE``)
+5     epoch: the worker's data position after      stale_dropped: stale gradients dropped
+      this batch (push)
+6     cursor: the same, within the epoch (push)    max_staleness: largest staleness seen
+7     0                                            max_lead: largest lead over the slowest
+                                                   worker (``ssp``; 0 in other modes)
+====  ===========================================  =========================================
+
+A reply has no element count: its payload is the shard, whose size both sides know from
+the layout, and the word carries a counter instead, so every counter travels under its
+own name in every mode. Packing writes eight ints into a preallocated header (no
+allocation); reading converts the words once (``tolist``) into a small named tuple.
+"""
+
+from typing import NamedTuple
+
+from . import protocol as P
+
+HEADER_WORDS = 8
+HEADER_BYTES = HEADER_WORDS * 8
+
+
+class RequestHeader(NamedTuple):
+    """The header of a worker's request, word by word."""
+
+    kind: int
+    step: int
+    worker: int
+    count: int
+    flags: int
+    epoch: int
+    cursor: int
+    unused: int
+
+
+class ReplyHeader(NamedTuple):
+    """The header of a ps's reply, word by word."""
+
+    kind: int
+    step: int
+    ps: int
+    pushes_applied: int
+    flags: int
+    stale_dropped: int
+    max_staleness: int
+    max_lead: int
+
+
+def pack_request(words, kind, step, worker, count=0, flags=0, epoch=0, cursor=0):
+    """Write a request header into the int64 array ``words`` (in place)."""
+    words[0] = kind
+    words[1] = step
+    words[2] = worker
+    words[3] = count
+    words[4] = flags
+    words[5] = epoch
+    words[6] = cursor
+    words[7] = 0
+
+
+def pack_reply(words, step, ps, flags, pushes_applied, stale_dropped, max_staleness, max_lead):
+    """Write a reply header into the int64 array ``words`` (in place)."""
+    words[0] = P.REPLY
+    words[1] = step
+    words[2] = ps
+    words[3] = pushes_applied
+    words[4] = flags
+    words[5] = stale_dropped
+    words[6] = max_staleness
+    words[7] = max_lead
+
+
+# tuple.__new__ straight from the list: _make's length check costs more than the rest
+# (the arrays are HEADER_WORDS long by construction).
+_new = tuple.__new__
+
+
+def unpack_request(words):
+    """Return the :class:`RequestHeader` in the int64 array ``words``."""
+    return _new(RequestHeader, words.tolist())
+
+
+def unpack_reply(words):
+    """Return the :class:`ReplyHeader` in the int64 array ``words``."""
+    return _new(ReplyHeader, words.tolist())

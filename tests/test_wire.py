@@ -1,0 +1,72 @@
+"""The wire without MPI: header words by name, and a frame's staging on a fake GPU."""
+
+import numpy as np
+import pytest
+
+from mpitf.runtime.backend import numpy_backend
+from mpitf.testing import FakeGPUArray, fake_gpu_backend
+from mpitf.wire import header as H
+from mpitf.wire import protocol as P
+from mpitf.wire.frame import Frame, MPIBuffer
+
+
+def test_request_header_round_trip_in_place():
+    words = np.zeros(H.HEADER_WORDS, np.int64)
+    H.pack_request(words, P.PUSH, 7, 2, 1000, P.FLAG_CHUNKED, epoch=3, cursor=640)
+    got = H.unpack_request(words)
+    assert got == H.RequestHeader(P.PUSH, 7, 2, 1000, P.FLAG_CHUNKED, 3, 640, 0)
+    assert (got.epoch, got.cursor, got.count) == (3, 640, 1000)
+
+
+def test_reply_header_names_every_counter():
+    words = np.zeros(H.HEADER_WORDS, np.int64)
+    H.pack_reply(words, 12, 1, P.FLAG_PAUSE, pushes_applied=30, stale_dropped=4,
+                 max_staleness=5, max_lead=2)
+    got = H.unpack_reply(words)
+    assert got.kind == P.REPLY and got.step == 12 and got.ps == 1
+    assert (got.pushes_applied, got.stale_dropped) == (30, 4)
+    assert (got.max_staleness, got.max_lead) == (5, 2)
+    assert got.flags & P.FLAG_PAUSE
+
+
+@pytest.mark.parametrize("aware", [True, False])
+def test_frame_on_a_fake_gpu(aware):
+    be = fake_gpu_backend(cuda_aware=aware)
+    frame = Frame.allocate(be, 5, np.float32)
+    assert isinstance(frame.payload, FakeGPUArray) and frame.staged == (not aware)
+    assert frame.bytes.nbytes == H.HEADER_BYTES + 5 * 4
+    assert isinstance(frame.bytes, FakeGPUArray) == aware  # what MPI is handed
+    be.to_device(np.arange(5, dtype=np.float32), out=frame.payload)
+    H.pack_request(frame.header, P.PUSH, 1, 0, 5)
+    frame.publish()
+    raw = frame.bytes.get() if aware else frame.bytes
+    sent = raw[:H.HEADER_BYTES].view(np.int64).copy()
+    assert H.unpack_request(sent).count == 5
+    assert raw[H.HEADER_BYTES:].view(np.float32).tolist() == [0, 1, 2, 3, 4]
+    # What MPI writes is read back: the header once, the payload onto the device.
+    incoming = np.zeros_like(raw)
+    incoming[:H.HEADER_BYTES].view(np.int64)[:] = sent
+    incoming[H.HEADER_BYTES:].view(np.float32)[:] = 9
+    if aware:
+        frame.bytes.set(incoming)
+        frame.header[:] = 0  # a host copy: the header arrives on the device
+    else:
+        frame.bytes[:] = incoming  # the pinned mirror, header included
+    assert H.unpack_request(frame.fetch_header()).kind == P.PUSH
+    frame.received()
+    assert be.to_host(frame.payload).tolist() == [9] * 5
+
+
+def test_mpi_buffer_is_the_array_where_mpi_reads_it():
+    host = np.zeros(4)
+    assert MPIBuffer(numpy_backend(), host).mpi is host
+    be = fake_gpu_backend(cuda_aware=False)
+    dev = be.zeros(6, np.float64).reshape(2, 3)
+    buf = MPIBuffer(be, dev)
+    assert type(buf.mpi) is np.ndarray and buf.mpi.shape == (2, 3)
+    be.to_device(np.ones((2, 3)), out=dev)
+    buf.to_mpi(1)
+    assert buf.mpi[1].tolist() == [1, 1, 1]
+    buf.mpi[...] = 5
+    buf.from_mpi()
+    assert be.to_host(dev).tolist() == [[5, 5, 5], [5, 5, 5]]
