@@ -33,7 +33,7 @@ from mpitf.config import TrainingConfig
 from mpitf.placement import Placement
 from mpitf.ps.optimizers import make_optimizer
 from mpitf.ps.service import serve
-from mpitf.runtime.exits import abort_on_error
+from mpitf.runtime.exits import run_job
 from mpitf.runtime.server import Server
 from mpitf.worker.client import Client
 
@@ -268,9 +268,7 @@ def main(argv=None):
 
 def run():
     """Run from the command line (``python -m``, benchmarks/); every rank ends on an error."""
-    with abort_on_error():
-        code = main()
-    sys.exit(code)
+    run_job(main)
 
 
 if __name__ == "__main__":

@@ -146,7 +146,7 @@ def write_report(results, out):
                            ours["max_rel_error"] * 100]]), "",
                   "Projections use the raw-MPI fit plus the ps apply cost (gamma), and the "
                   "compute time per example implied by each 1-worker run (see "
-                  "`mpitf/costmodel.py` for the formulas).", ""]
+                  "`mpitf/bench/costmodel.py` for the formulas).", ""]
     sc = results.get("scaling")
     if sc:
         parts += ["## Scaling", "", "![scaling](scaling.png)", "",

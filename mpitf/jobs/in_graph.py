@@ -8,7 +8,6 @@ With --deterministic the parameters equal those of jobs/mnist_mlp.py --determini
 bit for bit. --batch-size is the chunk of one worker task.
 """
 
-import sys
 
 from mpitf.cli.flags import (
     add_training_arguments,
@@ -24,7 +23,7 @@ from mpitf.placement import replica_device_setter
 from mpitf.runtime.exits import (
     CheckpointSignals,
     RankParser,
-    abort_on_error,
+    run_job,
 )
 from mpitf.runtime.timeline import Timeline
 from mpitf.wire.layout import FlatLayout
@@ -93,9 +92,7 @@ def _compute(server, model, training):
 
 def run():
     """Run the job from the command line and exit with its code (``python -m``, jobs/)."""
-    with abort_on_error():
-        code = main()
-    sys.exit(code)
+    run_job(main)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ Run: mpiexec -n 3 python jobs/mnist_mlp.py --num-ps 1 --steps 300 --mode sync
 Every rank runs this script; the MPI rank decides whether it is a ps or a worker.
 """
 
-import sys
 
 from mpitf.cli.flags import (
     add_training_arguments,
@@ -16,7 +15,7 @@ from mpitf.cli.flags import (
     start_job,
 )
 from mpitf.data.sharded import ShardedDataset
-from mpitf.runtime.exits import RankParser, abort_on_error
+from mpitf.runtime.exits import RankParser, run_job
 
 
 def main(argv=None):
@@ -47,9 +46,7 @@ def main(argv=None):
 
 def run():
     """Run the job from the command line and exit with its code (``python -m``, jobs/)."""
-    with abort_on_error():
-        code = main()
-    sys.exit(code)
+    run_job(main)
 
 
 if __name__ == "__main__":

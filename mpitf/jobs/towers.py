@@ -8,7 +8,6 @@ locally with the optimizer (no ps) or pushed through the ps like a worker's.
 --batch-size is the share of one tower.
 """
 
-import sys
 import time
 
 import numpy as np
@@ -31,7 +30,7 @@ from mpitf.data.sharded import ShardedDataset, load_split
 from mpitf.errors import ConfigurationError
 from mpitf.models import evaluate
 from mpitf.runtime.backend import describe_backend
-from mpitf.runtime.exits import RankParser, abort_on_error, collective, setup_logging
+from mpitf.runtime.exits import RankParser, collective, run_job, setup_logging
 from mpitf.runtime.server import Server
 from mpitf.worker.towers import Towers, parse_devices, tower_backend
 
@@ -126,9 +125,7 @@ def _train_with_ps(server, towers, dataset, config, args, path):
 
 def run():
     """Run the job from the command line and exit with its code (``python -m``, jobs/)."""
-    with abort_on_error():
-        code = main()
-    sys.exit(code)
+    run_job(main)
 
 
 if __name__ == "__main__":

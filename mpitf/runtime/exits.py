@@ -97,6 +97,14 @@ def abort_on_error():
         _abort(EXIT_ERROR)
 
 
+
+def run_job(main):
+    """Run a job's ``main()`` as its process: an error ends every rank; exit with its code."""
+    with abort_on_error():
+        code = main()
+    sys.exit(code)
+
+
 def _abort(code):
     from . import lifeline
 
