@@ -22,6 +22,7 @@ cut is consistent.
 import logging
 
 from ..wire import protocol as P
+from .lock import acquire
 from .names import checkpoint_name, read_manifest
 from .restore import load_shard
 from .verify import find_restorable
@@ -113,7 +114,8 @@ def wait_for_release(comm, chief, deadline, host_of):
 def agree_on_restore(comm, root, members=None, log=print):
     """Return the checkpoint every worker restores from, or None to start from scratch.
 
-    The chief (rank 0 of ``comm``) passes the checkpoint ``root`` and chooses the newest
+    The chief (rank 0 of ``comm``) passes the checkpoint ``root``, holds its lock (see
+    :mod:`~mpitf.ckpt.lock`; a live owner elsewhere is an error) and chooses the newest
     checkpoint that verifies, setting newer ones aside so their steps can be saved again;
     the others pass None and learn its choice, so every data position comes from the same
     checkpoint. In-graph, ``members`` are the worker tasks that run sessions: only they
@@ -121,6 +123,7 @@ def agree_on_restore(comm, root, members=None, log=print):
     """
     restore = None
     if root:
+        acquire(root, log=log)  # the job's own lock (taken at start-up by the jobs), or now
         found = find_restorable(root, log=log)
         if found:
             restore = found[0]

@@ -64,7 +64,7 @@ def add_training_arguments(parser, steps=300, batch_size=32, lr=_JOB["lr"]):
     g.add_argument("--checkpoint-secs", type=float, default=None,
                    help="checkpoint every T seconds")
     g.add_argument("--max-to-keep", type=int, default=_TRAINING["max_to_keep"],
-                   help="checkpoints kept")
+                   help="complete checkpoints kept, the newest (0: keep all)")
     g.add_argument("--deadline", type=float, default=None,
                    help="seconds to wait on a silent rank before ending the job (default: "
                         f"$MPITF_DEADLINE, else {DEFAULT_DEADLINE:g}; set it above the "
@@ -138,6 +138,29 @@ def config_from_args(args):
         return JobConfig.from_args(args)
     except ConfigurationError as exc:
         raise collective(exc) from None
+
+
+def claim_checkpoint_dir(server, root):
+    """The chief takes ``root``'s lock (creating it) before anything is read or written there.
+
+    A directory that is a file, cannot be written, or is owned by another live job is one
+    message on rank 0 and exit 2 on every rank; nothing in it is touched.
+    """
+    import logging
+
+    from ..ckpt.lock import acquire
+    from ..errors import CheckpointError
+
+    chief = server.rank_of("worker", min(server.cluster.task_indices("worker")))
+    problem = None
+    if server.rank == chief:
+        try:
+            acquire(root, log=logging.getLogger("mpitf").warning)
+        except CheckpointError as exc:  # handed to every rank just below
+            problem = exc
+    problem = server.comm.bcast(problem, root=chief)
+    if problem is not None:
+        raise collective(problem)
 
 
 def data_path(config, comm):
@@ -268,5 +291,7 @@ def start_job(args, config, check_cluster=None):
     check_roles(args, server)
     if args.log_device_placement:
         server.describe()  # rank 0 prints the rank -> task -> host table
+    if config.training.checkpoint_dir:
+        claim_checkpoint_dir(server, config.training.checkpoint_dir)
     setup_backend(args, server)
     return server, data_path(config, world)

@@ -212,7 +212,7 @@ class TrainingSession:
         layout = dict(num_ps=len(reports), num_workers=self.num_workers, mode=self.mode,
                       cluster=repr(self.server.cluster), optimizer=self.optimizer.config())
         step = cut.commit(self.checkpoint_dir, reports, self.placement.variables, layout,
-                          max_to_keep=self.config.max_to_keep or 5)
+                          max_to_keep=self.config.max_to_keep)
         if self.saver is not None:
             self.saver.saved(self)
         stop = self.signals.requested
