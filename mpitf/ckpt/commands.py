@@ -18,8 +18,8 @@ from .names import (
     LATEST,
     MANIFEST,
     checkpoint_name,
-    latest_name,
     list_checkpoints,
+    read_latest,
     read_manifest,
 )
 from .pieces import index_pieces
@@ -81,13 +81,21 @@ def _choose(root, step=None):
             raise CheckpointError(f"{root}: no checkpoint at step {step}; steps there: "
                                   + ", ".join(str(c["global_step"]) for c in found))
         return path
-    latest = latest_name(root)
+    latest = _latest(root)
     if latest and os.path.isdir(os.path.join(root, latest)):
         return os.path.join(root, latest)
     complete = [c for c in found if c["complete"]]
     if not complete:
         raise CheckpointError(f"{root}: no complete checkpoint")
     return complete[-1]["path"]
+
+
+def _latest(root):
+    """Return the name ``latest`` holds; print why it is ignored if it is garbage."""
+    name, problem = read_latest(root)
+    if problem:
+        print(f"{LATEST}: ignored: {problem}")
+    return name
 
 
 def _fail(e):
@@ -100,7 +108,7 @@ def cmd_ls(root):
     found = list_checkpoints(root)
     if not found:
         return _fail(CheckpointError(f"{root}: no checkpoints"))
-    latest = latest_name(root)
+    latest = _latest(root)
     for c in found:
         size = sum(e.stat().st_size for e in os.scandir(c["path"]) if e.is_file())
         state = "complete" if c["complete"] else "incomplete"
@@ -133,7 +141,11 @@ def cmd_verify(root_or_ckpt_dir):
     found = list_checkpoints(path)
     if not found:
         return _fail(CheckpointError(f"{path}: no checkpoints"))
-    latest, bad = latest_name(path), 0
+    latest, problem = read_latest(path)
+    bad = 0
+    if problem:
+        print(f"{LATEST}: ignored: {problem}")
+        bad += 1
     if latest and latest not in [c["name"] for c in found]:
         print(f"{LATEST}: names {latest}, which does not exist")
         bad += 1

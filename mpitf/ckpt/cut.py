@@ -22,8 +22,9 @@ cut is consistent.
 import logging
 
 from ..wire import protocol as P
+from .files import writing
 from .lock import acquire
-from .names import checkpoint_name, read_manifest
+from .names import MANIFEST, checkpoint_name, read_manifest, shard_name
 from .restore import load_shard
 from .verify import find_restorable
 from .write import prepare_save, set_aside_newer, write_manifest, write_shard
@@ -41,8 +42,9 @@ def request(root, step, send_control):
     checkpoint that can stand at ``step`` is the restored one itself (a run resumed at its
     last step): then nothing is sent. A leftover directory is cleared first.
     """
-    if not prepare_save(root, step):
-        return False
+    with writing(f"{root}/{checkpoint_name(step)}", "checkpoint directory"):
+        if not prepare_save(root, step):
+            return False
     send_control(P.SAVE)
     return True
 
@@ -55,10 +57,11 @@ def save_shard(comm, chief, root, ps_task, num_ps, global_step, slices, backend,
     push; ``paused`` are the workers waiting for the chief's release.
     """
     ckpt_dir = f"{root}/{checkpoint_name(global_step)}"
-    entry = write_shard(ckpt_dir, ps_task, num_ps, global_step, slices,
-                        backend.to_host(params),
-                        {k: backend.to_host(v) for k, v in slots.items()},
-                        None if average is None else backend.to_host(average))
+    with writing(f"{ckpt_dir}/{shard_name(ps_task, num_ps)}", "checkpoint shard"):
+        entry = write_shard(ckpt_dir, ps_task, num_ps, global_step, slices,
+                            backend.to_host(params),
+                            {k: backend.to_host(v) for k, v in slots.items()},
+                            None if average is None else backend.to_host(average))
     report = dict(entry=entry, ps_task=ps_task, global_step=global_step,
                   positions={w: {"epoch": int(e), "cursor": int(c)}
                              for w, (e, c) in positions.items()},
@@ -86,8 +89,9 @@ def commit(root, reports, variables, layout, max_to_keep):
     if len(steps) > 1:
         _log.warning("ps tasks cut the checkpoint at different steps %s", sorted(steps))
     step = reports[0]["global_step"]
-    path = write_manifest(root, step, [r["entry"] for r in reports], variables, layout,
-                          reports[0]["positions"], max_to_keep=max_to_keep)
+    with writing(f"{root}/{checkpoint_name(step)}/{MANIFEST}", "checkpoint manifest"):
+        path = write_manifest(root, step, [r["entry"] for r in reports], variables, layout,
+                              reports[0]["positions"], max_to_keep=max_to_keep)
     print(f"checkpoint {path} at step {step}", flush=True)
     return step
 

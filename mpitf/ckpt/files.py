@@ -4,12 +4,46 @@ Every file of a checkpoint (each shard, the manifest, ``latest``) and an exporte
 goes through :func:`commit_file`, so a crash leaves the old file or the new one, never half.
 """
 
+import contextlib
 import errno
 import hashlib
 import os
 import zlib
 
 import numpy as np
+
+from ..errors import CheckpointError
+from ..runtime.exits import EXIT_IO
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint file could not be written; the job ends with ``exit_code`` (74)."""
+
+    exit_code = EXIT_IO
+
+
+def os_cause(exc):
+    """Return the short cause of an OSError (h5py's included): ``No space left on device``."""
+    if getattr(exc, "errno", None):
+        return os.strerror(exc.errno)
+    text = str(exc)
+    for key in ("error message = '", "errno = "):
+        if key in text:  # h5py: "... errno = 28, error message = 'No space left on device'"
+            tail = text.split(key, 1)[1]
+            return tail.split("'", 1)[0] if key.endswith("'") else f"errno {tail.split(',')[0]}"
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+@contextlib.contextmanager
+def writing(path, what="checkpoint file"):
+    """Turn an OSError while writing ``path`` into one line; remove its ``.tmp`` leftover."""
+    try:
+        yield
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        raise CheckpointWriteError(f"cannot write {what} {path}: {os_cause(exc)}; the earlier "
+                                   "checkpoints and `latest` are untouched") from None
 
 
 def _fsync_dir(path):

@@ -119,7 +119,7 @@ def _owner_at(path):
 
 
 def _flock(fd):
-    """Try an exclusive flock; return True (got it), False (held elsewhere) or None (unsupported)."""
+    """Try an exclusive flock: True (got it), False (held elsewhere), None (unsupported)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
@@ -137,6 +137,8 @@ def _fs_error(root, e):
         cause = "read-only file system"
     elif e.errno in (errno.EACCES, errno.EPERM):
         cause = "not writable (permission denied)"
+    elif e.errno == errno.ENOTDIR:
+        cause = "a part of the path is a file, not a directory"
     return CheckpointError(f"checkpoint directory {root}: {cause}")
 
 

@@ -25,14 +25,35 @@ def shard_name(ps_task, num_ps):
     return f"shard-{int(ps_task):05d}-of-{int(num_ps):05d}.h5"
 
 
+def read_latest(root):
+    """Return ``(name, problem)`` of ``latest``: the checkpoint name it holds, or why none.
+
+    ``(None, None)`` when there is no ``latest``; a ``latest`` that is a directory, holds
+    binary bytes or something other than a checkpoint name gives ``(None, problem)``.
+    """
+    path = os.path.join(root, LATEST)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(4096)
+    except FileNotFoundError:
+        return None, None
+    except IsADirectoryError:
+        return None, f"{path} is a directory, not a file naming a checkpoint"
+    except OSError as e:
+        return None, f"{path} is unreadable ({e.strerror})"
+    try:
+        text = data.decode("ascii").strip()
+    except UnicodeDecodeError:
+        return None, f"{path} holds binary bytes, not a checkpoint name"
+    name = os.path.basename(text)
+    if not CKPT_RE.match(name):
+        return None, f"{path} holds {text[:40]!r}, not a checkpoint name like ckpt-00001200"
+    return name, None
+
+
 def latest_name(root):
     """Return the checkpoint name ``latest`` holds, or None if it is missing or not one."""
-    try:
-        with open(os.path.join(root, LATEST)) as f:
-            name = os.path.basename(f.read().strip())
-    except FileNotFoundError:
-        return None
-    return name if CKPT_RE.match(name) else None
+    return read_latest(root)[0]
 
 
 def list_checkpoints(root):

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from .files import sha256
-from .names import MANIFEST, latest_name, list_checkpoints, read_manifest
+from .names import MANIFEST, list_checkpoints, read_latest, read_manifest
 from .pieces import cover, read_piece, walk
 
 
@@ -94,7 +94,9 @@ def find_restorable(root, log=print):
     checkpoint passed over. Raises CheckpointError if checkpoints exist but none verifies.
     """
     found = list_checkpoints(root)
-    latest = latest_name(root)
+    latest, problem = read_latest(root)
+    if problem:
+        log(f"ignoring {problem}; choosing the newest checkpoint that verifies")
     names = [c["name"] for c in found]
     if (latest is None and not any(c["complete"] for c in found)) or not names:
         for name in names:

@@ -22,6 +22,7 @@ from .names import (
     checkpoint_name,
     latest_name,
     list_checkpoints,
+    read_manifest,
     shard_name,
 )
 from .verify import verify_checkpoint
@@ -50,7 +51,9 @@ def write_shard(ckpt_dir, ps_task, num_ps, global_step, slices, params, slots=No
         buffers.append(("average", average))
     fname = shard_name(ps_task, num_ps)
     path = os.path.join(ckpt_dir, fname)
-    with h5py.File(path + ".tmp", "w") as f:
+    # The file is built in memory and written with plain I/O: a full or failing disk is
+    # then one OSError here, not HDF5 errors raised while objects are freed.
+    with h5py.File(fname, "w", driver="core", backing_store=False) as f:
         f.attrs.update(global_step=int(global_step), ps_task=int(ps_task),
                        num_ps=int(num_ps), format_version=FORMAT_VERSION)
         for prefix, buf in buffers:
@@ -68,6 +71,11 @@ def write_shard(ckpt_dir, ps_task, num_ps, global_step, slices, params, slots=No
                 ds.attrs.update(start=int(s.start), stop=int(s.stop),
                                 shape=np.array(s.shape, dtype=np.int64),
                                 dtype=np.dtype(s.dtype).str, crc32=crc32(data, s.dtype))
+        f.flush()
+        image = f.id.get_file_image()
+    with open(path + ".tmp", "wb") as out:
+        out.write(image)
+    del image
     commit_file(path + ".tmp", path)
     return {"file": fname, "ps_task": int(ps_task), "global_step": int(global_step),
             "sha256": sha256(path)}
@@ -101,15 +109,20 @@ def set_aside_newer(root, global_step, log=print):
     moved = []
     for info in list_checkpoints(root):
         if info["global_step"] > global_step:
-            n = 1
-            while os.path.exists(f"{info['path']}.skipped-{n}"):
-                n += 1
-            target = f"{info['path']}.skipped-{n}"
-            os.replace(info["path"], target)
+            target = _set_aside(info["path"])
             moved.append(target)
             log(f"set aside {info['name']} (newer than the restored step {global_step}) "
                 f"as {os.path.basename(target)}")
     return moved
+
+
+def _set_aside(path):
+    """Rename ``path`` to the first free ``path.skipped-N``; return the new path."""
+    n = 1
+    while os.path.exists(f"{path}.skipped-{n}"):
+        n += 1
+    os.replace(path, f"{path}.skipped-{n}")
+    return f"{path}.skipped-{n}"
 
 
 def write_manifest(root, global_step, shard_entries, variables, layout, workers, extra=None,
@@ -148,7 +161,10 @@ def write_manifest(root, global_step, shard_entries, variables, layout, workers,
         "extra": dict(extra or {}), "time": time.time(),
     }
     write_text(os.path.join(ckpt_dir, MANIFEST), json.dumps(manifest, indent=1) + "\n")
-    write_text(os.path.join(root, LATEST), checkpoint_name(global_step) + "\n")
+    latest = os.path.join(root, LATEST)
+    if os.path.isdir(latest) and not os.path.islink(latest):  # garbage; never deleted
+        _set_aside(latest)
+    write_text(latest, checkpoint_name(global_step) + "\n")
     _prune(root, checkpoint_name(global_step), max_to_keep)
     return ckpt_dir
 
@@ -170,14 +186,26 @@ def _remove(path):
 
 def _prune(root, current, max_to_keep):
     # Complete checkpoints newer than this one belong to a run that fell back to an older
-    # one; they are not counted and not deleted (prepare_save replaces them in turn).
+    # one; they are not counted and not deleted (prepare_save replaces them in turn). A
+    # directory whose name is not ckpt-<step> is not listed at all, and a "complete" one
+    # whose manifest cannot be read or names another step is left alone: only what is
+    # known to be a checkpoint is deleted.
     found = list_checkpoints(root)
     step = int(CKPT_RE.match(current)[1])
     complete = [c["name"] for c in found if c["complete"] and c["global_step"] <= step]
     keep = set(complete[-max_to_keep:] if max_to_keep else complete) | {current}
-    newest = max(c["global_step"] for c in found if c["complete"])
+    newest = max((c["global_step"] for c in found if c["complete"]), default=step)
     for c in found:
         if c["name"] in keep or c["global_step"] > step:
             continue
-        if c["complete"] or c["global_step"] < newest:
+        if c["complete"] and _identified(c):
             _remove(c["path"])
+        elif not c["complete"] and c["global_step"] < newest:
+            _remove(c["path"])
+
+
+def _identified(info):
+    try:
+        return int(read_manifest(info["path"])["global_step"]) == info["global_step"]
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        return False

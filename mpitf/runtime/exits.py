@@ -19,6 +19,8 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 # Exit code meaning "a checkpoint was written on a signal: requeue me" (sysexits' EX_TEMPFAIL).
 EXIT_REQUEUE = 75
+# Exit code of a job ended because a checkpoint could not be written (sysexits' EX_IOERR).
+EXIT_IO = 74
 
 
 def world_rank():
@@ -94,7 +96,7 @@ def abort_on_error():
             import traceback
 
             traceback.print_exc()
-        _abort(EXIT_ERROR)
+        _abort(getattr(exc, "exit_code", EXIT_ERROR))
 
 
 
