@@ -1,3 +1,4 @@
+import json
 import os
 import tempfile
 
@@ -422,3 +423,44 @@ def test_the_cut_saves_and_restores_a_gpu_shard_through_host_memory(tmp_path):
     for buf, salt in ((params, 0), (m, 1), (average, 10)):
         np.testing.assert_array_equal(buf.get(), shard_of(target, 0, values_at(3, salt=salt)))
     assert not v.get().any()
+
+
+def test_max_to_keep_0_keeps_all(tmp_path):
+    for step in range(100, 900, 100):
+        save(str(tmp_path), step, max_to_keep=0)
+    assert [c["global_step"] for c in list_checkpoints(str(tmp_path))] == \
+        list(range(100, 900, 100))
+
+
+def test_pruning_leaves_what_it_cannot_identify(tmp_path):
+    root = str(tmp_path)
+    (tmp_path / "ckpt-notastep").mkdir()
+    (tmp_path / "ckpt-00000100.skipped-1").mkdir()
+    save(root, 100)
+    save(root, 200)
+    (tmp_path / "ckpt-00000200" / "manifest.json").write_bytes(b"\x00 not json")
+    mislabelled = save(root, 300)
+    manifest = json.loads((tmp_path / "ckpt-00000300" / "manifest.json").read_text())
+    os.rename(mislabelled, tmp_path / "ckpt-00000250")  # its manifest says step 300
+    for step in (400, 500):
+        save(root, step, max_to_keep=1)
+    assert manifest["global_step"] == 300
+    assert sorted(os.listdir(root)) == sorted(
+        ["ckpt-00000200", "ckpt-00000250", "ckpt-00000500", "ckpt-notastep",
+         "ckpt-00000100.skipped-1", "latest"])
+
+
+def test_pruning_never_deletes_a_checkpoint_newer_than_the_restored_one(tmp_path):
+    root = str(tmp_path)
+    for step in (100, 200, 300, 400):
+        save(root, step)
+    (tmp_path / "latest").write_text("ckpt-00000200\n")  # 300 and 400 are past `latest`
+    lines = []
+    path, _ = find_restorable(root, log=lines.append)
+    assert os.path.basename(path) == "ckpt-00000200"
+    newer = {n: sorted(os.listdir(tmp_path / n)) for n in ("ckpt-00000300", "ckpt-00000400")}
+    for step in (210, 220, 230):  # a library caller that did not set the newer ones aside
+        save(root, step, max_to_keep=1)
+    assert [c["global_step"] for c in list_checkpoints(root)] == [230, 300, 400]
+    assert {n: sorted(os.listdir(tmp_path / n)) for n in newer} == newer
+    assert verify_checkpoint(str(tmp_path / "ckpt-00000400")) == []

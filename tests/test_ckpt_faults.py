@@ -232,6 +232,21 @@ def test_a_read_only_checkpoint_dir_ends_every_rank_with_one_line(tmp, tmpfs):
     assert one_error(run) == f"checkpoint directory {root / 'sub'}: read-only file system"
 
 
+def test_an_unwritable_checkpoint_dir_ends_every_rank_with_one_line(tmp):
+    # Root ignores permission bits; an immutable directory (chattr +i) refuses even root.
+    root = tmp / "immutable"
+    root.mkdir()
+    if subprocess.run(["chattr", "+i", str(root)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here")
+    try:
+        run = job(tmp, root, timeout=30)
+    finally:
+        subprocess.run(["chattr", "-i", str(root)], check=True)
+    assert run.returncode == EXIT_USAGE, run.output
+    assert one_error(run) == f"checkpoint directory {root}: not writable (permission denied)"
+    assert list(root.iterdir()) == []
+
+
 def test_a_full_disk_fails_the_save_leaves_the_earlier_ones_and_exits_74(tmp, tmpfs):
     root = tmpfs("160k")  # the lock and two checkpoints of ~55 KiB fit, a third does not
     run = job(tmp, root, steps=100)
