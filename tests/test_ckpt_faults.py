@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import pytest
 from mpitf.ckpt import lock as L
 from mpitf.ckpt.names import LATEST, checkpoint_name, list_checkpoints
 from mpitf.ckpt.verify import verify_checkpoint
-from mpitf.runtime.exits import EXIT_IO, EXIT_USAGE
+from mpitf.runtime.exits import EXIT_IO, EXIT_REQUEUE, EXIT_USAGE
 from mpitf.runtime.launch import mpiexec_command
 from mpitf.testing import kill_group, run_mpi
 
@@ -137,6 +138,28 @@ def test_a_second_job_is_refused_naming_the_first_and_touches_nothing(tmp):
     assert code == 0, log.read_text()
     assert steps_of(root) == list(range(10, 251, 10))  # --max-to-keep 0 kept all 25
     assert not (root / L.LOCK).exists()  # released when the first job ended
+
+
+def test_the_lock_is_released_on_the_requeue_exit(tmp):
+    root = tmp / "ckpt"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MPITF_TEST_STEP_SLEEP="0.02")
+    cmd = mpiexec_command(3, [sys.executable, JOB, *args(tmp, root, steps=5000, every=1000)])
+    with open(tmp / "out.log", "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                cwd=str(REPO), start_new_session=True,
+                                stdin=subprocess.DEVNULL)
+    try:
+        end = time.monotonic() + 30
+        while not (tmp / "run" / "metrics.jsonl").exists():
+            assert proc.poll() is None and time.monotonic() < end, (tmp / "out.log").read_text()
+            time.sleep(0.01)
+        assert (root / L.LOCK).exists()
+        proc.send_signal(signal.SIGTERM)  # Hydra forwards it to every rank
+        code = proc.wait(30)
+    finally:
+        kill_group(proc)
+    assert code == EXIT_REQUEUE, (tmp / "out.log").read_text()
+    assert not (root / L.LOCK).exists()
 
 
 def dead_pid():
