@@ -150,7 +150,7 @@ def test_the_lock_is_released_on_the_requeue_exit(tmp):
                                 stdin=subprocess.DEVNULL)
     try:
         end = time.monotonic() + 30
-        while not (tmp / "run" / "metrics.jsonl").exists():
+        while not re.search(r"^step 20,", (tmp / "out.log").read_text(), re.M):
             assert proc.poll() is None and time.monotonic() < end, (tmp / "out.log").read_text()
             time.sleep(0.01)
         assert (root / L.LOCK).exists()

@@ -11,6 +11,7 @@ held from another host is never guessed stale: the message says how to clear it.
 """
 
 import atexit
+import contextlib
 import errno
 import fcntl
 import json
@@ -125,10 +126,8 @@ def _flock(fd):
         return True
     except BlockingIOError:
         return False
-    except OSError as e:
-        if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-            return None
-        raise
+    except OSError:  # ENOLCK, ENOSYS, EOPNOTSUPP...: this file system has no flock
+        return None
 
 
 def _fs_error(root, e):
@@ -178,7 +177,8 @@ def acquire(root, log=print):
             os.fsync(fd)
         except OSError as e:
             os.close(fd)
-            os.remove(path)
+            with contextlib.suppress(OSError):
+                os.remove(path)
             raise _fs_error(root, e) from None
         _flock(fd)
         lock = Lock(path, fd, json.loads(json.dumps(me)))
