@@ -457,9 +457,10 @@ def test_checkpoint_of_other_shapes_is_refused_naming_the_variable(tmp):
     assert other.returncode != 0 and other.seconds < 15, other.output
     assert "variable 'hidden1/weights' has shape (64, 64) in the model but (64, 128)" in \
         other.output, other.output
-    # The checkpoint it refused is untouched and still verifies.
+    # The checkpoint it refused is untouched and still verifies. The aborted job leaves
+    # its lock file (MPI_Abort runs no exit handlers); the next job takes it over.
     after = {p.name: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-    assert after == before
+    assert {k: v for k, v in after.items() if k != ".mpitf-lock"} == before
     verify = subprocess.run([sys.executable, "-m", "mpitf.cli.main", "ckpt", "verify", str(root)],
                             capture_output=True, text=True, timeout=60, cwd=str(REPO))
     assert verify.returncode == 0, verify.stdout + verify.stderr

@@ -42,6 +42,12 @@ def _proc_start(pid):
 
 def _alive(pid):
     try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                return False  # exited, not yet reaped
+    except (OSError, IndexError):
+        pass  # no /proc (or the pid is gone): ask kill()
+    try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
@@ -70,8 +76,11 @@ def describe(owner):
     return text
 
 
-def stale_reason(owner, me):
-    """Return why the lock of ``owner`` may be taken over by ``me``, or None if it may not."""
+def stale_reason(owner, me, flock_free=False):
+    """Return why the lock of ``owner`` may be taken over by ``me``, or None if it may not.
+
+    ``flock_free``: the lock file's flock was just granted to ``me``.
+    """
     same_job = owner.get("slurm_job_id") and owner.get("slurm_job_id") == me["slurm_job_id"]
     if same_job and (owner.get("slurm_restart_count") or 0) < (me["slurm_restart_count"] or 0):
         return f"it is this Slurm job's own lock from before its requeue ({describe(owner)})"
@@ -84,6 +93,8 @@ def stale_reason(owner, me):
         return None  # this very process: _held answers before we get here
     if not _alive(pid):
         return f"its owner ({describe(owner)}) is gone"
+    if flock_free and owner.get("flock"):
+        return f"its owner ({describe(owner)}) no longer holds it (it is exiting)"
     start = _proc_start(pid)
     if owner.get("start") and start and start != owner["start"]:
         return f"pid {pid} is now another process than its owner ({describe(owner)})"
@@ -172,6 +183,7 @@ def acquire(root, log=print):
             continue
         except OSError as e:
             raise _fs_error(root, e) from None
+        me["flock"] = _flock(fd) is True
         try:
             os.write(fd, (json.dumps(me) + "\n").encode())
             os.fsync(fd)
@@ -180,7 +192,6 @@ def acquire(root, log=print):
             with contextlib.suppress(OSError):
                 os.remove(path)
             raise _fs_error(root, e) from None
-        _flock(fd)
         lock = Lock(path, fd, json.loads(json.dumps(me)))
         _held[path] = lock
         atexit.register(lock.release)
@@ -203,6 +214,12 @@ def _take_over(root, path, me, log):
             time.sleep(0.2)
             owner = _owner(fd)
         got = _flock(fd)
+        # A job killed a moment ago may still be exiting: give its flock a second to go.
+        end = time.monotonic() + 1.0
+        while got is False and owner and owner.get("host") == me["host"] \
+                and time.monotonic() < end:
+            time.sleep(0.05)
+            got = _flock(fd)
         how = f"if that job has ended, remove {path} and start again"
         if got is False:
             raise CheckpointLockedError(
@@ -211,7 +228,7 @@ def _take_over(root, path, me, log):
         if owner is None:
             raise CheckpointLockedError(f"checkpoint directory {root}: unreadable lock file "
                                         f"{path}; {how}")
-        why = stale_reason(owner, me)
+        why = stale_reason(owner, me, flock_free=got is True)
         if why is None:
             raise CheckpointLockedError(f"checkpoint directory {root} is in use by "
                                         f"{describe(owner)}; {how}")
