@@ -233,6 +233,8 @@ def test_the_readme_launcher_line_names_a_killed_rank(tmp):
         assert proc.returncode != 0 and seconds < 10, (seconds, text)
         if "rank 2 (/job:worker/task:1 on " in text and \
                 f"(pid {pid}) died without finishing" in text:
+            print(f"worker killed: named, job ended {seconds:.2f} s later (code "
+                  f"{proc.returncode})")
             return
         outputs.append(text)
     pytest.fail("no run named the killed rank:\n" + "\n----\n".join(outputs))
