@@ -18,6 +18,10 @@ from .errors import ConfigurationError
 __all__ = [
     "DEFAULT_DEADLINE",
     "MODES",
+    "SERVER_FIRST",
+    "STALL_FACTOR",
+    "STALL_FLOOR",
+    "STALL_WARMUP_STEPS",
     "JobConfig",
     "PsAssignment",
     "TrainingConfig",
@@ -31,9 +35,22 @@ __all__ = [
     "check_multiple",
     "check_number",
     "default_deadline",
+    "stall_allowance",
 ]
 
 DEFAULT_DEADLINE = 300.0  # seconds a rank waits on a silent peer; MPITF_DEADLINE overrides it
+
+# Stall detection. With no --deadline flag the waits adapt to the step time: once
+# STALL_WARMUP_STEPS steps have run, a silent rank ends the job within
+# max(STALL_FLOOR, STALL_FACTOR x the slowest step seen so far), never later than the
+# deadline. Start-up (imports, data, the first pull) and checkpoint writes (file-system
+# speed, not step time) keep the whole deadline. ``--deadline S`` asks for a fixed S.
+STALL_FLOOR = 30.0  # scheduling hiccups, a swapping node, a GC pause: never name a rank sooner
+STALL_FACTOR = 10.0  # a step 10x slower than the slowest yet is a stall, not noise
+STALL_WARMUP_STEPS = 5  # the first steps (compilation, caches, page faults) are not typical
+# A worker waiting on a ps cannot tell a silent ps from a ps waiting (sync) on a silent
+# worker; the ps can. So the rank that waits on workers waits 1/SERVER_FIRST as long.
+SERVER_FIRST = 1.5
 MODES = ("sync", "async", "ssp")
 
 
@@ -113,6 +130,21 @@ def check_deadline(value):
     if value is None:
         return None
     return check_number("deadline", value, low=0.0, low_open=True)
+
+
+def stall_allowance(slowest_step, steps_seen, deadline=DEFAULT_DEADLINE):
+    """Return the seconds a worker waits on a ps after ``steps_seen`` steps (None: forever).
+
+    The adaptive rule: ``SERVER_FIRST * deadline`` until STALL_WARMUP_STEPS steps have run,
+    then max(STALL_FLOOR, STALL_FACTOR * ``slowest_step``), at most that. A ps waits on a
+    worker ``1 / SERVER_FIRST`` of it, so it speaks first.
+    """
+    if deadline is None:
+        return None
+    cap = SERVER_FIRST * deadline
+    if steps_seen < STALL_WARMUP_STEPS:
+        return cap
+    return min(cap, max(STALL_FLOOR, STALL_FACTOR * slowest_step))
 
 
 def default_deadline():
@@ -218,6 +250,7 @@ class JobConfig:
     lr_decay: float = None
     lr_decay_steps: int = 100
     deadline: float = field(default_factory=default_deadline)
+    fixed_deadline: bool = False  # True: every wait is ``deadline``; False: adaptive, up to it
     data: str = None
     export: str = None
     gpu_memory_fraction: float = None
@@ -251,6 +284,7 @@ class JobConfig:
                    optimizer=args.optimizer, lr=args.lr, lr_decay=args.lr_decay,
                    lr_decay_steps=args.lr_decay_steps,
                    deadline=default_deadline() if args.deadline is None else args.deadline,
+                   fixed_deadline=args.deadline is not None,
                    data=args.data, export=args.export,
                    gpu_memory_fraction=args.gpu_memory_fraction)
 
@@ -261,7 +295,8 @@ class PsAssignment:
 
     Fields: slices (this ps's variable slices), shard_size, dtype (a numpy dtype string),
     num_ps, optimizer (an ``Optimizer.config()`` dict), restore (a checkpoint directory or
-    None), chief_rank, deadline (seconds, or None), chunk_bytes (or None),
+    None), chief_rank, deadline (seconds, or None), adaptive (True: the deadline is an upper
+    bound and waits adapt to the step time, see ``stall_allowance``), chunk_bytes (or None),
     total_num_replicas (the workers that push, or None: all).
     """
 
@@ -273,5 +308,6 @@ class PsAssignment:
     chief_rank: int
     restore: str = None
     deadline: float = None
+    adaptive: bool = False
     chunk_bytes: int = None
     total_num_replicas: int = None

@@ -66,9 +66,11 @@ def add_training_arguments(parser, steps=300, batch_size=32, lr=_JOB["lr"]):
     g.add_argument("--max-to-keep", type=int, default=_TRAINING["max_to_keep"],
                    help="checkpoints kept")
     g.add_argument("--deadline", type=float, default=None,
-                   help="seconds to wait on a silent rank before ending the job (default: "
-                        f"$MPITF_DEADLINE, else {DEFAULT_DEADLINE:g}; set it above the "
-                        "longest step)")
+                   help="a fixed number of seconds to wait on a silent rank before ending "
+                        "the job (set it above the longest step and checkpoint). Without "
+                        "it, a silent rank is named within max(30 s, 10 x the slowest step "
+                        "so far) once a few steps have run, and start-up and checkpoints "
+                        f"may take up to $MPITF_DEADLINE, else {DEFAULT_DEADLINE:g} s")
     g.add_argument("--timeline", default=None, help="write a Chrome trace of every rank here")
     g.add_argument("--log-device-placement", action="store_true",
                    help="print which rank runs which task, and (the chief) which ps task "
@@ -264,7 +266,7 @@ def start_job(args, config, check_cluster=None):
             check_cluster(cluster)
         except MpitfError as exc:
             raise collective(exc) from None
-    server = Server(cluster, deadline=config.deadline)
+    server = Server(cluster, deadline=config.deadline, fixed_deadline=config.fixed_deadline)
     check_roles(args, server)
     if args.log_device_placement:
         server.describe()  # rank 0 prints the rank -> task -> host table

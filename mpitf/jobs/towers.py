@@ -52,7 +52,8 @@ def main(argv=None):
             "towers without a ps train in one process: run without mpiexec, or give "
             "--num-ps to push through ps tasks"))
     path = data_path(config, world)
-    server = Server(cluster, deadline=config.deadline) if cluster.num_tasks("ps") else None
+    server = Server(cluster, deadline=config.deadline, fixed_deadline=config.fixed_deadline) \
+        if cluster.num_tasks("ps") else None
     if server is not None:
         check_roles(args, server)
         setup_backend(args, server)  # where the session's push/pull buffers live

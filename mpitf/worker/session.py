@@ -15,6 +15,7 @@ from ..config import TrainingConfig
 from ..errors import ConfigurationError, NonFiniteGradientError
 from ..placement import replica_device_setter
 from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
+from ..runtime.stall import StepClock
 from ..runtime.timeline import Timeline
 from ..wire import protocol as P
 from .client import Client
@@ -72,7 +73,9 @@ class TrainingSession:
         placement = replica_device_setter(server.cluster, ps_strategy=config.ps_strategy,
                                           partitioner=partitioner)
         self.placement = placement.place(model.variables())
-        self.client = Client(server, self.placement, deadline=server.deadline)
+        self.client = Client(server, self.placement, deadline=server.deadline,
+                             adaptive=not server.fixed_deadline)
+        self.stall = StepClock(server.deadline, adaptive=not server.fixed_deadline)
         self.hooks = []
         if config.last_step is not None:
             self.hooks.append(StopAtStepHook(config.last_step))
@@ -105,10 +108,9 @@ class TrainingSession:
         self.global_step = self.last_reply.global_step
         self.optimizer = optimizer
         # A worker waiting on a reply cannot tell a silent ps from a ps waiting (sync) on a
-        # silent worker; the ps can. Its deadline (sent in start()) runs out first, so the
-        # message names the right rank.
-        if self.server.deadline is not None:
-            self.client.deadline = 1.5 * self.server.deadline
+        # silent worker; the ps can. Its allowance (the clock's, scaled) runs out first, so
+        # the message names the right rank.
+        self.client.deadline = self.stall.allowance
         if restore is not None:
             self._restore_position(restore)
             if self.server.is_chief:
@@ -181,6 +183,8 @@ class TrainingSession:
             self._pause()
         for hook in self.hooks:
             hook.after_run(self, self.loss)
+        self.stall.tick(time.monotonic())
+        self.client.deadline = self.stall.allowance
         return self.loss
 
     def _cut_due(self):
@@ -196,6 +200,8 @@ class TrainingSession:
 
     def _pause(self):
         """Stop for a checkpoint cut; the chief writes the manifest and releases the others."""
+        self.stall.pause()  # writing takes what the file system takes: the whole deadline
+        self.client.deadline = self.stall.allowance
         self.client.send_control(P.PAUSED)
         with self.timeline.span("checkpoint", step=self.global_step):
             if self.server.is_chief:
