@@ -15,9 +15,10 @@ from mpi4py import MPI
 
 from mpitf.cli.flags import (
     add_training_arguments,
+    check_inputs,
     check_roles,
+    chief_rank,
     config_from_args,
-    data_path,
     evaluate_session,
     model_from_config,
     optimizer_from_config,
@@ -51,10 +52,12 @@ def main(argv=None):
         raise collective(ConfigurationError(
             "towers without a ps train in one process: run without mpiexec, or give "
             "--num-ps to push through ps tasks"))
-    path = data_path(config, world)
     server = Server(cluster, deadline=config.deadline) if cluster.num_tasks("ps") else None
     if server is not None:
         check_roles(args, server)
+    path = check_inputs(config, world, 0) if server is None else \
+        check_inputs(config, server.comm, chief_rank(server))
+    if server is not None:
         setup_backend(args, server)  # where the session's push/pull buffers live
         if server.job_name == "ps":
             server.join()
