@@ -92,10 +92,17 @@ def test_a_cluster_without_ps_is_refused(data, tmp_path):
             "mnist_mlp trains through ps tasks but the cluster has none", tmp_path)
 
 
-def test_an_unwritable_run_dir_is_refused_before_training(data, tmp_path):
+@pytest.mark.parametrize("flag", ["--run-dir", "--timeline"])
+def test_an_unwritable_run_dir_or_timeline_is_refused_before_training(data, tmp_path, flag):
     (tmp_path / "afile").write_text("")
-    run = job(3, data, tmp_path, "--run-dir", "afile/run")
-    refused(run, f"--run-dir afile/run: {tmp_path / 'afile'} is not a directory", tmp_path)
+    run = job(3, data, tmp_path, flag, "afile/out")
+    refused(run, f"{flag} afile/out: {tmp_path / 'afile'} is not a directory", tmp_path)
+
+
+def test_a_batch_larger_than_a_shard_is_refused(data, tmp_path):
+    run = job(3, data, tmp_path, "--batch-size", "5000")
+    refused(run, f"data file {data}: the smallest of 2 shards (workers) of x_train holds 719 "
+                 "samples, fewer than batch_size=5000", tmp_path)
 
 
 @pytest.mark.parametrize("export, cause", [

@@ -152,13 +152,15 @@ def config_from_args(args):
         raise collective(exc) from None
 
 
-def check_inputs(config, comm, chief=0):
-    """Check the data file (rank 0) and the output paths (the chief) before any step.
+def check_inputs(config, comm, chief=0, num_shards=1, batch_size=None):
+    """Check the data file and --timeline (rank 0) and the chief's output paths, up front.
 
-    One rank looks at each and every rank learns the outcome, so a missing file, bad labels
-    or an unwritable ``--run-dir``/``--export`` give one message and every rank exits 2,
-    before training (not after it, losing the result). ``chief`` is the rank of worker
-    task 0 in ``comm``, the rank that writes them. Returns the data file.
+    One rank looks at each and every rank learns the outcome, so a missing file, bad labels,
+    a batch larger than a worker's shard (``num_shards`` workers of ``batch_size``, default
+    the configuration's) or an unwritable ``--run-dir``/``--export``/``--timeline`` give one
+    message and every rank exits 2, before training (not after it, losing the result).
+    ``chief`` is the rank of worker task 0 in ``comm``, which writes the run directory and
+    the export. Returns the data file.
     """
     from ..data.datasets import default_data_path, ensure_digits
     from ..data.sharded import check_file
@@ -167,7 +169,12 @@ def check_inputs(config, comm, chief=0):
     rank, problem = comm.Get_rank(), None
     try:
         if rank == 0:
-            check_file(ensure_digits(path) if not config.data else path)
+            check_file(ensure_digits(path) if not config.data else path,
+                       batch_size=batch_size or config.training.batch_size,
+                       num_shards=num_shards)
+            if config.training.timeline:
+                _check_writable_dir("--timeline", config.training.timeline,
+                                    os.path.dirname(os.path.abspath(config.training.timeline)))
         if rank == chief:
             check_output_paths(config)
     except (MpitfError, OSError) as exc:  # handed to every rank just below
@@ -326,7 +333,8 @@ def start_job(args, config, check_cluster=None):
     if args.log_device_placement:
         server.describe()  # rank 0 prints the rank -> task -> host table
     setup_backend(args, server)
-    return server, check_inputs(config, server.comm, chief_rank(server))
+    return server, check_inputs(config, server.comm, chief_rank(server),
+                                num_shards=cluster.num_tasks("worker"))
 
 
 def chief_rank(server):

@@ -65,14 +65,15 @@ def _read(path, name, dset, start, stop):
         raise DataError(f"data file {path}: cannot read {name}[{start}:{stop}]: {exc}") from None
 
 
-def check_file(path, splits=("train", "test"), num_classes=10):
+def check_file(path, splits=("train", "test"), num_classes=10, batch_size=None, num_shards=1):
     """Raise DataError (naming the file and the array) unless ``path`` is fit to train on.
 
     Every split must be there with labels of an integer type in ``[0, classes)`` (the
     file's ``num_classes`` attribute, else ``num_classes``): a label of -1 would index the
     last class and a float label would be truncated, silently. Every split's samples must
     have the train split's shape, and an ``image_shape`` attribute must hold one sample.
-    Labels are read whole (one integer per sample); features only by their shape.
+    With ``batch_size``, the smallest of ``num_shards`` shards of the first split must hold
+    a batch. Labels are read whole (one integer per sample); features only by their shape.
     """
     shape = None
     for split in splits:
@@ -84,6 +85,12 @@ def check_file(path, splits=("train", "test"), num_classes=10):
                                 f"{x.dtype}")
             if shape is None:
                 shape = x.shape[1:]
+                smallest = x.shape[0] // num_shards
+                if batch_size is not None and smallest < batch_size:
+                    raise DataError(
+                        f"data file {path}: the smallest of {num_shards} shards (workers) of "
+                        f"x_{split} holds {smallest} samples, fewer than batch_size="
+                        f"{batch_size}; use a smaller --batch-size")
                 image_shape = _attr(f, "image_shape")
                 if image_shape is not None and np_prod(image_shape) != np_prod(shape):
                     raise DataError(
