@@ -17,6 +17,7 @@ from .errors import ConfigurationError
 
 __all__ = [
     "DEFAULT_DEADLINE",
+    "DEFAULT_MAX_NONFINITE_SKIPS",
     "MODES",
     "SERVER_FIRST",
     "STALL_FACTOR",
@@ -51,6 +52,9 @@ STALL_WARMUP_STEPS = 5  # the first steps (compilation, caches, page faults) are
 # A worker waiting on a ps cannot tell a silent ps from a ps waiting (sync) on a silent
 # worker; the ps can. So the rank that waits on workers waits 1/SERVER_FIRST as long.
 SERVER_FIRST = 1.5
+# Consecutive non-finite gradients a worker may skip before the job ends (--max-nonfinite-skips):
+# a few bad batches are noise, a hundred in a row mean the parameters themselves diverged.
+DEFAULT_MAX_NONFINITE_SKIPS = 100
 MODES = ("sync", "async", "ssp")
 
 
@@ -177,6 +181,8 @@ class TrainingConfig:
         deterministic: sync: sum gradients in worker order (bit-for-bit runs).
         staleness: ssp: the largest lead of a worker over the slowest.
         skip_nonfinite: drop NaN/Inf gradients and count them instead of stopping.
+        max_nonfinite_skips: with skip_nonfinite, the job ends (naming the variable) when a
+            worker has skipped this many gradients in a row.
         moving_average_decay: keep an exponential moving average (None: none).
         ps_strategy: how variables go to ps tasks (None: the placement's default).
         seed: seed of the initial values.
@@ -197,6 +203,7 @@ class TrainingConfig:
     deterministic: bool = False
     staleness: int = 2
     skip_nonfinite: bool = False
+    max_nonfinite_skips: int = DEFAULT_MAX_NONFINITE_SKIPS
     moving_average_decay: float = None
     ps_strategy: str = None
     seed: int = 0
@@ -221,6 +228,11 @@ class TrainingConfig:
             check_int("replicas_to_aggregate (leave it out for every worker)",
                       self.replicas_to_aggregate, 1)
         check_int("staleness", self.staleness, 0)
+        if self.deterministic and self.mode != "sync":
+            raise ConfigurationError(
+                f"deterministic (--deterministic) needs mode 'sync', got {self.mode!r}: in "
+                f"{self.mode} mode the order of updates depends on timing; drop one of them")
+        check_int("max_nonfinite_skips (--max-nonfinite-skips)", self.max_nonfinite_skips, 1)
         if self.moving_average_decay is not None:
             check_moving_average_decay(self.moving_average_decay)
         check_int("seed", self.seed, 0)
@@ -277,6 +289,7 @@ class JobConfig:
             save_checkpoint_secs=args.checkpoint_secs, max_to_keep=args.max_to_keep,
             replicas_to_aggregate=args.replicas_to_aggregate, deterministic=args.deterministic,
             staleness=args.staleness, skip_nonfinite=args.skip_nonfinite,
+            max_nonfinite_skips=args.max_nonfinite_skips,
             moving_average_decay=args.moving_average_decay, ps_strategy=args.ps_strategy,
             seed=args.seed, log_every=args.log_every, run_dir=args.run_dir,
             timeline=args.timeline)

@@ -69,6 +69,8 @@ class TrainingSession:
         self._stop = False
         self.requeue = False
         self.steps_run = 0
+        self.nonfinite_skipped = 0  # gradients this worker dropped for NaN/Inf, in all
+        self.skips_in_a_row = 0
         self.loss = None  # no step run yet (e.g. resumed at the last step)
         placement = replica_device_setter(server.cluster, ps_strategy=config.ps_strategy,
                                           partitioner=partitioner)
@@ -164,14 +166,8 @@ class TrainingSession:
         state = self.dataset.state() if self.dataset is not None else {"epoch": 0, "cursor": 0}
         bad = self.client.nonfinite_gradient()
         if bad is not None:
-            if not self.config.skip_nonfinite:
-                raise NonFiniteGradientError(
-                    f"the gradient of variable {bad!r} holds NaN or Inf at step "
-                    f"{self.global_step}; pass skip_nonfinite (--skip-nonfinite) to drop such "
-                    f"gradients instead")
-            self.last_reply = self.client.skip_push()
-            self.global_step = self.last_reply.global_step
-            return self.loss
+            return self._skip(bad)
+        self.skips_in_a_row = 0
         if self.server.is_chief and self._cut_due():
             self._send_save(self.global_step + 1)
         with tl.span("push_pull", step=self.global_step):
@@ -185,6 +181,37 @@ class TrainingSession:
             hook.after_run(self, self.loss)
         self.stall.tick(time.monotonic())
         self.client.deadline = self.stall.allowance
+        return self.loss
+
+    def _skip(self, variable):
+        """Drop a gradient holding NaN/Inf in ``variable`` (with skip_nonfinite), or raise.
+
+        A checkpoint cut still happens while skipping (a signal, or one due), so a job whose
+        parameters went Inf still checkpoints and exits on SIGTERM/SIGUSR1; after
+        ``max_nonfinite_skips`` in a row the job ends, naming the variable.
+        """
+        if not self.config.skip_nonfinite:
+            raise NonFiniteGradientError(
+                f"the gradient of variable {variable!r} holds NaN or Inf at step "
+                f"{self.global_step}; pass skip_nonfinite (--skip-nonfinite) to drop such "
+                f"gradients instead")
+        self.nonfinite_skipped += 1
+        self.skips_in_a_row += 1
+        limit = self.config.max_nonfinite_skips
+        if self.skips_in_a_row >= limit:
+            raise NonFiniteGradientError(
+                f"the gradient of variable {variable!r} held NaN or Inf {limit} steps in a row "
+                f"(at step {self.global_step}; {self.nonfinite_skipped} skipped in all): the "
+                "parameters have likely diverged; lower the learning rate, or raise "
+                "max_nonfinite_skips (--max-nonfinite-skips)")
+        if self.server.is_chief and self._cut_due():
+            self._send_save(self.global_step + 1)
+        self.last_reply = self.client.skip_push()
+        self.global_step = self.last_reply.global_step
+        for hook in self.hooks:
+            hook.after_skip(self, variable)
+        if self.last_reply.pause:
+            self._pause()
         return self.loss
 
     def _cut_due(self):
