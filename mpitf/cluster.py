@@ -19,6 +19,7 @@ from mpitf.errors import ConfigurationError
 
 __all__ = [
     "ClusterSpec", "add_cluster_arguments", "cluster_from_args", "check_claimed_role",
+    "claimed_roles",
     "split_address", "tf_config_task",
 ]
 
@@ -338,14 +339,15 @@ def cluster_from_args(args, world_size, env=os.environ):
     spec_flag = getattr(args, "cluster_spec", None)
     ps_hosts = getattr(args, "ps_hosts", None)
     worker_hosts = getattr(args, "worker_hosts", None)
-    if spec_flag and (ps_hosts or worker_hosts):
+    # A flag given empty ('') is an error, never "not given": it would train with defaults.
+    if spec_flag is not None and (ps_hosts is not None or worker_hosts is not None):
         raise ConfigurationError(
             "--cluster_spec and --ps_hosts/--worker_hosts both given: pass only one of them")
-    if spec_flag:
+    if spec_flag is not None:
         return ClusterSpec.from_string(spec_flag)
-    if ps_hosts and not worker_hosts:
+    if ps_hosts is not None and worker_hosts is None:
         raise ConfigurationError("--ps_hosts needs --worker_hosts: give both")
-    if worker_hosts:
+    if worker_hosts is not None:
         return ClusterSpec.from_hosts(ps_hosts, worker_hosts)
     if env.get("TF_CONFIG"):
         return ClusterSpec.from_tf_config(env["TF_CONFIG"])
@@ -358,16 +360,34 @@ def cluster_from_args(args, world_size, env=os.environ):
     return ClusterSpec.from_counts(num_ps, world_size - num_ps)
 
 
-def check_claimed_role(args, job, task_index, rank=None):
-    """Raise if --job_name/--task_index were given and disagree with this rank's role."""
-    claimed_job = getattr(args, "job_name", None)
-    claimed_task = getattr(args, "task_index", None)
-    if (claimed_job is None or claimed_job == job) and (
-            claimed_task is None or claimed_task == task_index):
-        return
-    claim = " ".join(f"--{k}={v}" for k, v in (("job_name", claimed_job),
-                                                ("task_index", claimed_task)) if v is not None)
-    who = "this MPI rank" if rank is None else f"MPI rank {rank}"
-    raise ConfigurationError(
-        f"{claim} but {who} runs /job:{job}/task:{task_index}; roles come from the MPI rank"
-        " (see mpitf.roles for the mapping policy): drop --job_name/--task_index or fix the spec")
+def claimed_roles(args, env=os.environ):
+    """Return the roles this rank was told to run: ``[(source, job, index)]``.
+
+    The sources are ``--job_name/--task_index`` and the ``task`` entry of TF_CONFIG when the
+    cluster comes from TF_CONFIG (no cluster flag given); either may leave out the index.
+    """
+    claims = []
+    job, task = getattr(args, "job_name", None), getattr(args, "task_index", None)
+    if job is not None or task is not None:
+        claim = " ".join(f"--{k}={v}" for k, v in (("job_name", job), ("task_index", task))
+                         if v is not None)
+        claims.append((claim, job, task))
+    flags = [getattr(args, k, None) for k in ("cluster_spec", "ps_hosts", "worker_hosts")]
+    if env.get("TF_CONFIG") and all(f is None for f in flags):
+        entry = tf_config_task(env["TF_CONFIG"])
+        if entry is not None:
+            claims.append((f"TF_CONFIG task {{\"type\": \"{entry[0]}\", \"index\": {entry[1]}}}",
+                           *entry))
+    return claims
+
+
+def check_claimed_role(args, job, task_index, rank=None, env=os.environ):
+    """Raise if --job_name/--task_index or TF_CONFIG's task disagree with this rank's role."""
+    for claim, claimed_job, claimed_task in claimed_roles(args, env):
+        if (claimed_job is None or claimed_job == job) and (
+                claimed_task is None or claimed_task == task_index):
+            continue
+        who = "this MPI rank" if rank is None else f"MPI rank {rank}"
+        raise ConfigurationError(
+            f"{claim} but {who} runs /job:{job}/task:{task_index}; roles come from the MPI "
+            "rank (see mpitf.roles for the mapping policy): drop the claim or fix the spec")

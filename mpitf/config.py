@@ -17,7 +17,12 @@ from .errors import ConfigurationError
 
 __all__ = [
     "DEFAULT_DEADLINE",
+    "DEFAULT_MAX_NONFINITE_SKIPS",
     "MODES",
+    "SERVER_FIRST",
+    "STALL_FACTOR",
+    "STALL_FLOOR",
+    "STALL_WARMUP_STEPS",
     "JobConfig",
     "PsAssignment",
     "TrainingConfig",
@@ -31,9 +36,25 @@ __all__ = [
     "check_multiple",
     "check_number",
     "default_deadline",
+    "stall_allowance",
 ]
 
 DEFAULT_DEADLINE = 300.0  # seconds a rank waits on a silent peer; MPITF_DEADLINE overrides it
+
+# Stall detection. With no --deadline flag the waits adapt to the step time: once
+# STALL_WARMUP_STEPS steps have run, a silent rank ends the job within
+# max(STALL_FLOOR, STALL_FACTOR x the slowest step seen so far), never later than the
+# deadline. Start-up (imports, data, the first pull) and checkpoint writes (file-system
+# speed, not step time) keep the whole deadline. ``--deadline S`` asks for a fixed S.
+STALL_FLOOR = 30.0  # scheduling hiccups, a swapping node, a GC pause: never name a rank sooner
+STALL_FACTOR = 10.0  # a step 10x slower than the slowest yet is a stall, not noise
+STALL_WARMUP_STEPS = 5  # the first steps (compilation, caches, page faults) are not typical
+# A worker waiting on a ps cannot tell a silent ps from a ps waiting (sync) on a silent
+# worker; the ps can. So the rank that waits on workers waits 1/SERVER_FIRST as long.
+SERVER_FIRST = 1.5
+# Consecutive non-finite gradients a worker may skip before the job ends (--max-nonfinite-skips):
+# a few bad batches are noise, a hundred in a row mean the parameters themselves diverged.
+DEFAULT_MAX_NONFINITE_SKIPS = 100
 MODES = ("sync", "async", "ssp")
 
 
@@ -115,6 +136,21 @@ def check_deadline(value):
     return check_number("deadline", value, low=0.0, low_open=True)
 
 
+def stall_allowance(slowest_step, steps_seen, deadline=DEFAULT_DEADLINE):
+    """Return the seconds a worker waits on a ps after ``steps_seen`` steps (None: forever).
+
+    The adaptive rule: ``SERVER_FIRST * deadline`` until STALL_WARMUP_STEPS steps have run,
+    then max(STALL_FLOOR, STALL_FACTOR * ``slowest_step``), at most that. A ps waits on a
+    worker ``1 / SERVER_FIRST`` of it, so it speaks first.
+    """
+    if deadline is None:
+        return None
+    cap = SERVER_FIRST * deadline
+    if steps_seen < STALL_WARMUP_STEPS:
+        return cap
+    return min(cap, max(STALL_FLOOR, STALL_FACTOR * slowest_step))
+
+
 def default_deadline():
     """Return the default deadline: $MPITF_DEADLINE when set, else ``DEFAULT_DEADLINE``."""
     text = os.environ.get("MPITF_DEADLINE", "").strip()
@@ -145,6 +181,8 @@ class TrainingConfig:
         deterministic: sync: sum gradients in worker order (bit-for-bit runs).
         staleness: ssp: the largest lead of a worker over the slowest.
         skip_nonfinite: drop NaN/Inf gradients and count them instead of stopping.
+        max_nonfinite_skips: with skip_nonfinite, the job ends (naming the variable) when a
+            worker has skipped this many gradients in a row.
         moving_average_decay: keep an exponential moving average (None: none).
         ps_strategy: how variables go to ps tasks (None: the placement's default).
         seed: seed of the initial values.
@@ -165,6 +203,7 @@ class TrainingConfig:
     deterministic: bool = False
     staleness: int = 2
     skip_nonfinite: bool = False
+    max_nonfinite_skips: int = DEFAULT_MAX_NONFINITE_SKIPS
     moving_average_decay: float = None
     ps_strategy: str = None
     seed: int = 0
@@ -189,6 +228,11 @@ class TrainingConfig:
             check_int("replicas_to_aggregate (leave it out for every worker)",
                       self.replicas_to_aggregate, 1)
         check_int("staleness", self.staleness, 0)
+        if self.deterministic and self.mode != "sync":
+            raise ConfigurationError(
+                f"deterministic (--deterministic) needs mode 'sync', got {self.mode!r}: in "
+                f"{self.mode} mode the order of updates depends on timing; drop one of them")
+        check_int("max_nonfinite_skips (--max-nonfinite-skips)", self.max_nonfinite_skips, 1)
         if self.moving_average_decay is not None:
             check_moving_average_decay(self.moving_average_decay)
         check_int("seed", self.seed, 0)
@@ -218,6 +262,7 @@ class JobConfig:
     lr_decay: float = None
     lr_decay_steps: int = 100
     deadline: float = field(default_factory=default_deadline)
+    fixed_deadline: bool = False  # True: every wait is ``deadline``; False: adaptive, up to it
     data: str = None
     export: str = None
     gpu_memory_fraction: float = None
@@ -244,6 +289,7 @@ class JobConfig:
             save_checkpoint_secs=args.checkpoint_secs, max_to_keep=args.max_to_keep,
             replicas_to_aggregate=args.replicas_to_aggregate, deterministic=args.deterministic,
             staleness=args.staleness, skip_nonfinite=args.skip_nonfinite,
+            max_nonfinite_skips=args.max_nonfinite_skips,
             moving_average_decay=args.moving_average_decay, ps_strategy=args.ps_strategy,
             seed=args.seed, log_every=args.log_every, run_dir=args.run_dir,
             timeline=args.timeline)
@@ -251,6 +297,7 @@ class JobConfig:
                    optimizer=args.optimizer, lr=args.lr, lr_decay=args.lr_decay,
                    lr_decay_steps=args.lr_decay_steps,
                    deadline=default_deadline() if args.deadline is None else args.deadline,
+                   fixed_deadline=args.deadline is not None,
                    data=args.data, export=args.export,
                    gpu_memory_fraction=args.gpu_memory_fraction)
 
@@ -261,7 +308,8 @@ class PsAssignment:
 
     Fields: slices (this ps's variable slices), shard_size, dtype (a numpy dtype string),
     num_ps, optimizer (an ``Optimizer.config()`` dict), restore (a checkpoint directory or
-    None), chief_rank, deadline (seconds, or None), chunk_bytes (or None),
+    None), chief_rank, deadline (seconds, or None), adaptive (True: the deadline is an upper
+    bound and waits adapt to the step time, see ``stall_allowance``), chunk_bytes (or None),
     total_num_replicas (the workers that push, or None: all).
     """
 
@@ -273,5 +321,6 @@ class PsAssignment:
     chief_rank: int
     restore: str = None
     deadline: float = None
+    adaptive: bool = False
     chunk_bytes: int = None
     total_num_replicas: int = None

@@ -1,6 +1,7 @@
 import argparse
 import json
 import logging
+import re
 
 import pytest
 from hypothesis import given
@@ -361,3 +362,26 @@ def test_assign_roles_is_a_permutation(num_ps, num_workers, pool, rnd):
     num_nodes = len(set(hosts))
     # one ps per node before a second lands on any node
     assert len(set(ps_nodes[:num_nodes])) == min(num_ps, num_nodes)
+
+
+def test_a_tf_config_task_is_checked_like_job_name():
+    spec = {"cluster": {"ps": ["localhost:1"], "worker": ["localhost:2"]}}
+    env = {"TF_CONFIG": json.dumps(dict(spec, task={"type": "worker", "index": 0}))}
+    check_claimed_role(parse([]), "worker", 0, env=env)
+    message = ('TF_CONFIG task {"type": "worker", "index": 0} but MPI rank 0 runs '
+               "/job:ps/task:0")
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        check_claimed_role(parse([]), "ps", 0, rank=0, env=env)
+    # a cluster flag wins over TF_CONFIG, whose task then describes another cluster
+    check_claimed_role(parse(["--cluster_spec", "worker|a"]), "ps", 0, env=env)
+    with pytest.raises(ConfigurationError, match="--job_name=ps but"):
+        check_claimed_role(parse(["--job_name", "ps"]), "worker", 0, env=env)
+
+
+def test_cluster_flags_given_empty_are_errors_not_defaults():
+    with pytest.raises(ConfigurationError, match="empty cluster spec ''"):
+        cluster_from_args(parse(["--cluster_spec", ""]), 2, {})
+    with pytest.raises(ConfigurationError, match="--worker_hosts is empty"):
+        cluster_from_args(parse(["--worker_hosts", ""]), 2, {})
+    with pytest.raises(ConfigurationError, match="--ps_hosts needs --worker_hosts"):
+        cluster_from_args(parse(["--ps_hosts", ""]), 2, {})

@@ -63,7 +63,8 @@ def test_flag_defaults_are_the_configuration_defaults():
     t = config.training
     defaults = TrainingConfig()
     for name in ("mode", "max_to_keep", "staleness", "seed", "log_every", "deterministic",
-                 "skip_nonfinite", "replicas_to_aggregate", "moving_average_decay",
+                 "skip_nonfinite", "max_nonfinite_skips", "replicas_to_aggregate",
+                 "moving_average_decay",
                  "save_checkpoint_steps", "save_checkpoint_secs", "timeline"):
         assert getattr(t, name) == getattr(defaults, name), name
     job = JobConfig()
@@ -81,18 +82,20 @@ def test_help_names_the_deadline_default():
 
 def test_from_args_carries_every_flag():
     config = config_from_args(parse(
-        "--mode", "ssp", "--steps", 7, "--batch-size", 4, "--lr", 0.1, "--lr-decay", 0.5,
+        "--mode", "sync", "--steps", 7, "--batch-size", 4, "--lr", 0.1, "--lr-decay", 0.5,
         "--lr-decay-steps", 3, "--optimizer", "adam", "--staleness", 0, "--deterministic",
-        "--skip-nonfinite", "--moving-average-decay", 0.9, "--ps-strategy", "greedy",
+        "--skip-nonfinite", "--max-nonfinite-skips", 7, "--moving-average-decay", 0.9,
+        "--ps-strategy", "greedy",
         "--seed", 3, "--log-every", 0, "--run-dir", "r", "--checkpoint-dir", "c",
         "--checkpoint-every", 2, "--checkpoint-secs", 1.5, "--max-to-keep", 0,
         "--replicas-to-aggregate", 1, "--timeline", "t.json", "--model", "cnn",
         "--hidden", 9, "--deadline", 4, "--export", "e.npz", "--data", "d.h5",
         "--gpu-memory-fraction", 0.5))
     assert config.training == TrainingConfig(
-        mode="ssp", last_step=7, batch_size=4, checkpoint_dir="c", save_checkpoint_steps=2,
+        mode="sync", last_step=7, batch_size=4, checkpoint_dir="c", save_checkpoint_steps=2,
         save_checkpoint_secs=1.5, max_to_keep=0, replicas_to_aggregate=1, deterministic=True,
-        staleness=0, skip_nonfinite=True, moving_average_decay=0.9, ps_strategy="greedy",
+        staleness=0, skip_nonfinite=True, max_nonfinite_skips=7, moving_average_decay=0.9,
+        ps_strategy="greedy",
         seed=3, log_every=0, run_dir="r", timeline="t.json")
     assert (config.model, config.hidden, config.optimizer, config.lr, config.lr_decay,
             config.lr_decay_steps, config.deadline, config.export, config.data,
@@ -228,3 +231,12 @@ def test_configs_travel_pickled():
                      optimizer={"name": "sgd", "learning_rate": 0.1}, chief_rank=1)
     assert pickle.loads(pickle.dumps(a)) == a
     assert (a.restore, a.deadline, a.chunk_bytes, a.total_num_replicas) == (None,) * 4
+
+
+def test_deterministic_needs_sync_and_the_skip_bound_is_positive():
+    with pytest.raises(ConfigurationError, match="deterministic .* needs mode 'sync', got 'async'"):
+        TrainingConfig(mode="async", deterministic=True)
+    assert TrainingConfig(mode="sync", deterministic=True).deterministic
+    with pytest.raises(ConfigurationError, match="max_nonfinite_skips .* must be >= 1, got 0"):
+        TrainingConfig(max_nonfinite_skips=0)
+    assert TrainingConfig().max_nonfinite_skips == 100

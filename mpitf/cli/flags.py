@@ -4,7 +4,13 @@ import dataclasses
 import os
 
 from ..cluster import add_cluster_arguments, check_claimed_role, cluster_from_args
-from ..config import DEFAULT_DEADLINE, MODES, JobConfig, TrainingConfig
+from ..config import (
+    DEFAULT_DEADLINE,
+    DEFAULT_MAX_NONFINITE_SKIPS,
+    MODES,
+    JobConfig,
+    TrainingConfig,
+)
 from ..errors import ConfigurationError, MpitfError
 from ..runtime.exits import collective, setup_logging
 
@@ -46,7 +52,12 @@ def add_training_arguments(parser, steps=300, batch_size=32, lr=_JOB["lr"]):
     g.add_argument("--deterministic", action="store_true",
                    help="sync: sum gradients in worker order so runs are bit-for-bit equal")
     g.add_argument("--skip-nonfinite", action="store_true",
-                   help="drop NaN/Inf gradients and count them instead of stopping")
+                   help="drop NaN/Inf gradients and count them instead of stopping; the job "
+                        "still ends (exit 1, naming the variable) after --max-nonfinite-skips "
+                        "in a row on one worker")
+    g.add_argument("--max-nonfinite-skips", type=int, default=DEFAULT_MAX_NONFINITE_SKIPS,
+                   help="with --skip-nonfinite: consecutive skipped gradients of one worker "
+                        f"that end the job (default: {DEFAULT_MAX_NONFINITE_SKIPS})")
     g.add_argument("--moving-average-decay", type=float, default=None,
                    help="keep an exponential moving average of the variables for evaluation")
     g.add_argument("--ps-strategy", choices=("round_robin", "greedy"), default="round_robin")
@@ -66,15 +77,18 @@ def add_training_arguments(parser, steps=300, batch_size=32, lr=_JOB["lr"]):
     g.add_argument("--max-to-keep", type=int, default=_TRAINING["max_to_keep"],
                    help="complete checkpoints kept, the newest (0: keep all)")
     g.add_argument("--deadline", type=float, default=None,
-                   help="seconds to wait on a silent rank before ending the job (default: "
-                        f"$MPITF_DEADLINE, else {DEFAULT_DEADLINE:g}; set it above the "
-                        "longest step)")
+                   help="a fixed number of seconds to wait on a silent rank before ending "
+                        "the job (set it above the longest step and checkpoint). Without "
+                        "it, a silent rank is named within max(30 s, 10 x the slowest step "
+                        "so far) once a few steps have run, and start-up and checkpoints "
+                        f"may take up to $MPITF_DEADLINE, else {DEFAULT_DEADLINE:g} s")
     g.add_argument("--timeline", default=None, help="write a Chrome trace of every rank here")
     g.add_argument("--log-device-placement", action="store_true",
                    help="print which rank runs which task, and (the chief) which ps task "
                         "holds each variable and slice")
     g.add_argument("--export", default=None,
-                   help="after training, the chief writes every variable to this .npz")
+                   help="after training, the chief writes every variable to this .npz (its "
+                        "directory must exist and be writable: checked before training)")
     d = parser.add_argument_group("devices")
     d.add_argument("--device", choices=("auto", "cpu", "gpu"), default="cpu",
                    help="where variables and gradients live: 'auto' takes a GPU (local rank "
@@ -151,7 +165,7 @@ def claim_checkpoint_dir(server, root):
     from ..ckpt.lock import acquire
     from ..errors import CheckpointError
 
-    chief = server.rank_of("worker", min(server.cluster.task_indices("worker")))
+    chief = chief_rank(server)
     problem = None
     if server.rank == chief:
         try:
@@ -163,27 +177,75 @@ def claim_checkpoint_dir(server, root):
         raise collective(problem)
 
 
-def data_path(config, comm):
-    """Return the data file, checked (or, by default, the digits set prepared) by rank 0.
+def check_inputs(config, comm, chief=0, num_shards=1, batch_size=None):
+    """Check the data file and --timeline (rank 0) and the chief's output paths, up front.
 
-    Rank 0 alone looks at the file and tells every rank the outcome, so a missing or
-    broken file gives one message and every rank exits, instead of every worker failing
-    on its own when it opens its shard.
+    One rank looks at each and every rank learns the outcome, so a missing file, bad labels,
+    a batch larger than a worker's shard (``num_shards`` workers of ``batch_size``, default
+    the configuration's) or an unwritable ``--run-dir``/``--export``/``--timeline`` give one
+    message and every rank exits 2, before training (not after it, losing the result).
+    ``chief`` is the rank of worker task 0 in ``comm``, which writes the run directory and
+    the export. Returns the data file.
     """
     from ..data.datasets import default_data_path, ensure_digits
     from ..data.sharded import check_file
 
     path = config.data or default_data_path()
-    problem = None
-    if comm.Get_rank() == 0:
-        try:
-            check_file(ensure_digits(path) if not config.data else path)
-        except Exception as exc:  # handed to every rank just below
-            problem = exc
-    problem = comm.bcast(problem, root=0)
-    if problem is not None:
-        raise collective(problem)
+    rank, problem = comm.Get_rank(), None
+    try:
+        if rank == 0:
+            check_file(ensure_digits(path) if not config.data else path,
+                       batch_size=batch_size or config.training.batch_size,
+                       num_shards=num_shards)
+            if config.training.timeline:
+                _check_writable_dir("--timeline", config.training.timeline,
+                                    os.path.dirname(os.path.abspath(config.training.timeline)))
+        if rank == chief:
+            check_output_paths(config)
+    except (MpitfError, OSError) as exc:  # handed to every rank just below
+        problem = exc
+    problems = [p for p in comm.allgather(problem) if p is not None]
+    if problems:
+        raise collective(problems[0])
     return path
+
+
+def _refuse(flag, path, cause):
+    raise ConfigurationError(f"{flag} {path}: {cause}; choose another path or fix it first")
+
+
+def _check_writable_dir(flag, path, target):
+    """Raise unless ``target`` is, or could be made as, a directory this process can write."""
+    probe = os.path.abspath(target)
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        _refuse(flag, path, f"{probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        _refuse(flag, path, f"directory {probe} is not writable (permissions or a read-only "
+                            "file system)")
+
+
+def check_output_paths(config):
+    """Raise ConfigurationError naming the path unless --run-dir and --export can be written.
+
+    Nothing is created: the run directory is made when the first line is logged and the
+    export is written after training (``np.savez`` adds ``.npz``; its directory must exist).
+    """
+    run_dir = config.training.run_dir
+    if run_dir:
+        _check_writable_dir("--run-dir", run_dir, run_dir)
+    export = config.export
+    if export:
+        target = os.path.abspath(export if export.endswith(".npz") else export + ".npz")
+        if os.path.isdir(target):
+            _refuse("--export", export, f"{target} is a directory")
+        parent = os.path.dirname(target)
+        if not os.path.isdir(parent):
+            _refuse("--export", export, f"directory {parent} does not exist")
+        _check_writable_dir("--export", export, parent)
+        if os.path.exists(target) and not os.access(target, os.W_OK):
+            _refuse("--export", export, f"{target} exists and is not writable")
 
 
 def optimizer_from_config(config):
@@ -245,7 +307,8 @@ def evaluate_session(sess, config, path, **extra):
     """Evaluate the newest parameters on the test split; return the summary dict.
 
     The summary has at least step, loss, test_loss, test_accuracy and examples_per_sec,
-    plus the ps counters (stale drops, staleness) and ``extra``.
+    plus the ps counters (stale drops, staleness, non-finite gradients skipped by all
+    workers) and ``extra``.
     """
     from ..data.sharded import load_split
 
@@ -258,6 +321,9 @@ def evaluate_session(sess, config, path, **extra):
                    test_accuracy=test_acc,
                    examples_per_sec=sess.examples_seen / elapsed if elapsed > 0 else 0.0,
                    ps=len(counters),
+                   # every ps counts each skip of every worker: one ps's count is the total
+                   nonfinite_skipped=max((c["nonfinite_skipped"] for c in counters),
+                                         default=sess.nonfinite_skipped),
                    stale_dropped=sum(c["stale_dropped"] for c in counters),
                    max_staleness=max((c["max_staleness"] for c in counters), default=0),
                    max_lead=max((c["max_lead"] for c in counters), default=0))
@@ -287,11 +353,18 @@ def start_job(args, config, check_cluster=None):
             check_cluster(cluster)
         except MpitfError as exc:
             raise collective(exc) from None
-    server = Server(cluster, deadline=config.deadline)
+    server = Server(cluster, deadline=config.deadline, fixed_deadline=config.fixed_deadline)
     check_roles(args, server)
     if args.log_device_placement:
         server.describe()  # rank 0 prints the rank -> task -> host table
+    setup_backend(args, server)
+    path = check_inputs(config, server.comm, chief_rank(server),
+                        num_shards=cluster.num_tasks("worker"))
     if config.training.checkpoint_dir:
         claim_checkpoint_dir(server, config.training.checkpoint_dir)
-    setup_backend(args, server)
-    return server, data_path(config, world)
+    return server, path
+
+
+def chief_rank(server):
+    """Return the rank of the chief (the lowest worker task), which writes the outputs."""
+    return server.rank_of("worker", min(server.cluster.task_indices("worker")))

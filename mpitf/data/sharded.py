@@ -65,20 +65,69 @@ def _read(path, name, dset, start, stop):
         raise DataError(f"data file {path}: cannot read {name}[{start}:{stop}]: {exc}") from None
 
 
-def check_file(path, splits=("train", "test")):
-    """Raise DataError (naming the file and the array) unless ``path`` holds every split."""
+def check_file(path, splits=("train", "test"), num_classes=10, batch_size=None, num_shards=1):
+    """Raise DataError (naming the file and the array) unless ``path`` is fit to train on.
+
+    Every split must be there with labels of an integer type in ``[0, classes)`` (the
+    file's ``num_classes`` attribute, else ``num_classes``): a label of -1 would index the
+    last class and a float label would be truncated, silently. Every split's samples must
+    have the train split's shape, and an ``image_shape`` attribute must hold one sample.
+    With ``batch_size``, the smallest of ``num_shards`` shards of the first split must hold
+    a batch. Labels are read whole (one integer per sample); features only by their shape.
+    """
+    shape = None
     for split in splits:
-        f, _, _ = _open(path, split)
-        f.close()
+        f, x, y = _open(path, split)
+        with f:
+            classes = _attr(f, "num_classes") or num_classes
+            if x.dtype.kind not in "biuf":
+                raise DataError(f"data file {path}: x_{split} must hold numbers, got dtype "
+                                f"{x.dtype}")
+            if shape is None:
+                shape = x.shape[1:]
+                smallest = x.shape[0] // num_shards
+                if batch_size is not None and smallest < batch_size:
+                    raise DataError(
+                        f"data file {path}: the smallest of {num_shards} shards (workers) of "
+                        f"x_{split} holds {smallest} samples, fewer than batch_size="
+                        f"{batch_size}; use a smaller --batch-size")
+                image_shape = _attr(f, "image_shape")
+                if image_shape is not None and np_prod(image_shape) != np_prod(shape):
+                    raise DataError(
+                        f"data file {path}: attribute image_shape {tuple(image_shape)} does "
+                        f"not hold one sample of x_{split}, of shape {tuple(shape)}")
+            elif x.shape[1:] != shape:
+                raise DataError(
+                    f"data file {path}: samples of x_{split} have shape {tuple(x.shape[1:])} "
+                    f"but those of x_{splits[0]} {tuple(shape)}: every split needs the same "
+                    "features")
+            _check_labels(path, f"y_{split}", _read(path, f"y_{split}", y, 0, y.shape[0]),
+                          classes)
     return path
 
 
+def _check_labels(path, name, y, classes):
+    if y.dtype.kind not in "iu":
+        raise DataError(f"data file {path}: {name} must hold integer class labels, got dtype "
+                        f"{y.dtype}; store them as integers in [0, {classes})")
+    if y.size and (int(y.min()) < 0 or int(y.max()) >= classes):
+        bad = int(y.min()) if int(y.min()) < 0 else int(y.max())
+        where = int(numpy.flatnonzero(y == bad)[0])
+        raise DataError(f"data file {path}: {name}[{where}] = {bad} is outside the classes "
+                        f"[0, {classes}) (num_classes={classes}); fix the labels or the file's "
+                        "num_classes attribute")
+
+
 def load_split(path, split):
-    """Return the whole ``(x, y)`` of ``split`` ("train" or "test") as host arrays."""
+    """Return the whole ``(x, y)`` of ``split`` ("train" or "test") as host arrays.
+
+    ``x`` comes as one flat row per sample, as the models take it (see :class:`ShardedDataset`).
+    """
     f, x, y = _open(path, split)
     with f:
         n = x.shape[0]
-        return _read(path, f"x_{split}", x, 0, n), _read(path, f"y_{split}", y, 0, n)
+        x_all = _read(path, f"x_{split}", x, 0, n)
+        return x_all.reshape(n, -1), _read(path, f"y_{split}", y, 0, n)
 
 
 class _Failure:
@@ -106,7 +155,12 @@ class ShardedDataset:
         num_samples: samples in this shard; ``start``, ``stop``: its range in the split.
         total_samples: samples in the whole split.
         batches_per_epoch: batches served per epoch.
-        num_classes, image_shape, name: the file's attributes (None where absent).
+        num_classes, image_shape, name: the file's attributes (None where absent); a split
+            stored as images (N, H, W) or (N, H, W, C) with no ``image_shape`` attribute
+            takes its image shape from the array.
+
+    Batches hold one flat row of ``x_dim`` features per sample, whatever the array's shape:
+    the models take flat rows (the CNN reshapes them by its ``image_shape``).
     """
 
     def __init__(self, path, split="train", shard_index=0, num_shards=1, batch_size=32, seed=0,
@@ -132,11 +186,13 @@ class ShardedDataset:
             self.total_samples = n
             self.start = shard_index * n // num_shards
             self.stop = (shard_index + 1) * n // num_shards
-            self._x = _read(path, f"x_{split}", x, self.start, self.stop)
+            rows = _read(path, f"x_{split}", x, self.start, self.stop)
+            self._x = rows.reshape(len(rows), -1)  # a view: images become flat rows
             self._y = _read(path, f"y_{split}", y, self.start, self.stop)
             self.name = _attr(f, "name")
             self.num_classes = _attr(f, "num_classes")
-            self.image_shape = _attr(f, "image_shape")
+            self.image_shape = _attr(f, "image_shape") or (
+                tuple(int(d) for d in x.shape[1:]) if x.ndim in (3, 4) else None)
         self.x_dim = int(np_prod(x.shape[1:]))
         self.num_samples = self.stop - self.start
         if self.drop_remainder and self.num_samples < self.batch_size:

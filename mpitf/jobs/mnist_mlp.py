@@ -15,6 +15,7 @@ from mpitf.cli.flags import (
     start_job,
 )
 from mpitf.data.sharded import ShardedDataset
+from mpitf.errors import ConfigurationError
 from mpitf.runtime.exits import RankParser, run_job
 
 
@@ -23,7 +24,7 @@ def main(argv=None):
     add_training_arguments(parser)
     args = parser.parse_args(argv)
     config = config_from_args(args)  # every value checked, alike on every rank
-    server, path = start_job(args, config)
+    server, path = start_job(args, config, _check_cluster)
     if server.job_name == "ps":
         server.join()
         return server.exit_code
@@ -42,6 +43,13 @@ def main(argv=None):
     sess.close()
     dataset.close()
     return sess.exit_code
+
+
+def _check_cluster(cluster):
+    if cluster.num_tasks("ps") < 1:
+        raise ConfigurationError(
+            "mnist_mlp trains through ps tasks but the cluster has none: give --num-ps 1 or "
+            "more (jobs/towers.py trains in one process without a ps)")
 
 
 def run():

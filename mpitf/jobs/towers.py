@@ -15,9 +15,10 @@ from mpi4py import MPI
 
 from mpitf.cli.flags import (
     add_training_arguments,
+    check_inputs,
     check_roles,
+    chief_rank,
     config_from_args,
-    data_path,
     evaluate_session,
     model_from_config,
     optimizer_from_config,
@@ -51,10 +52,14 @@ def main(argv=None):
         raise collective(ConfigurationError(
             "towers without a ps train in one process: run without mpiexec, or give "
             "--num-ps to push through ps tasks"))
-    path = data_path(config, world)
-    server = Server(cluster, deadline=config.deadline) if cluster.num_tasks("ps") else None
+    server = Server(cluster, deadline=config.deadline, fixed_deadline=config.fixed_deadline) \
+        if cluster.num_tasks("ps") else None
     if server is not None:
         check_roles(args, server)
+    batch = training.batch_size * len(parse_devices(args.devices))
+    path = check_inputs(config, world, 0, 1, batch) if server is None else \
+        check_inputs(config, server.comm, chief_rank(server), cluster.num_tasks("worker"), batch)
+    if server is not None:
         setup_backend(args, server)  # where the session's push/pull buffers live
         if server.job_name == "ps":
             server.join()
@@ -67,7 +72,6 @@ def main(argv=None):
             print(f"tower {kind}:{index}: {describe_backend(be)}", flush=True)
     workers = cluster.task_indices("worker")
     shard = workers.index(server.task_index) if server else 0
-    batch = training.batch_size * len(backends)
     dataset = ShardedDataset(path, "train", shard, len(workers), batch, training.seed)
     model = model_from_config(config, dataset.x_dim, dataset.num_classes, dataset.image_shape)
     towers = Towers(model, backends)

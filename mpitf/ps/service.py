@@ -17,6 +17,7 @@ from ..ckpt import cut
 from ..errors import DeadlineError, PeerError
 from ..runtime.backend import get_backend
 from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
+from ..runtime.stall import StepClock
 from ..runtime.timeline import Timeline
 from ..wire import header as H
 from ..wire import protocol as P
@@ -71,6 +72,12 @@ class Service:
         self.pausing = False
         self.positions = {}
         self.last_seen = {w: time.monotonic() for w in range(self.num_workers)}
+        # Stall detection: the gaps between a worker's pushes are its steps; a worker with
+        # no push since start-up or a pause (None) gets the whole deadline.
+        self.stall = StepClock(self.deadline, assignment.adaptive, names_the_silent=True)
+        self.last_push = [None] * self.num_workers
+        self.check_every = None if self.deadline is None else min(1.0, self.deadline / 10)
+        self.next_check = 0.0
         self.counters = dict(global_step=0, pushes_applied=0, stale_dropped=0,
                              nonfinite_skipped=0, staleness_histogram={}, max_staleness=0,
                              max_lead=0,
@@ -157,21 +164,36 @@ class Service:
     def _finish_replies(self):
         if self.reply_requests:
             requests, workers = self.reply_requests, self.reply_workers
-            P.wait_all(requests, self.deadline, lambda i: self.describe_worker(
+            P.wait_all(requests, self.stall.steady, lambda i: self.describe_worker(
                 workers[i], "reply (the worker stopped receiving)"))
             self.reply_requests, self.reply_workers = [], []
 
+    def _stepped(self, worker, now):
+        """Count the gap since ``worker``'s previous push as one of its steps."""
+        last = self.last_push[worker]
+        if last is not None:
+            self.stall.step(now - last)
+        self.last_push[worker] = now
+
     def _timeout(self):
-        expected = [w for w in range(self.num_workers)
-                    if w not in self.done and w not in self.paused
-                    and not self.policy.is_waiting(w)]
-        if not expected:
-            return  # everyone waits on the chief's checkpoint; keep waiting
-        w = min(expected, key=lambda w: self.last_seen[w])
-        silent = time.monotonic() - self.last_seen[w]
-        raise DeadlineError(f"no message for {silent:.0f} s from a worker while "
-                            f"/job:ps/task:{self.ps_task} waited for its push",
-                            **self.describe_worker(w, "push"))
+        """Raise naming a worker silent for longer than its allowance (checked every second).
+
+        Workers that finished, paused for a checkpoint or wait on others (sync, ssp) are
+        not expected to speak.
+        """
+        now = time.monotonic()
+        self.next_check = now + self.check_every
+        for w in range(self.num_workers):
+            if w in self.done or w in self.paused or self.policy.is_waiting(w):
+                continue
+            steady = self.last_push[w] is not None
+            allowance = self.stall.steady if steady else self.stall.start_up
+            if now - self.last_seen[w] > allowance:
+                how = (f"; its steps took up to {self.stall.slowest:.3g} s"
+                       if steady and self.stall.adaptive else "")
+                raise DeadlineError(f"no message for {allowance:.3g} s from a worker while "
+                                    f"/job:ps/task:{self.ps_task} waited for its push{how}",
+                                    **self.describe_worker(w, "push"))
 
     def _restore(self, ckpt_dir):
         shard = self.shard
@@ -209,13 +231,17 @@ class Service:
         worker = self.worker_of.get(source)
         if worker is None:
             raise PeerError(f"request from rank {source}, which is not a worker")
-        self.last_seen[worker] = time.monotonic()
+        now = self.last_seen[worker] = time.monotonic()
         if flags & P.FLAG_CHUNKED:
             self.chunked_workers.add(worker)
             if kind in (P.PUSH, P.INIT) and self.chunk_bytes:
                 frame.receive_rest(self.comm, source, P.TAG_REQUEST, self.chunk_bytes,
                                    self.deadline,
                                    lambda i: self.describe_worker(worker, "push (chunked)"))
+        if kind == P.PUSH:
+            self._stepped(worker, now)
+        elif kind != P.SKIP:  # pull, pause, counters: not a step (start-up, evaluation,
+            self.last_push[worker] = None  # a checkpoint): the whole deadline until a push
         if kind == P.PUSH:
             frame.received()
             self.counters["bytes_in"] += frame.bytes.nbytes
@@ -274,9 +300,12 @@ class Service:
             self.repost(i)
         status = MPI.Status()
         while len(self.done) < self.num_workers:
-            index = P.wait_any(self.recv_requests, self.deadline, self._timeout, status)
+            index = P.wait_any(self.recv_requests, self.check_every, self._timeout, status)
             if self._handle(index, status.Get_source()):
                 self.repost(index)
+            if self.check_every is not None and self.last_seen[self.worker_of[
+                    status.Get_source()]] > self.next_check:  # busy: silence goes unseen
+                self._timeout()
         self._finish_replies()
         for req in self.recv_requests:
             if not req.Test():  # still posted: nobody will send to it now

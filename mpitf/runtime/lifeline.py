@@ -6,6 +6,10 @@ its node (a pidfd per peer, so the kernel wakes the watcher the instant one exit
 that finishes or fails on purpose first leaves a marker file; a peer that vanishes without
 one was killed, and the lowest surviving rank of the node names it and ends the job.
 Ranks on other nodes are covered by the deadlines on every wait.
+
+Each rank also watches its parent, the launcher's proxy (``hydra_pmi_proxy``, ``orted``,
+``slurmstepd``): when it dies, nobody can forward this rank's output or end the job, so
+the rank says so and exits instead of training on as an orphan.
 """
 
 import os
@@ -43,10 +47,11 @@ def mark_exit(reason=None):
         pass
 
 
-def watch(rank, peers, token, describe, abort):
+def watch(rank, peers, token, describe, abort, parent=None):
     """Start watching the same-node ``peers`` ({rank: pid}); report a killed one.
 
-    ``describe(rank)`` names a rank for the message; ``abort()`` ends the job.
+    ``describe(rank)`` names a rank for the message; ``abort()`` ends the job. When the
+    process ``parent`` (the launcher's proxy, ``os.getppid()``) ends, this rank exits.
     """
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     if rank == min([rank, *peers]):
@@ -56,9 +61,11 @@ def watch(rank, peers, token, describe, abort):
     os.makedirs(_state["dir"], exist_ok=True)
     with open(os.path.join(_state["dir"], f"{rank}.pid"), "w") as f:
         f.write(str(os.getpid()))
-    if not peers:
+    parent_fd = _open_parent(parent)
+    if not peers and parent_fd is None:
         return None
-    thread = threading.Thread(target=_run, args=(rank, dict(peers), describe, abort),
+    thread = threading.Thread(target=_run, args=(rank, dict(peers), describe, abort,
+                                                 parent_fd),
                               name="mpitf-lifeline", daemon=True)
     thread.start()
     return thread
@@ -99,21 +106,54 @@ def _dead(r, pid):
             f"ending the job")
 
 
-def _run(rank, peers, describe, abort):
+def _open_parent(parent):
+    """Return a pidfd on ``parent`` (None: no parent to watch, or no pidfds)."""
+    if not parent or parent == 1 or not hasattr(os, "pidfd_open"):
+        return None
+    try:
+        fd = os.pidfd_open(parent)
+    except OSError:
+        return None
+    if os.getppid() != parent:  # it died before the pidfd was opened
+        _orphaned(parent)
+    return fd
+
+
+def _orphaned(parent):
+    """Say that the launcher's proxy is gone and end this rank (no one else can now)."""
+    from .exits import EXIT_ERROR
+
+    mark_exit("aborted")  # the same-node peers lose the same parent: none need report us
+    try:
+        sys.stderr.write(f"mpitf: error on {_state['describe'](_state['rank'])} (pid "
+                         f"{os.getpid()}): its launcher process (pid {parent}) died; "
+                         f"ending this rank\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass  # the proxy held the other end of stderr
+    os._exit(EXIT_ERROR)
+
+
+def _run(rank, peers, describe, abort, parent_fd=None):
     gone = set()
     fds = {}
+    parent = os.getppid()
     if hasattr(os, "pidfd_open"):
         for r, pid in peers.items():
             try:
                 fds[os.pidfd_open(pid)] = r
             except OSError:
                 gone.add(r)
-    while len(gone) < len(peers):
+    if parent_fd is not None:
+        fds[parent_fd] = None
+    while len(gone) < len(peers) or parent_fd is not None:
         if fds:
             poller = select.poll()
             for fd in fds:
                 poller.register(fd, select.POLLIN)
             ready = [fds.pop(fd) for fd, _ in poller.poll(1000)]
+            if None in ready:
+                _orphaned(parent)
         else:  # no pidfd: look every half second
             time.sleep(0.5)
             ready = [r for r, pid in peers.items() if r not in gone and not _alive(pid)]

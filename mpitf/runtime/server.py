@@ -29,11 +29,16 @@ class Server:
             ``{"ps": 1, "worker": world_size - 1}`` (or one worker alone).
         comm: the communicator the cluster spans (``MPI.COMM_WORLD``).
         deadline: seconds a rank waits on a peer before ending the job with a message
-            naming it; set it above the longest step. None waits forever.
+            naming it. None waits forever.
+        fixed_deadline: False (the default): ``deadline`` bounds start-up and checkpoints,
+            and once steps have run a silent peer is named within max(30 s, 10 x the
+            slowest step) (see :func:`mpitf.config.stall_allowance`); True: every wait is
+            ``deadline`` (then set it above the longest step).
     """
 
-    def __init__(self, cluster=None, comm=None, deadline=DEFAULT_DEADLINE):
+    def __init__(self, cluster=None, comm=None, deadline=DEFAULT_DEADLINE, fixed_deadline=False):
         self.deadline = check_deadline(deadline)
+        self.fixed_deadline = bool(fixed_deadline)
         world = comm if comm is not None else MPI.COMM_WORLD
         if cluster is None:
             size = world.Get_size()
@@ -59,7 +64,8 @@ class Server:
         me = self.hosts[self.rank]
         peers = {r: p for r, (h, p) in enumerate(hosts_pids) if h == me and r != self.rank}
         lifeline.watch(self.rank, peers, token, self._describe_rank,
-                       lambda: world.Abort(1))
+                       lambda: world.Abort(1),
+                       parent=os.getppid() if world.Get_size() > 1 else None)
         atexit.register(lifeline.mark_exit)
 
     def _describe_rank(self, rank):

@@ -100,15 +100,18 @@ class Client:
         placement: the :class:`~mpitf.placement.Placement` of the model's variables.
         backend: the array backend (numpy by default).
         deadline: seconds to wait for a ps before ending the job; None waits forever.
+            The session lowers it as steps run unless ``adaptive`` is False.
+        adaptive: tell every ps to adapt its waits to the step time (see ``start``).
         chunk_bytes: chunk size when device buffers are staged through host memory.
     """
 
     def __init__(self, server, placement, backend=None, deadline=DEFAULT_DEADLINE,
-                 chunk_bytes=P.DEFAULT_CHUNK_BYTES):
+                 chunk_bytes=P.DEFAULT_CHUNK_BYTES, adaptive=False):
         self.server = server
         self.placement = placement
         self.backend = backend or get_backend()
         self.deadline = deadline
+        self.adaptive = adaptive
         self.comm = server.comm
         self.worker = server.task_index
         self.ps_ranks = server.ranks_of("ps")
@@ -313,7 +316,8 @@ class Client:
                     shard_size=self.placement.shard_sizes[p],
                     dtype=self.placement.dtype.str, num_ps=len(self.ps_ranks),
                     optimizer=optimizer, chief_rank=self.server.rank, restore=restore,
-                    deadline=self.deadline, chunk_bytes=self.chunk_bytes,
+                    deadline=self.deadline, adaptive=self.adaptive,
+                    chunk_bytes=self.chunk_bytes,
                     total_num_replicas=total_num_replicas)
                 self.comm.send((config, assignment), dest=rank, tag=P.TAG_CONTROL)
             if restore is None:

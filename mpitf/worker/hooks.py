@@ -19,6 +19,9 @@ class Hook:
     def after_run(self, session, loss):
         """Run after every step with its loss."""
 
+    def after_skip(self, session, variable):
+        """Run after a gradient holding NaN/Inf in ``variable`` was dropped (skip_nonfinite)."""
+
     def end(self, session):
         """Run once when the session closes."""
 
@@ -44,7 +47,9 @@ class LoggingHook(Hook):
     """On the chief, log ``step N, loss = L (E examples/sec; S sec/batch)`` every few steps.
 
     Also appends one JSON object per logged step to ``RUN_DIR/metrics.jsonl`` and shows a
-    progress bar when stderr is a terminal.
+    progress bar when stderr is a terminal. Gradients the chief dropped for NaN/Inf are
+    counted on each line (``nonfinite_skipped``); while skipping, a line says so at the
+    first skip in a row and every ``every`` skips after it, since the step does not move.
     """
 
     def __init__(self, every=20, run_dir=None, last_step=None, stream=sys.stdout):
@@ -81,17 +86,29 @@ class LoggingHook(Hook):
                       sec_per_batch=elapsed / max(batches, 1),
                       stale_dropped=session.last_reply.dropped,
                       max_staleness=session.last_reply.max_staleness,
-                      max_lead=session.last_reply.max_lead)
+                      max_lead=session.last_reply.max_lead,
+                      nonfinite_skipped=session.nonfinite_skipped)
         if sys.stderr.isatty():
             sys.stderr.write("\r\033[K")
+        skipped = f"; {session.nonfinite_skipped} non-finite skipped" \
+            if session.nonfinite_skipped else ""
         print(f"step {step}, loss = {loss:.2f} ({record['examples_per_sec']:.1f} "
-              f"examples/sec; {record['sec_per_batch']:.3f} sec/batch)", file=self.stream,
-              flush=True)
+              f"examples/sec; {record['sec_per_batch']:.3f} sec/batch{skipped})",
+              file=self.stream, flush=True)
         if self.metrics:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
         self.last_logged = step
         self._mark(session)
+
+    def after_skip(self, session, variable):
+        """Say that the chief dropped a gradient, at the first skip in a row and every few."""
+        n = session.skips_in_a_row
+        if n == 1 or n % self.every == 0:
+            print(f"step {session.global_step}: skipped a gradient holding NaN or Inf in "
+                  f"{variable!r} ({n} in a row, {session.nonfinite_skipped} in all; the job "
+                  f"ends at {session.config.max_nonfinite_skips} in a row)", file=self.stream,
+                  flush=True)
 
     def _progress(self, session):
         if self.last_step and sys.stderr.isatty():

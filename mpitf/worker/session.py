@@ -15,6 +15,7 @@ from ..config import TrainingConfig
 from ..errors import ConfigurationError, NonFiniteGradientError
 from ..placement import replica_device_setter
 from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
+from ..runtime.stall import StepClock
 from ..runtime.timeline import Timeline
 from ..wire import protocol as P
 from .client import Client
@@ -68,11 +69,15 @@ class TrainingSession:
         self._stop = False
         self.requeue = False
         self.steps_run = 0
+        self.nonfinite_skipped = 0  # gradients this worker dropped for NaN/Inf, in all
+        self.skips_in_a_row = 0
         self.loss = None  # no step run yet (e.g. resumed at the last step)
         placement = replica_device_setter(server.cluster, ps_strategy=config.ps_strategy,
                                           partitioner=partitioner)
         self.placement = placement.place(model.variables())
-        self.client = Client(server, self.placement, deadline=server.deadline)
+        self.client = Client(server, self.placement, deadline=server.deadline,
+                             adaptive=not server.fixed_deadline)
+        self.stall = StepClock(server.deadline, adaptive=not server.fixed_deadline)
         self.hooks = []
         if config.last_step is not None:
             self.hooks.append(StopAtStepHook(config.last_step))
@@ -105,10 +110,9 @@ class TrainingSession:
         self.global_step = self.last_reply.global_step
         self.optimizer = optimizer
         # A worker waiting on a reply cannot tell a silent ps from a ps waiting (sync) on a
-        # silent worker; the ps can. Its deadline (sent in start()) runs out first, so the
-        # message names the right rank.
-        if self.server.deadline is not None:
-            self.client.deadline = 1.5 * self.server.deadline
+        # silent worker; the ps can. Its allowance (the clock's, scaled) runs out first, so
+        # the message names the right rank.
+        self.client.deadline = self.stall.allowance
         if restore is not None:
             self._restore_position(restore)
             if self.server.is_chief:
@@ -162,14 +166,8 @@ class TrainingSession:
         state = self.dataset.state() if self.dataset is not None else {"epoch": 0, "cursor": 0}
         bad = self.client.nonfinite_gradient()
         if bad is not None:
-            if not self.config.skip_nonfinite:
-                raise NonFiniteGradientError(
-                    f"the gradient of variable {bad!r} holds NaN or Inf at step "
-                    f"{self.global_step}; pass skip_nonfinite (--skip-nonfinite) to drop such "
-                    f"gradients instead")
-            self.last_reply = self.client.skip_push()
-            self.global_step = self.last_reply.global_step
-            return self.loss
+            return self._skip(bad)
+        self.skips_in_a_row = 0
         if self.server.is_chief and self._cut_due():
             self._send_save(self.global_step + 1)
         with tl.span("push_pull", step=self.global_step):
@@ -181,6 +179,39 @@ class TrainingSession:
             self._pause()
         for hook in self.hooks:
             hook.after_run(self, self.loss)
+        self.stall.tick(time.monotonic())
+        self.client.deadline = self.stall.allowance
+        return self.loss
+
+    def _skip(self, variable):
+        """Drop a gradient holding NaN/Inf in ``variable`` (with skip_nonfinite), or raise.
+
+        A checkpoint cut still happens while skipping (a signal, or one due), so a job whose
+        parameters went Inf still checkpoints and exits on SIGTERM/SIGUSR1; after
+        ``max_nonfinite_skips`` in a row the job ends, naming the variable.
+        """
+        if not self.config.skip_nonfinite:
+            raise NonFiniteGradientError(
+                f"the gradient of variable {variable!r} holds NaN or Inf at step "
+                f"{self.global_step}; pass skip_nonfinite (--skip-nonfinite) to drop such "
+                f"gradients instead")
+        self.nonfinite_skipped += 1
+        self.skips_in_a_row += 1
+        limit = self.config.max_nonfinite_skips
+        if self.skips_in_a_row >= limit:
+            raise NonFiniteGradientError(
+                f"the gradient of variable {variable!r} held NaN or Inf {limit} steps in a row "
+                f"(at step {self.global_step}; {self.nonfinite_skipped} skipped in all): the "
+                "parameters have likely diverged; lower the learning rate, or raise "
+                "max_nonfinite_skips (--max-nonfinite-skips)")
+        if self.server.is_chief and self._cut_due():
+            self._send_save(self.global_step + 1)
+        self.last_reply = self.client.skip_push()
+        self.global_step = self.last_reply.global_step
+        for hook in self.hooks:
+            hook.after_skip(self, variable)
+        if self.last_reply.pause:
+            self._pause()
         return self.loss
 
     def _cut_due(self):
@@ -196,6 +227,8 @@ class TrainingSession:
 
     def _pause(self):
         """Stop for a checkpoint cut; the chief writes the manifest and releases the others."""
+        self.stall.pause()  # writing takes what the file system takes: the whole deadline
+        self.client.deadline = self.stall.allowance
         self.client.send_control(P.PAUSED)
         with self.timeline.span("checkpoint", step=self.global_step):
             if self.server.is_chief:

@@ -1,0 +1,240 @@
+"""Stall detection that adapts to the step time, orphans when the launcher dies, killed ranks.
+
+The rule is a pure function (tested without MPI); the rest are real mpiexec runs of
+jobs/mnist_mlp.py (through tests/recovery/slow_job.py, which records every rank's pid)
+with default deadline settings, steps of a few milliseconds, and real signals. The two
+SIGSTOP tests wait for the detector (about 20 s and 30 s); the others take seconds.
+"""
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_recovery import JOB, REPO, Background
+
+from mpitf.cli.flags import add_training_arguments
+from mpitf.config import (
+    SERVER_FIRST,
+    STALL_FACTOR,
+    STALL_FLOOR,
+    STALL_WARMUP_STEPS,
+    JobConfig,
+    stall_allowance,
+)
+from mpitf.runtime.stall import StepClock
+from mpitf.testing import kill_group
+
+# ------------------------------------------------------------------- the rule, without MPI
+
+
+def test_the_adaptive_rule():
+    assert (STALL_FLOOR, STALL_FACTOR, STALL_WARMUP_STEPS, SERVER_FIRST) == (30.0, 10.0, 5, 1.5)
+    # start-up: the whole deadline (a worker waits 1.5 x it)
+    for steps in range(STALL_WARMUP_STEPS):
+        assert stall_allowance(0.001, steps, 300.0) == 450.0
+    # then max(30 s, 10 x the slowest step), never above the deadline's bound
+    assert stall_allowance(0.001, 5, 300.0) == 30.0
+    assert stall_allowance(2.9, 1000, 300.0) == 30.0
+    assert stall_allowance(4.0, 5, 300.0) == 40.0
+    assert stall_allowance(44.0, 5, 300.0) == 440.0
+    assert stall_allowance(100.0, 5, 300.0) == 450.0
+    assert stall_allowance(0.001, 5, 10.0) == 15.0  # $MPITF_DEADLINE=10 bounds it
+    assert stall_allowance(0.001, 5, None) is None  # no deadline: wait forever
+
+
+def test_step_clock_worker_and_ps():
+    worker, ps = StepClock(300.0), StepClock(300.0, names_the_silent=True)
+    assert (worker.allowance, ps.start_up) == (450.0, 300.0)
+    t = 100.0
+    for _ in range(STALL_WARMUP_STEPS + 1):  # the first tick only starts the clock
+        assert worker.allowance == 450.0
+        t += 0.002
+        worker.tick(t)
+    assert worker.steps == STALL_WARMUP_STEPS and worker.allowance == 30.0
+    worker.tick(t + 7.0)  # one slow step: 10 x 7 s
+    assert worker.allowance == pytest.approx(70.0)
+    worker.pause()  # a checkpoint: the whole deadline until the next step ends
+    assert worker.allowance == 450.0
+    worker.tick(t + 100.0)
+    worker.tick(t + 100.001)
+    assert worker.allowance == pytest.approx(70.0)  # the pause was not a step
+    for _ in range(STALL_WARMUP_STEPS):
+        ps.step(0.001)
+    assert ps.steady == 20.0  # the ps speaks first: 30 / 1.5
+
+
+def test_fixed_deadline_does_not_adapt():
+    clock = StepClock(10.0, adaptive=False)
+    for i in range(50):
+        clock.tick(i * 0.001)
+    assert clock.allowance == 15.0 and clock.steady == 15.0
+    assert StepClock(10.0, adaptive=False, names_the_silent=True).steady == 10.0
+    assert StepClock(None).allowance is None
+
+
+def _parse(*argv):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_training_arguments(parser)
+    return JobConfig.from_args(parser.parse_args([str(a) for a in argv]))
+
+
+def test_deadline_flag_is_fixed_and_the_environment_bounds(monkeypatch):
+    monkeypatch.delenv("MPITF_DEADLINE", raising=False)
+    assert (_parse().deadline, _parse().fixed_deadline) == (300.0, False)
+    assert (_parse("--deadline", 7).deadline, _parse("--deadline", 7).fixed_deadline) == \
+        (7.0, True)
+    monkeypatch.setenv("MPITF_DEADLINE", "60")
+    assert (_parse().deadline, _parse().fixed_deadline) == (60.0, False)
+
+
+# ------------------------------------------------------- stopped ranks, default settings
+
+
+@pytest.fixture
+def tmp(tmp_path):
+    return tmp_path
+
+
+def _stop_and_wait(job, victim):
+    job.wait_for_step(50)
+    pid = job.rank_pid(victim)
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        code, _ = job.finish(timeout=60)
+    finally:
+        for sig in (signal.SIGKILL, signal.SIGCONT):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+    return code, time.monotonic() - stopped, job.output
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("victim,operation,expected_s", [
+    ("rank2-worker-1", "during push", 20),  # the ps names it: 30 s / 1.5
+    ("rank0-ps-0", "during push_pull", 30),  # the workers name it
+])
+def test_a_stopped_rank_is_named_within_40_s_by_default(tmp, victim, operation, expected_s):
+    job = Background(tmp, steps=100000, step_sleep=0)  # no --deadline: the adaptive rule
+    code, seconds, out = _stop_and_wait(job, victim)
+    rank, role, task = victim.split("-")
+    assert code != 0, out
+    assert expected_s - 1 < seconds < 40, (seconds, out)
+    message = re.search(rf"mpitf: error on rank \d+: .*\((rank {rank[4:]}, /job:{role}/task:"
+                        rf"{task}, on \S+, {operation})\)", out)
+    assert message, out
+    print(f"{victim} stopped: job ended {seconds:.1f} s later")
+
+
+# ---------------------------------------------------------- the launcher's proxy dies
+
+
+def _gone(pid):
+    """Return True if ``pid`` is no process any more (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+@pytest.mark.mpi
+def test_killing_the_proxy_leaves_no_orphan(tmp):
+    job = Background(tmp, steps=100000, step_sleep=0)
+    try:
+        job.wait_for_step(50)
+        pids = [job.rank_pid(name) for name in
+                ("rank0-ps-0", "rank1-worker-0", "rank2-worker-1")]
+        proxies = {int(p) for p in
+                   Path(f"/proc/{job.proc.pid}/task/{job.proc.pid}/children").read_text().split()}
+        assert sorted(job.rank_pids_from_proc()) == sorted(pids)
+        (proxy,) = proxies
+        os.kill(proxy, signal.SIGKILL)
+        killed = time.monotonic()
+        while time.monotonic() - killed < 10:
+            if job.proc.poll() is not None and all(_gone(p) for p in pids):
+                break
+            time.sleep(0.01)
+        seconds = time.monotonic() - killed
+        assert job.proc.poll() is not None, "mpiexec still runs 10 s after its proxy died"
+        assert [p for p in pids if not _gone(p)] == [], "orphaned ranks"
+        assert job.proc.returncode != 0
+        assert seconds < 3, seconds  # measured: about 0.1 s
+        print(f"proxy killed: mpiexec and every rank gone {seconds:.2f} s later")
+    finally:
+        if job.proc.poll() is None:
+            job.kill()
+        for p in pids if "pids" in locals() else ():
+            if not _gone(p):
+                os.kill(p, signal.SIGKILL)
+
+
+# ------------------------------------------ a killed rank named by the README's launcher
+
+
+def _readme_launcher_line():
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## When a rank dies or hangs"):]
+    block = re.search(r"```sh\n(.*?)```", section, re.S)[1]
+    (line,) = [x for x in block.splitlines() if x.startswith("mpiexec")]
+    return shlex.split(line)
+
+
+@pytest.mark.mpi
+def test_the_readme_launcher_line_names_a_killed_rank(tmp):
+    argv = _readme_launcher_line()
+    assert argv[:4] == ["mpiexec", "-disable-auto-cleanup", "-n", "3"], argv
+    assert argv[4:6] == ["python", "jobs/mnist_mlp.py"], argv
+    from mpitf.runtime.launch import find_mpiexec
+
+    # The README's line as written, but with this checkout's mpiexec and Python, and the
+    # job through slow_job.py (the same job, recording pids).
+    cmd = [find_mpiexec(), *argv[1:4], sys.executable, JOB, "--steps", "100000",
+           "--log-every", "10", "--run-dir", str(tmp / "run")]
+    outputs = []
+    for attempt in range(3):  # Hydra can drop a rank's last line when the job is torn down
+        pid_dir = tmp / f"pids{attempt}"
+        pid_dir.mkdir()
+        log = tmp / f"out{attempt}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, cwd=str(REPO),
+                                    start_new_session=True,
+                                    env=dict(os.environ, PYTHONUNBUFFERED="1",
+                                             MPITF_TEST_PID_DIR=str(pid_dir)))
+            try:
+                end = time.monotonic() + 60
+                while not re.search(r"^step [1-9]\d+,", log.read_text(), re.M):
+                    assert proc.poll() is None and time.monotonic() < end, log.read_text()
+                    time.sleep(0.01)
+                pid = int((pid_dir / "rank2-worker-1.pid").read_text())
+                os.kill(pid, signal.SIGKILL)
+                start = time.monotonic()
+                proc.wait(30)
+                seconds = time.monotonic() - start
+            finally:
+                if proc.poll() is None:
+                    kill_group(proc)
+                    proc.wait(30)
+        text = log.read_text()
+        assert proc.returncode != 0 and seconds < 10, (seconds, text)
+        if "rank 2 (/job:worker/task:1 on " in text and \
+                f"(pid {pid}) died without finishing" in text:
+            print(f"worker killed: named, job ended {seconds:.2f} s later (code "
+                  f"{proc.returncode})")
+            return
+        outputs.append(text)
+    pytest.fail("no run named the killed rank:\n" + "\n----\n".join(outputs))
