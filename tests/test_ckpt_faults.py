@@ -319,7 +319,7 @@ def test_a_garbage_latest_is_skipped_by_restore(tmp, two_checkpoints, kind):
     why = {"binary": "holds binary bytes", "directory": "is a directory",
            "missing-name": None}[kind]
     if why:
-        assert f"ignoring {root / LATEST} {why}" in run.output
+        assert f"ignoring `latest`: {root / LATEST} {why}" in run.output
     else:
         assert "skipping ckpt-00000990: named by `latest` but does not exist" in run.output
     assert (root / LATEST).read_text() == checkpoint_name(30) + "\n"

@@ -96,7 +96,7 @@ def find_restorable(root, log=print):
     found = list_checkpoints(root)
     latest, problem = read_latest(root)
     if problem:
-        log(f"ignoring {problem}; choosing the newest checkpoint that verifies")
+        log(f"ignoring `latest`: {problem}; choosing the newest checkpoint that verifies")
     names = [c["name"] for c in found]
     if (latest is None and not any(c["complete"] for c in found)) or not names:
         for name in names:
