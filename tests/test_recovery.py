@@ -40,8 +40,9 @@ FINAL = re.compile(r"^final: (\{.*\})$", re.MULTILINE)
 # ------------------------------------------------------------------------------ helpers
 
 
-def job_args(tmp, ckpt=None, steps=60, num_ps=1, extra=(), run_dir="run"):
-    args = [*COMMON, "--num-ps", str(num_ps), "--steps", str(steps),
+def job_args(tmp, ckpt=None, steps=60, num_ps=1, extra=(), run_dir="run", mode="sync"):
+    common = COMMON if mode == "sync" else [a for a in COMMON if a != "--deterministic"]
+    args = [*common, "--mode", mode, "--num-ps", str(num_ps), "--steps", str(steps),
             "--run-dir", str(tmp / run_dir), *map(str, extra)]
     if ckpt is not None:
         args += ["--checkpoint-dir", str(ckpt)]
