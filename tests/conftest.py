@@ -62,3 +62,11 @@ def mpirun():
                        cwd=str(REPO), tag_output=tag_output)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def digits_file(tmp_path_factory):
+    """The digits set written once for the whole run, for jobs started by tests."""
+    from mpitf.data.datasets import ensure_digits
+
+    return ensure_digits(str(tmp_path_factory.mktemp("data") / "digits.h5"))

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from mpitf.data.datasets import ensure_digits
 from mpitf.testing import run_mpi
 
 pytestmark = pytest.mark.mpi
@@ -17,9 +16,9 @@ REPO = Path(__file__).resolve().parent.parent
 JOB = str(REPO / "jobs" / "mnist_mlp.py")
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return ensure_digits(str(tmp_path_factory.mktemp("data") / "digits.h5"))
+@pytest.fixture
+def data(digits_file):
+    return digits_file
 
 
 @pytest.mark.parametrize("flags, message", [

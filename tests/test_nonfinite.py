@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 from mpitf.ckpt.names import LATEST
-from mpitf.data.datasets import ensure_digits
 from mpitf.runtime.exits import EXIT_ERROR, EXIT_REQUEUE
 from mpitf.runtime.launch import mpiexec_command
 from mpitf.testing import kill_group, run_mpi
@@ -33,9 +32,9 @@ JOB = str(REPO / "jobs" / "mnist_mlp.py")
 DIVERGE = ["--lr", "1e30", "--skip-nonfinite"]
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return ensure_digits(str(tmp_path_factory.mktemp("data") / "digits.h5"))
+@pytest.fixture
+def data(digits_file):
+    return digits_file
 
 
 def test_isolated_skips_are_counted_in_the_log_metrics_and_summary(data, tmp_path):

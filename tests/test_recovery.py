@@ -49,6 +49,26 @@ def job_args(tmp, ckpt=None, steps=60, num_ps=1, extra=(), run_dir="run", mode="
     return args
 
 
+def stop_and_wait(job, victim, after_step, timeout):
+    """SIGSTOP rank ``victim`` once the job passed ``after_step``; return (code, s, output).
+
+    The seconds are counted from the stop; the stopped rank is killed afterwards.
+    """
+    job.wait_for_step(after_step)
+    pid = job.rank_pid(victim)
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        code, _ = job.finish(timeout=timeout)
+    finally:
+        for sig in (signal.SIGKILL, signal.SIGCONT):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+    return code, time.monotonic() - stopped, job.output
+
+
 def run_job(tmp, n=3, timeout=60, **kw):
     """Run the job to its end (under a deadline) and return the MPIRun."""
     run = run_mpi(n, [JOB, *job_args(tmp, **kw)], timeout=timeout, cwd=str(REPO))
@@ -381,19 +401,8 @@ def test_sigkill_of_a_rank_ends_the_job(tmp, victim):
 def test_a_stopped_rank_is_named_when_the_deadline_ends_the_job(tmp, victim, operation,
                                                                 deadline_s):
     job = Background(tmp, steps=5000, extra=["--deadline", "10"])
-    job.wait_for_step(20)
-    pid = job.rank_pid(victim)
+    code, seconds, out = stop_and_wait(job, victim, after_step=20, timeout=30)
     rank, role, task = victim.split("-")
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        code, seconds = job.finish(timeout=30)
-    finally:
-        for sig in (signal.SIGKILL, signal.SIGCONT):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-    out = job.output
     assert code != 0, out
     assert deadline_s - 1 < seconds < 30, (seconds, out)
     message = re.search(rf"mpitf: error on rank \d+: .*\((rank {rank[4:]}, /job:{role}/task:"

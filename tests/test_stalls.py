@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_recovery import JOB, REPO, Background
+from test_recovery import JOB, REPO, Background, stop_and_wait
 
 from mpitf.cli.flags import add_training_arguments
 from mpitf.config import (
@@ -103,22 +103,6 @@ def tmp(tmp_path):
     return tmp_path
 
 
-def _stop_and_wait(job, victim):
-    job.wait_for_step(50)
-    pid = job.rank_pid(victim)
-    os.kill(pid, signal.SIGSTOP)
-    stopped = time.monotonic()
-    try:
-        code, _ = job.finish(timeout=60)
-    finally:
-        for sig in (signal.SIGKILL, signal.SIGCONT):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-    return code, time.monotonic() - stopped, job.output
-
-
 @pytest.mark.mpi
 @pytest.mark.parametrize("victim,operation,expected_s,mode", [
     ("rank2-worker-1", "during push", 20, "sync"),  # the ps names it: 30 s / 1.5
@@ -130,7 +114,7 @@ def test_a_stopped_rank_is_named_within_40_s_by_default(tmp, victim, operation, 
                                                        mode):
     # no --deadline: the adaptive rule
     job = Background(tmp, steps=100000, step_sleep=0, mode=mode)
-    code, seconds, out = _stop_and_wait(job, victim)
+    code, seconds, out = stop_and_wait(job, victim, after_step=50, timeout=60)
     rank, role, task = victim.split("-")
     assert code != 0, out
     assert expected_s - 1 < seconds < 40, (seconds, out)
