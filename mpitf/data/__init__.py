@@ -3,5 +3,5 @@
 Holds ``sharded`` (``ShardedDataset``, checks, positions for checkpoints) and ``datasets``
 (the digits set, MNIST IDX conversion).
 
-May import: ``mpitf.errors`` only.
+May import: ``mpitf.config`` (its checks) and ``mpitf.errors`` only.
 """

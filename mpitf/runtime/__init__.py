@@ -3,7 +3,8 @@
 Holds ``server`` (roles over COMM_WORLD, communicators, ``join``), ``backend`` (numpy or
 CuPy: the only module that imports CuPy), ``cuda_aware`` (whether MPI takes device
 buffers), ``lifeline`` (names a killed peer), ``exits`` (exit codes, abort-on-error,
-signals), ``launch`` (mpiexec argv) and ``timeline``.
+signals), ``launch`` (mpiexec argv), ``stall`` (how long a wait may last before a rank
+is named) and ``timeline``.
 
 May import: the spec layer (``mpitf.cluster``, ``roles``, ``device``, ``placement``,
 ``config``, ``errors``). ``Server.join`` reaches up to ``mpitf.ps`` on purpose (see
