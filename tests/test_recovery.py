@@ -69,6 +69,13 @@ def stop_and_wait(job, victim, after_step, timeout):
     return code, time.monotonic() - stopped, job.output
 
 
+def names_stopped_rank(out, victim, operation):
+    """Return the error line naming rank ``victim`` ("rank2-worker-1") during ``operation``."""
+    rank, role, task = victim.split("-")
+    return re.search(rf"mpitf: error on rank \d+: .*\((rank {rank[4:]}, /job:{role}/task:"
+                     rf"{task}, on \S+, {operation})\)", out)
+
+
 def run_job(tmp, n=3, timeout=60, **kw):
     """Run the job to its end (under a deadline) and return the MPIRun."""
     run = run_mpi(n, [JOB, *job_args(tmp, **kw)], timeout=timeout, cwd=str(REPO))
@@ -402,12 +409,9 @@ def test_a_stopped_rank_is_named_when_the_deadline_ends_the_job(tmp, victim, ope
                                                                 deadline_s):
     job = Background(tmp, steps=5000, extra=["--deadline", "10"])
     code, seconds, out = stop_and_wait(job, victim, after_step=20, timeout=30)
-    rank, role, task = victim.split("-")
     assert code != 0, out
     assert deadline_s - 1 < seconds < 30, (seconds, out)
-    message = re.search(rf"mpitf: error on rank \d+: .*\((rank {rank[4:]}, /job:{role}/task:"
-                        rf"{task}, on \S+, {operation})\)", out)
-    assert message, out
+    assert names_stopped_rank(out, victim, operation), out
 
 
 # ----------------------------------------------- 6. killed at any instant, even mid-save
