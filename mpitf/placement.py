@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .cluster import ClusterSpec
 from .errors import ConfigurationError
 
 
@@ -196,13 +197,19 @@ def replica_device_setter(cluster=None, ps_tasks=None, ps_strategy=None, partiti
     """Return a :class:`DeviceSetter` for the ps tasks of ``cluster`` (or ``ps_tasks`` of them).
 
     Args:
-        cluster: a ClusterSpec (its ``ps`` job gives the ps count).
+        cluster: a ClusterSpec or a dict that makes one; as in TensorFlow, its ``ps`` job
+            gives the ps count (none without a ps job) and ``ps_tasks`` is then unused.
         ps_tasks: the ps count, when no cluster is given.
         ps_strategy: ``"round_robin"`` (default), ``"greedy"``, or an object with ``assign``.
-        partitioner: a :class:`MinMaxVariablePartitioner` for large variables, or None.
+        partitioner: a partitioner for large variables (see the ``*_partitioner``
+            functions), or None.
     """
-    if ps_tasks is None:
-        if cluster is None:
-            raise ConfigurationError("give a cluster or ps_tasks")
-        ps_tasks = cluster.num_tasks("ps") if "ps" in cluster.jobs else 0
-    return DeviceSetter(int(ps_tasks), ps_strategy, partitioner)
+    if cluster is not None:
+        spec = ClusterSpec(cluster)
+        ps_tasks = spec.num_tasks("ps") if "ps" in spec.jobs else 0
+    elif ps_tasks is None:
+        raise ConfigurationError(
+            "give a cluster or ps_tasks: replica_device_setter(cluster={'ps': [...], ...})")
+    if isinstance(ps_tasks, bool) or not isinstance(ps_tasks, int) or ps_tasks < 0:
+        raise ConfigurationError(f"bad ps_tasks={ps_tasks!r}: expecting an integer >= 0")
+    return DeviceSetter(ps_tasks, ps_strategy, partitioner)

@@ -215,6 +215,25 @@ def test_cluster_gives_the_ps_count():
     assert [s.ps_task for s in placement.slices] == [0, 1, 2, 0, 1, 2, 0]
 
 
+@pytest.mark.parametrize("cluster", [
+    {"ps": ["p0:1", "p1:1"], "worker": ["w0:1"]},  # a plain dict, as TensorFlow takes
+    {"worker": {0: "w0:1"}, "ps": {0: "p0:1", 1: "p1:1"}},
+])
+def test_cluster_as_a_dict(cluster):
+    from mpitf.cluster import ClusterSpec
+
+    for given in (cluster, ClusterSpec(cluster)):
+        setter = replica_device_setter(cluster=given, ps_tasks=5)  # the cluster wins, as in TF
+        assert setter.num_ps == 2
+        placement = setter.place([(f"v{i}", (4,), F32) for i in range(3)])
+        assert [s.ps_task for s in placement.slices] == [0, 1, 0]
+    assert replica_device_setter(cluster={"worker": ["w0:1"]}).num_ps == 0  # no ps job
+    with pytest.raises(ConfigurationError, match="bad ps_tasks=-1"):
+        replica_device_setter(ps_tasks=-1)
+    with pytest.raises(ConfigurationError, match="expecting a dict"):
+        replica_device_setter(cluster=["p0:1"])
+
+
 def test_same_input_gives_the_same_map():
     variables = random_variables(50, seed=9)
     part = min_max_variable_partitioner(4, 4096)
