@@ -34,6 +34,8 @@ _LAZY = {
     "replica_device_setter": "placement",
     "GreedyLoadBalancingStrategy": "placement",
     "min_max_variable_partitioner": "placement",
+    "fixed_size_partitioner": "placement",
+    "variable_axis_size_partitioner": "placement",
 }
 
 __all__ = [

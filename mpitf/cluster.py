@@ -1,9 +1,10 @@
 """Describe the ps and worker jobs of a cluster, and map MPI ranks onto their tasks.
 
 `ClusterSpec` keeps the interface and meaning of ``tf.train.ClusterSpec``, so
-ported code works. Addresses keep TensorFlow's ``host:port`` form, but ports are
-ignored: MPI carries every message. Only the jobs ``ps`` and ``worker`` exist;
-mpitf's chief is worker task 0.
+ported code works: any job name, jobs in insertion order, empty jobs kept,
+ValueError for an absent job or task. Addresses keep TensorFlow's ``host:port``
+form, but ports are ignored: MPI carries every message. mpitf runs the jobs
+``ps`` and ``worker`` (`check_run_job`); its chief is worker task 0.
 
 Which MPI rank runs which task is :mod:`mpitf.roles`' business.
 """
@@ -13,23 +14,35 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Mapping
 
 from mpitf.errors import ConfigurationError
 
 __all__ = [
     "ClusterSpec", "add_cluster_arguments", "cluster_from_args", "check_claimed_role",
-    "claimed_roles",
+    "check_run_job", "claimed_roles",
     "split_address", "tf_config_task",
 ]
 
-JOBS = ("ps", "worker")
+JOBS = ("ps", "worker")  # the jobs mpitf runs so far; a spec may hold any others
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "")
+_JOB_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*\Z")
 _log = logging.getLogger("mpitf")
 _port_note = {"given": False}  # the port note is logged once per process
 
 
 def _check_job(job):
+    """Return a job name TensorFlow's device names accept, or raise."""
+    if isinstance(job, str) and _JOB_NAME.match(job):
+        return job
+    raise ConfigurationError(
+        f"bad job name {job!r}: expecting letters, digits and '_', starting with a letter,"
+        " as in TensorFlow's device names (/job:<name>)")
+
+
+def check_run_job(job):
+    """Return job if mpitf can run its tasks (ps and worker), else raise saying what to do."""
     if job in JOBS:
         return job
     msg = f"unknown job name {job!r}: mpitf runs the jobs 'ps' and 'worker'"
@@ -39,30 +52,22 @@ def _check_job(job):
 
 
 def split_address(address):
-    """Split ``host``, ``host:port`` or ``[v6]:port`` into (host, port or None)."""
-    if not isinstance(address, str):
+    """Split an address into (host, port text or None), as leniently as TensorFlow.
+
+    A path-like address (``unix:/tmp/s``) names no host: its host is ``""``.
+    """
+    if not isinstance(address, str) or not address.strip():
         raise ConfigurationError(f"expecting an address string 'host:port', got {address!r}")
     addr = address.strip()
-    if not addr:
-        raise ConfigurationError("empty host in the cluster spec: give 'host' or 'host:port'")
-    bad = [c for c in ",;|/ \t" if c in addr]
-    if bad:
-        raise ConfigurationError(f"bad character {bad[0]!r} in address {addr!r}")
-    if addr.startswith("["):
-        host, sep, rest = addr[1:].partition("]")
-        if not sep or (rest and not rest.startswith(":")):
-            raise ConfigurationError(f"malformed address {addr!r}: expecting '[v6 address]:port'")
-        port = rest[1:] if rest else None
-    elif addr.count(":") == 1:
+    if "/" in addr:
+        return "", None
+    if addr.startswith("[") and "]" in addr:
+        host, _, rest = addr[1:].partition("]")
+        return host, rest[1:] if rest.startswith(":") else None
+    if addr.count(":") == 1:
         host, port = addr.split(":")
-    else:  # a bare name, or a bare IPv6 address
-        host, port = addr, None
-    if not host:
-        raise ConfigurationError(f"empty host in address {addr!r}: expecting 'host:port'")
-    if port is not None and not (port.isdigit() and int(port) <= 65535):
-        raise ConfigurationError(
-            f"bad port {port!r} in address {addr!r}: expecting a number in 0..65535")
-    return host, (None if port is None else int(port))
+        return host, port
+    return addr, None
 
 
 def _task_index(value, job):
@@ -75,15 +80,14 @@ def _task_index(value, job):
 
 
 class ClusterSpec:
-    """Hold the tasks of the ps and worker jobs, as ``tf.train.ClusterSpec`` does.
+    """Hold the jobs and tasks of a cluster, as ``tf.train.ClusterSpec`` does.
 
     Args:
-        cluster: a dict mapping each job to a list of ``"host:port"`` addresses,
-            to a dict ``{task_index: address}`` (sparse indices), or to a task
-            count (that many tasks on ``"localhost"``; an mpitf extension); or
-            another `ClusterSpec`. Jobs with no tasks are left out, and lookups
-            of ``"ps"`` in a spec without ps tasks read as empty (a spec with
-            zero ps trains locally). The empty dict gives the empty, false spec.
+        cluster: a dict mapping each job to a list of addresses, to a dict
+            ``{task_index: address}`` (sparse indices), or to a task count (that
+            many tasks on ``"localhost"``; an mpitf extension); or another
+            `ClusterSpec`. Jobs keep their order, empty jobs are kept, an address is
+            any non-empty string, and an absent job or task raises ValueError.
     """
 
     def __init__(self, cluster):
@@ -110,27 +114,11 @@ class ClusterSpec:
                     f"bad tasks {tasks!r} for job {job!r}: expecting a list of 'host:port',"
                     " a dict of task index -> address, or a task count >= 0")
             for address in parsed.values():
-                split_address(address)  # raises on a malformed address
-            if parsed:
-                spec[job] = {i: parsed[i].strip() for i in sorted(parsed)}
-        self._spec = dict(sorted(spec.items()))
-        if cluster and "worker" not in self._spec:
-            raise ConfigurationError("the cluster spec has no worker task: mpitf needs one")
-        self._check_addresses()
-
-    def _check_addresses(self):
-        seen, ports = {}, False
-        for job, tasks in self._spec.items():
-            for i, address in tasks.items():
-                if split_address(address)[1] is None:
-                    continue
-                ports = True
-                if address in seen:
-                    raise ConfigurationError(
-                        f"address {address!r} is used twice, by /job:{seen[address]} and"
-                        f" /job:{job}/task:{i}: give each task its own host:port")
-                seen[address] = f"{job}/task:{i}"
-        if ports and not _port_note["given"]:
+                split_address(address)  # raises on a non-string or empty address
+            spec[job] = {i: parsed[i] for i in sorted(parsed)}
+        self._spec = spec
+        if any(split_address(a)[1] is not None for t in spec.values() for a in t.values()) \
+                and not _port_note["given"]:
             _port_note["given"] = True
             _log.info("mpitf: ports in the cluster spec are ignored; MPI carries the traffic")
 
@@ -214,11 +202,14 @@ class ClusterSpec:
 
     # --- tf.train.ClusterSpec interface -------------------------------------
     def _tasks(self, job):
-        return self._spec.get(_check_job(job), {})
+        try:
+            return self._spec[job]
+        except (KeyError, TypeError):
+            raise ConfigurationError(f"no such job in cluster: {job!r}") from None
 
     @property
     def jobs(self):
-        """The job names, sorted."""
+        """The job names, in the order they were given."""
         return list(self._spec)
 
     @property
@@ -227,15 +218,15 @@ class ClusterSpec:
         return sum(len(t) for t in self._spec.values())
 
     def num_tasks(self, job):
-        """Return the number of tasks in a job."""
+        """Return the number of tasks in a job; ValueError if there is no such job."""
         return len(self._tasks(job))
 
     def task_indices(self, job):
-        """Return the sorted task indices of a job."""
+        """Return the sorted task indices of a job; ValueError if there is no such job."""
         return list(self._tasks(job))
 
     def task_address(self, job, task_index):
-        """Return the address of one task."""
+        """Return the address of one task; ValueError if there is no such job or task."""
         tasks = self._tasks(job)
         if task_index not in tasks:
             raise ConfigurationError(
@@ -252,13 +243,16 @@ class ClusterSpec:
         return out
 
     def as_dict(self):
-        """Return the jobs as a dict: a list per dense job, a dict per sparse one."""
-        return {job: self.job_tasks(job) if max(tasks) + 1 == len(tasks) else dict(tasks)
-                for job, tasks in self._spec.items()}
+        """Return the jobs as a dict: a list per dense job, a dict per sparse or empty one."""
+        return {job: self.job_tasks(job) if tasks and max(tasks) + 1 == len(tasks)
+                else dict(tasks) for job, tasks in self._spec.items()}
 
     def to_string(self):
-        """Return the grpc_tensorflow_server flag form ``ps|h:p;h:p,worker|h:p``."""
-        dicts = self.as_dict()
+        """Return the grpc_tensorflow_server flag form ``ps|h:p;h:p,worker|h:p``.
+
+        Jobs without tasks are left out: the flag form has no way to write one.
+        """
+        dicts = {job: t for job, t in self.as_dict().items() if t}
         sparse = [job for job, tasks in dicts.items() if isinstance(tasks, dict)]
         if sparse:
             raise ConfigurationError(
@@ -267,22 +261,24 @@ class ClusterSpec:
         return ",".join(f"{job}|{';'.join(tasks)}" for job, tasks in dicts.items())
 
     def __eq__(self, other):
+        """Equal to a spec, or a dict that makes a spec, with the same jobs and tasks."""
+        if isinstance(other, Mapping):
+            try:
+                other = ClusterSpec(other)
+            except ConfigurationError:
+                return False
         if not isinstance(other, ClusterSpec):
             return NotImplemented
         return self._spec == other._spec
 
-    def __ne__(self, other):  # as TF defines it
-        eq = self.__eq__(other)
-        return eq if eq is NotImplemented else not eq
-
     def __hash__(self):
-        return hash(tuple((job, tuple(t.items())) for job, t in self._spec.items()))
+        return hash(frozenset((job, tuple(t.items())) for job, t in self._spec.items()))
 
     def __bool__(self):
         return bool(self._spec)
 
-    def __repr__(self):
-        return f"ClusterSpec({self.as_dict()!r})"
+    def __repr__(self):  # jobs sorted, as TensorFlow prints them
+        return f"ClusterSpec({dict(sorted(self.as_dict().items()))!r})"
 
 
 def _count(value, name):
@@ -311,7 +307,7 @@ def tf_config_task(value):
     if not isinstance(task, Mapping) or "type" not in task:
         raise ConfigurationError(
             f"bad TF_CONFIG task {task!r}: expecting {{\"type\": \"worker\", \"index\": 0}}")
-    return _check_job(task["type"]), _task_index(task.get("index", 0), task["type"])
+    return check_run_job(task["type"]), _task_index(task.get("index", 0), task["type"])
 
 
 # --- command-line resolution ------------------------------------------------
@@ -335,7 +331,17 @@ def add_cluster_arguments(parser):
 
 
 def cluster_from_args(args, world_size, env=os.environ):
-    """Resolve the cluster spec from flags, then TF_CONFIG, then --num-ps and the world size."""
+    """Resolve the cluster spec from flags, then TF_CONFIG, then --num-ps and the world size.
+
+    A spec with a worker job but no ps job gets an empty ps job: it trains without ps.
+    """
+    spec = _resolve(args, world_size, env)
+    if "worker" in spec.jobs and "ps" not in spec.jobs:
+        spec = ClusterSpec({"ps": [], **spec.as_dict()})
+    return spec
+
+
+def _resolve(args, world_size, env):
     spec_flag = getattr(args, "cluster_spec", None)
     ps_hosts = getattr(args, "ps_hosts", None)
     worker_hosts = getattr(args, "worker_hosts", None)

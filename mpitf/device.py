@@ -99,7 +99,8 @@ class DeviceSpec:
                     len(y) == 3 and y[0] == "device"):
                 if "device_type" in fields:
                     raise ConfigurationError(
-                        f"second device {part!r} in {spec!r}: give one device type")
+                        f"multiple device types: second device {part!r} in {spec!r};"
+                        " give one device type")
                 fields["device_type"] = y[1] if y[0] == "device" else y[0].upper()
                 index = y[-1] if len(y) > 1 else "*"
                 fields["device_index"] = None if index == "*" else _parse_int(index, part)
@@ -108,6 +109,14 @@ class DeviceSpec:
                     f"unknown component {part!r} in device name {spec!r}: expecting"
                     " /job:<name>/replica:<int>/task:<int>/device:<TYPE>:<int>")
         return cls(**fields)
+
+    def parse_from_string(self, spec):
+        """Return the spec a device name describes, as TensorFlow 2's method of this name does.
+
+        Specs are immutable, so this spec is left as it is; the result does not take
+        its fields (`make_merged_spec` does that).
+        """
+        return DeviceSpec.from_string(spec)
 
     def to_string(self):
         """Return the name ``/job:<j>/replica:<r>/task:<t>/device:<TYPE>:<i>`` of the set fields."""

@@ -2,14 +2,16 @@
 
 Every worker computes the same map from the same variable list, so nobody has to ask.
 Strategies follow TensorFlow's ``replica_device_setter``: round-robin in creation order is
-the default; :class:`GreedyLoadBalancingStrategy` balances bytes; a partitioner cuts a
-large variable into contiguous row blocks that are placed like variables of their own.
+the default; :class:`GreedyLoadBalancingStrategy` balances bytes; a partitioner (TensorFlow's
+three, with its arithmetic) cuts a large variable into contiguous row blocks that are placed
+like variables of their own.
 """
 
 from dataclasses import dataclass
 
 import numpy as np
 
+from .cluster import ClusterSpec
 from .errors import ConfigurationError
 
 
@@ -72,31 +74,121 @@ class GreedyLoadBalancingStrategy:
         return owner
 
 
-class MinMaxVariablePartitioner:
-    """Cut a variable into at most ``max_partitions`` row blocks of ``min_slice_size`` bytes+.
+def _element_size(dtype, bytes_per_string_element):
+    dtype = np.dtype(dtype)
+    return bytes_per_string_element if dtype.kind in "SUO" else dtype.itemsize
 
-    The counterpart of ``tf.min_max_variable_partitioner``: small variables stay whole.
+
+def _check_axis(axis, shape):
+    if axis >= len(shape):
+        raise ConfigurationError(
+            f"cannot partition a variable along axis {axis} when its shape is only {shape}")
+
+
+class MinMaxVariablePartitioner:
+    """Cut a variable along ``axis`` into at most ``max_partitions`` slices of enough bytes.
+
+    TensorFlow's arithmetic: ceil(bytes / min_slice_size) slices, capped. Called as
+    TensorFlow calls a partitioner, ``partitioner(shape=..., dtype=...)``, it returns
+    the number of slices per axis. :func:`min_max_variable_partitioner` makes one.
     """
 
-    def __init__(self, max_partitions=1, min_slice_size=256 << 10):
+    def __init__(self, max_partitions=1, min_slice_size=256 << 10, axis=0,
+                 bytes_per_string_element=16):
         if max_partitions < 1:
             raise ConfigurationError("max_partitions must be at least 1")
         if min_slice_size < 1:
             raise ConfigurationError("min_slice_size must be positive")
         self.max_partitions = int(max_partitions)
         self.min_slice_size = int(min_slice_size)
+        self.axis = int(axis)
+        self.bytes_per_string_element = int(bytes_per_string_element)
 
-    def row_splits(self, shape, itemsize):
-        """Return the row boundaries [0, ..., rows] of the partitions of a variable."""
-        rows = shape[0] if shape else 1
-        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
-        parts = max(1, min(self.max_partitions, nbytes // self.min_slice_size, rows))
-        return [rows * k // parts for k in range(parts + 1)]
+    def __call__(self, shape, dtype):
+        """Return the slices per axis of a variable of this shape and dtype."""
+        _check_axis(self.axis, shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * _element_size(
+            dtype, self.bytes_per_string_element)
+        parts = [1] * len(shape)
+        parts[self.axis] = max(1, min(shape[self.axis], self.max_partitions,
+                                      -(-nbytes // self.min_slice_size)))
+        return parts
 
 
-def min_max_variable_partitioner(max_partitions=1, min_slice_size=256 << 10):
-    """Return a partitioner as TensorFlow's function of that name does."""
-    return MinMaxVariablePartitioner(max_partitions, min_slice_size)
+def min_max_variable_partitioner(max_partitions=1, axis=0, min_slice_size=256 << 10,
+                                 bytes_per_string_element=16):
+    """Return a partitioner as TensorFlow's function of that name does (same arguments)."""
+    return MinMaxVariablePartitioner(max_partitions, min_slice_size, axis,
+                                     bytes_per_string_element)
+
+
+def fixed_size_partitioner(num_shards, axis=0):
+    """Return TensorFlow's partitioner of that name: ``num_shards`` slices along ``axis``.
+
+    Fewer when the axis is shorter.
+    """
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+        raise ConfigurationError(f"bad num_shards={num_shards!r}: expecting an integer >= 1")
+
+    def partitioner(shape, **unused):
+        _check_axis(axis, shape)
+        parts = [1] * len(shape)
+        parts[axis] = min(num_shards, shape[axis])
+        return parts
+    return partitioner
+
+
+def variable_axis_size_partitioner(max_shard_bytes, axis=0, bytes_per_string_element=16,
+                                   max_shards=None):
+    """Return TensorFlow's partitioner of that name: slices under ``max_shard_bytes``.
+
+    Slices along ``axis`` hold at least one row each, and there are at most ``max_shards``.
+    """
+    if max_shard_bytes < 1 or bytes_per_string_element < 1:
+        raise ConfigurationError(
+            "max_shard_bytes and bytes_per_string_element must be positive; got"
+            f" {max_shard_bytes} and {bytes_per_string_element}")
+    if max_shards is not None and max_shards < 1:
+        raise ConfigurationError(f"max_shards must be positive; got {max_shards}")
+
+    def partitioner(shape, dtype):
+        _check_axis(axis, shape)
+        row = int(np.prod(shape, dtype=np.int64)) // shape[axis] if shape[axis] else 0
+        row_bytes = row * _element_size(dtype, bytes_per_string_element)
+        rows_per_shard = max(1, max_shard_bytes // max(row_bytes, 1))
+        parts = [1] * len(shape)
+        parts[axis] = -(-shape[axis] // rows_per_shard)
+        if max_shards:
+            parts[axis] = min(max_shards, parts[axis])
+        return parts
+    return partitioner
+
+
+def _split_rows(name, shape, dtype, partitioner):
+    """Return the boundaries [0, ..., n] along the cut axis, in flat elements' rows.
+
+    The ps holds each slice as one contiguous range of the variable's row-major
+    elements, which a cut along an axis gives only when every axis before it has
+    length 1: axis 0 always; other axes are refused. Slice sizes follow TensorFlow's:
+    the first ``n % parts`` slices get one row more.
+    """
+    parts = [int(p) for p in partitioner(shape=shape, dtype=np.dtype(dtype))]
+    cut = [a for a, p in enumerate(parts) if p != 1]
+    if len(parts) != len(shape) or any(p < 1 for p in parts) or len(cut) > 1:
+        raise ConfigurationError(
+            f"the partitioner gave {parts} for variable {name!r} of shape {shape}: expecting"
+            " one positive count per axis, more than 1 on one axis at most")
+    if not cut:
+        return 0, [0, shape[0]]
+    axis, n = cut[0], parts[cut[0]]
+    if any(d != 1 for d in shape[:axis]):
+        raise ConfigurationError(
+            f"variable {name!r} of shape {shape} is cut along axis {axis}, which mpitf cannot"
+            " place: a ps holds contiguous row-major ranges, so cut along axis 0 (or an"
+            " axis after only length-1 axes)")
+    rows, extra = divmod(shape[axis], n)
+    sizes = [rows + (k < extra) for k in range(n)]
+    return axis, [sum(sizes[:k]) for k in range(n + 1)]
 
 
 def _strategy(value):
@@ -133,11 +225,10 @@ class Placement:
         pieces = []
         for name, shape, dtype in variables:
             size = int(np.prod(shape, dtype=np.int64))
-            row = size // shape[0] if shape and shape[0] else size
-            if partitioner:
-                splits = partitioner.row_splits(shape, self.dtype.itemsize)
-            else:
-                splits = [0, shape[0] if shape else 1]
+            whole = (0, [0, shape[0] if shape else 1])
+            axis, splits = (_split_rows(name, shape, dtype, partitioner)
+                            if partitioner and shape and size else whole)
+            row = size // shape[axis] if shape and shape[axis] else size
             for k in range(len(splits) - 1):
                 start = splits[k] * row if shape else 0
                 stop = splits[k + 1] * row if shape else size
@@ -196,13 +287,20 @@ def replica_device_setter(cluster=None, ps_tasks=None, ps_strategy=None, partiti
     """Return a :class:`DeviceSetter` for the ps tasks of ``cluster`` (or ``ps_tasks`` of them).
 
     Args:
-        cluster: a ClusterSpec (its ``ps`` job gives the ps count).
+        cluster: a ClusterSpec or a dict that makes one; as in TensorFlow, its ``ps`` job
+            gives the ps count (none without a ps job) and ``ps_tasks`` is then unused.
         ps_tasks: the ps count, when no cluster is given.
         ps_strategy: ``"round_robin"`` (default), ``"greedy"``, or an object with ``assign``.
-        partitioner: a :class:`MinMaxVariablePartitioner` for large variables, or None.
+        partitioner: a partitioner for large variables (``min_max_variable_partitioner``,
+            ``fixed_size_partitioner``, ``variable_axis_size_partitioner``, or any callable
+            ``(shape=, dtype=) -> slices per axis`` as in TensorFlow), or None.
     """
-    if ps_tasks is None:
-        if cluster is None:
-            raise ConfigurationError("give a cluster or ps_tasks")
-        ps_tasks = cluster.num_tasks("ps") if "ps" in cluster.jobs else 0
-    return DeviceSetter(int(ps_tasks), ps_strategy, partitioner)
+    if cluster is not None:
+        spec = ClusterSpec(cluster)
+        ps_tasks = spec.num_tasks("ps") if "ps" in spec.jobs else 0
+    elif ps_tasks is None:
+        raise ConfigurationError(
+            "give a cluster or ps_tasks: replica_device_setter(cluster={'ps': [...], ...})")
+    if isinstance(ps_tasks, bool) or not isinstance(ps_tasks, int) or ps_tasks < 0:
+        raise ConfigurationError(f"bad ps_tasks={ps_tasks!r}: expecting an integer >= 0")
+    return DeviceSetter(ps_tasks, ps_strategy, partitioner)

@@ -2,7 +2,9 @@
 
 Rank mapping policy (:func:`assign_roles`), the same on every rank for the same input:
 
-1. The number of MPI ranks must equal the number of tasks in the spec.
+1. The number of MPI ranks must equal the number of tasks in the spec. A spec may
+   hold any job, but only ``ps`` and ``worker`` tasks run so far; a spec with
+   tasks in another job is refused here, and one without a worker task too.
 2. Nodes are the distinct processor names of the ranks, ordered by their
    lowest rank.
 3. A task whose host is a real hostname is *pinned*: it must run on that node
@@ -20,7 +22,7 @@ On one workstation this gives ranks ``0..num_ps-1`` to the ps tasks and the rest
 to the workers; on several nodes the ps tasks are spread over the nodes.
 """
 
-from mpitf.cluster import JOBS, LOCAL_HOSTS, ClusterSpec, split_address
+from mpitf.cluster import JOBS, LOCAL_HOSTS, ClusterSpec, check_run_job, split_address
 from mpitf.errors import ConfigurationError
 
 __all__ = ["assign_roles", "describe_roles"]
@@ -52,6 +54,11 @@ def assign_roles(cluster, rank_hosts):
         A list of (job, task_index), one per rank.
     """
     cluster = ClusterSpec(cluster)
+    for job in cluster.jobs:
+        if cluster.num_tasks(job):
+            check_run_job(job)
+    if cluster and not ("worker" in cluster.jobs and cluster.num_tasks("worker")):
+        raise ConfigurationError("the cluster spec has no worker task: mpitf needs one")
     size = len(rank_hosts)
     if size != cluster.total_tasks:
         counts = ", ".join(f"{cluster.num_tasks(j)} {j}" for j in cluster.jobs)
@@ -63,7 +70,7 @@ def assign_roles(cluster, rank_hosts):
     roles = [None] * size
     tasks = [(job, i, _node_of(split_address(cluster.task_address(job, i))[0], nodes,
                                f"/job:{job}/task:{i}"))
-             for job in JOBS for i in cluster.task_indices(job)]
+             for job in JOBS if job in cluster.jobs for i in cluster.task_indices(job)]
     for job, i, node in tasks:  # pinned tasks first
         if node is not None:
             if not free[node]:
@@ -72,7 +79,7 @@ def assign_roles(cluster, rank_hosts):
                     f" left ({len([h for h in rank_hosts if h == nodes[node]])} ranks):"
                     " start more ranks there or pin fewer tasks to it")
             roles[free[node].pop(0)] = (job, i)
-    ps_order = {i: k for k, i in enumerate(cluster.task_indices("ps"))}
+    ps_order = {i: k for k, (job, i, _) in enumerate(t for t in tasks if t[0] == "ps")}
     for job, i, node in tasks:
         if job == "ps" and node is None:
             start = ps_order[i] % len(nodes)

@@ -28,7 +28,7 @@ def parse(argv):
 # --- the tf.train.ClusterSpec interface ---------------------------------------
 def test_dense_lists():
     spec = ClusterSpec({"worker": ["w0:2222", "w1:2222"], "ps": ["p0:2222"]})
-    assert spec.jobs == ["ps", "worker"]
+    assert spec.jobs == ["worker", "ps"]  # insertion order, as TensorFlow (issue 14)
     assert spec.num_tasks("worker") == 2
     assert spec.task_indices("worker") == [0, 1]
     assert spec.task_address("worker", 1) == "w1:2222"
@@ -36,7 +36,7 @@ def test_dense_lists():
     assert spec.total_tasks == 3
     assert spec.as_dict() == {"ps": ["p0:2222"], "worker": ["w0:2222", "w1:2222"]}
     assert bool(spec)
-    assert spec.to_string() == "ps|p0:2222,worker|w0:2222;w1:2222"
+    assert spec.to_string() == "worker|w0:2222;w1:2222,ps|p0:2222"
 
 
 def test_sparse_indices_keep_their_tf_index():
@@ -62,10 +62,15 @@ def test_counts_and_mixed_forms():
 
 def test_zero_ps_and_empty_spec():
     spec = ClusterSpec.from_counts(0, 2)
-    assert spec.jobs == ["worker"]
+    assert spec.jobs == ["ps", "worker"]  # the empty ps job is kept (issue 14)
     assert spec.num_tasks("ps") == 0
     assert spec.task_indices("ps") == [] and spec.job_tasks("ps") == []
     assert spec == ClusterSpec({"ps": [], "worker": 2})
+    assert spec != ClusterSpec({"worker": 2})  # an empty job is a job, as in TensorFlow
+    assert spec.as_dict() == {"ps": {}, "worker": ["localhost"] * 2}
+    assert spec.to_string() == "worker|localhost;localhost"
+    with pytest.raises(ValueError, match="no such job in cluster: 'ps'"):
+        ClusterSpec({"worker": 2}).num_tasks("ps")
     empty = ClusterSpec({})
     assert not empty and empty.total_tasks == 0 and empty.jobs == []
 
@@ -76,7 +81,10 @@ def test_equality_hash_copy_repr():
     assert a == b and not (a != b) and hash(a) == hash(b)
     assert ClusterSpec(a) == a
     assert a != ClusterSpec({"worker": ["w:1"]})
-    assert a != {"ps": ["p:1"], "worker": ["w:1"]}
+    assert a == {"ps": ["p:1"], "worker": ["w:1"]}  # equal to an equal dict (issue 14)
+    assert a == {"worker": {0: "w:1"}, "ps": ["p:1"]} and a != {"worker": ["w:1"]}
+    assert a != {"worker": "w:1"} and a != ["w:1"]
+    assert hash(ClusterSpec({"worker": ["w:1"], "ps": ["p:1"]})) == hash(a)
     assert eval(repr(a), {"ClusterSpec": ClusterSpec}) == a
 
 
@@ -88,38 +96,61 @@ def test_bad_types(bad):
 
 @pytest.mark.parametrize("job", ["foo", "evaluator"])
 def test_unknown_job(job):
+    # issue 14: a spec holds any job; only running its tasks is refused (mpitf.roles)
+    spec = ClusterSpec({job: ["a"], "worker": ["b"]})
+    assert spec.jobs == [job, "worker"] and spec.num_tasks(job) == 1
     with pytest.raises(ConfigurationError, match=f"unknown job name '{job}'.*'ps' and 'worker'"):
-        ClusterSpec({job: ["a"], "worker": ["b"]})
-    with pytest.raises(ValueError, match=f"unknown job name '{job}'"):
+        assign_roles(spec, ["n", "n"])
+    with pytest.raises(ValueError, match=f"no such job in cluster: '{job}'"):
         ClusterSpec({"worker": ["b"]}).num_tasks(job)
+    assert assign_roles({job: [], "worker": ["localhost"]}, ["n"]) == [("worker", 0)]
 
 
 @pytest.mark.parametrize("job", ["chief", "master"])
 def test_chief_hint(job):
     with pytest.raises(ConfigurationError, match="chief is worker task 0; list that host first"):
-        ClusterSpec({job: ["a"], "worker": ["b"]})
+        assign_roles(ClusterSpec({job: ["a"], "worker": ["b"]}), ["n", "n"])
+
+
+@pytest.mark.parametrize("job", ["", "a-b", "1st", "x/y", "job:1", 3, None])
+def test_bad_job_name(job):
+    with pytest.raises(ConfigurationError, match="bad job name.*letters, digits and '_'"):
+        ClusterSpec({job: ["a"]})
 
 
 def test_needs_a_worker():
     for cluster in ({"ps": ["a"]}, {"ps": 1, "worker": 0}):
+        spec = ClusterSpec(cluster)  # issue 14: a spec may lack workers; running it may not
         with pytest.raises(ConfigurationError, match="no worker task"):
-            ClusterSpec(cluster)
+            assign_roles(spec, ["n"])
 
 
-def test_duplicate_address_named():
-    message = "'h:2222' is used twice.*ps/task:0.*worker/task:1"
-    with pytest.raises(ConfigurationError, match=message):
-        ClusterSpec({"ps": ["h:2222"], "worker": ["w:1", "h:2222"]})
-    ClusterSpec({"ps": ["localhost"], "worker": ["localhost", "node3", "node3"]})  # no port: ok
+def test_same_address_twice_as_in_tf():
+    # issue 14: TensorFlow accepts the same address on two tasks; ports are ignored anyway
+    spec = ClusterSpec({"ps": ["h:2222"], "worker": ["w:1", "h:2222"]})
+    assert spec.task_address("worker", 1) == spec.task_address("ps", 0) == "h:2222"
 
 
-@pytest.mark.parametrize("address,token", [
-    ("h:abc", "'abc'"), ("h:70000", "'70000'"), ("h:", "''"), (":22", "':22'"),
-    ("[::1]x", "'\\[::1\\]x'"), ("a b:1", "'a b:1'"),
-])
-def test_malformed_address(address, token):
-    with pytest.raises(ConfigurationError, match=token):
+@pytest.mark.parametrize("address", [
+    "h:abc", "h:70000", "h:", ":22", "[::1]x", "unix:/tmp/w0", "/tmp/sock", "localhost"])
+def test_addresses_tf_accepts(address):
+    # issue 14: TF's ClusterSpec takes any address string; mpitf ignores ports
+    assert ClusterSpec({"worker": [address]}).task_address("worker", 0) == address
+
+
+@pytest.mark.parametrize("address", ["", "  ", 3, None])
+def test_address_must_be_a_string(address):
+    with pytest.raises(ConfigurationError, match="expecting an address string"):
         ClusterSpec({"worker": [address]})
+
+
+def test_lenient_addresses_place_by_host():
+    # a path-like address names no host: the task is free; 'h:abc' is pinned to h
+    spec = {"ps": ["unix:/tmp/ps0"], "worker": ["/tmp/w0", "node-b:port"]}
+    hosts = ["node-a", "node-b", "node-a"]
+    assert assign_roles(spec, hosts) == [("ps", 0), ("worker", 1), ("worker", 0)]
+    assert assign_roles({"worker": [":22", "[::1]x"]}, ["n", "n"]) == [
+        ("worker", 0), ("worker", 1)]
 
 
 def test_ipv6_and_bad_values():
@@ -159,11 +190,10 @@ def test_from_string():
     ("|h1:2222", "empty job name in '\\|h1:2222'"),
     ("worker|h1:1;;h2:2", "empty host in 'worker\\|h1:1;;h2:2'"),
     ("worker|", "empty host in 'worker\\|'"),
-    ("worker|h:x1", "bad port 'x1'"),
     ("worker|a,worker|b", "job 'worker' is given twice"),
     ("worker|a,,ps|b", "missing '\\|' in ''"),
     ("", "empty cluster spec"),
-    ("foo|a,worker|b", "unknown job name 'foo'"),
+    ("f-o|a,worker|b", "bad job name 'f-o'"),
 ])
 def test_from_string_errors(text, message):
     with pytest.raises(ConfigurationError, match=message):
@@ -174,7 +204,7 @@ def test_from_hosts():
     spec = ClusterSpec.from_hosts("p0:2222,p1:2222", "w0:2222, w1:2222")
     assert spec.job_tasks("ps") == ["p0:2222", "p1:2222"]
     assert spec.job_tasks("worker") == ["w0:2222", "w1:2222"]
-    assert ClusterSpec.from_hosts("", "w0").jobs == ["worker"]
+    assert ClusterSpec.from_hosts("", "w0").jobs == ["ps", "worker"]  # empty ps kept
     assert ClusterSpec.from_hosts(None, ["w0", "w1"]).num_tasks("worker") == 2
     with pytest.raises(ConfigurationError, match="--worker_hosts is empty"):
         ClusterSpec.from_hosts("p0", "")
@@ -194,8 +224,9 @@ def test_from_tf_config():
         ClusterSpec.from_tf_config("{nope")
     with pytest.raises(ConfigurationError, match="no 'cluster' entry"):
         ClusterSpec.from_tf_config({"task": {}})
+    chief = ClusterSpec.from_tf_config({"cluster": {"chief": ["c:1"], "worker": ["w:1"]}})
     with pytest.raises(ConfigurationError, match="chief is worker task 0"):
-        ClusterSpec.from_tf_config({"cluster": {"chief": ["c:1"], "worker": ["w:1"]}})
+        assign_roles(chief, ["c", "w"])  # issue 14: held by the spec, refused to run
     with pytest.raises(ConfigurationError, match="chief is worker task 0"):
         tf_config_task({"task": {"type": "chief", "index": 0}})
     with pytest.raises(ConfigurationError, match="bad TF_CONFIG task"):
@@ -209,7 +240,7 @@ def test_from_slurm():
     spec = ClusterSpec.from_slurm(env, 2)
     assert (spec.num_tasks("ps"), spec.num_tasks("worker")) == (2, 6)
     assert ClusterSpec.from_slurm({**env, "SLURM_STEP_NUM_TASKS": "4"}, 1).total_tasks == 4
-    assert ClusterSpec.from_slurm({"SLURM_NTASKS": "1"}, 0).jobs == ["worker"]
+    assert ClusterSpec.from_slurm({"SLURM_NTASKS": "1"}, 0).jobs == ["ps", "worker"]
     with pytest.raises(ConfigurationError, match="not inside a Slurm job step"):
         ClusterSpec.from_slurm({}, 1)
     with pytest.raises(ConfigurationError, match="num_ps=8 leaves no worker among the 8"):
@@ -232,12 +263,15 @@ def test_precedence():
     assert cluster_from_args(args, 1, env).job_tasks("worker") == ["a:1"]
     args = parse(["--ps_hosts", "p:1", "--worker_hosts", "w:1"])
     assert cluster_from_args(args, 2, env).jobs == ["ps", "worker"]
-    assert cluster_from_args(parse(["--worker-hosts", "w:9"]), 1, env).jobs == ["worker"]
+    assert cluster_from_args(parse(["--worker-hosts", "w:9"]), 1, env).jobs == ["ps", "worker"]
     assert cluster_from_args(parse([]), 1, env).job_tasks("worker") == ["t:1"]
     spec = cluster_from_args(parse(["--num-ps", "2"]), 5, {})
     assert (spec.num_tasks("ps"), spec.num_tasks("worker")) == (2, 3)
     assert cluster_from_args(parse([]), 3, {}).num_tasks("ps") == 1
-    assert cluster_from_args(parse(["--num_ps", "0"]), 1, {}).jobs == ["worker"]
+    assert cluster_from_args(parse(["--num_ps", "0"]), 1, {}).jobs == ["ps", "worker"]
+    # a spec with workers but no ps job runs without ps: an empty ps job is added
+    spec = cluster_from_args(parse(["--cluster_spec", "worker|a:1"]), 1, {})
+    assert spec == {"ps": [], "worker": ["a:1"]} and spec.num_tasks("ps") == 0
 
 
 def test_resolution_errors():

@@ -137,3 +137,12 @@ def test_gpu_for_local_rank():
     assert gpu_for_local_rank(3, 0) is None
     with pytest.raises(ConfigurationError, match="bad local_rank -1"):
         gpu_for_local_rank(-1, 2)
+
+
+def test_parse_from_string_returns_a_new_spec():
+    cpu = DeviceSpec.from_string("/job:ps/task:1/cpu:0")
+    gpu = cpu.parse_from_string("/gpu:1")
+    assert gpu == DeviceSpec(device_type="GPU", device_index=1)  # TF 2: no fields of cpu
+    assert cpu.to_string() == "/job:ps/task:1/device:CPU:0"  # unchanged: specs are immutable
+    with pytest.raises(ConfigurationError, match="multiple device types: second device 'cpu:0'"):
+        cpu.parse_from_string("/gpu:0/cpu:0")

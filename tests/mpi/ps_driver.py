@@ -46,7 +46,7 @@ def variables(dtype=np.float32):
 
 def partitioner():
     """Return the partitioner every driver uses (small, so several variables get cut)."""
-    return min_max_variable_partitioner(3, PARTITION_BYTES)
+    return min_max_variable_partitioner(3, min_slice_size=PARTITION_BYTES)
 
 
 def initial_values(dtype=np.float32, seed=1234):

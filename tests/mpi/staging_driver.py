@@ -38,8 +38,8 @@ def main():
     if server.job_name == "ps":
         server.join()
         return
-    placement = replica_device_setter(
-        server.cluster, partitioner=min_max_variable_partitioner(2, 1024)).place(VARIABLES)
+    part = min_max_variable_partitioner(2, min_slice_size=1024)
+    placement = replica_device_setter(server.cluster, partitioner=part).place(VARIABLES)
     client = Client(server, placement, be, deadline=30, chunk_bytes=chunk)
     rng = np.random.default_rng(0)
     init = {n: rng.standard_normal(s).astype(t) for n, s, t in VARIABLES}
