@@ -5,6 +5,7 @@ shard checks out, and removed first, so a crash never leaves a "complete" checkp
 shards missing. The order is described in ``docs/checkpoint-format.md``.
 """
 
+import hashlib
 import json
 import os
 import shutil
@@ -73,12 +74,15 @@ def write_shard(ckpt_dir, ps_task, num_ps, global_step, slices, params, slots=No
                                 dtype=np.dtype(s.dtype).str, crc32=crc32(data, s.dtype))
         f.flush()
         image = f.id.get_file_image()
+    # The hash of the bytes in hand, not of the file read back: the chief's write_manifest
+    # checks the file on disk against it.
+    digest = hashlib.sha256(image).hexdigest()
     with open(path + ".tmp", "wb") as out:
         out.write(image)
     del image
     commit_file(path + ".tmp", path)
     return {"file": fname, "ps_task": int(ps_task), "global_step": int(global_step),
-            "sha256": sha256(path)}
+            "sha256": digest}
 
 
 def prepare_save(root, global_step):

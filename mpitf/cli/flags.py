@@ -165,16 +165,13 @@ def claim_checkpoint_dir(server, root):
     from ..ckpt.lock import acquire
     from ..errors import CheckpointError
 
-    chief = chief_rank(server)
     problem = None
-    if server.rank == chief:
+    if server.rank == chief_rank(server):
         try:
             acquire(root, log=logging.getLogger("mpitf").warning)
         except CheckpointError as exc:  # handed to every rank just below
             problem = exc
-    problem = server.comm.bcast(problem, root=chief)
-    if problem is not None:
-        raise collective(problem)
+    raise_shared(server.comm, problem)
 
 
 def check_inputs(config, comm, chief=0, num_shards=1, batch_size=None):
@@ -204,10 +201,19 @@ def check_inputs(config, comm, chief=0, num_shards=1, batch_size=None):
             check_output_paths(config)
     except (MpitfError, OSError) as exc:  # handed to every rank just below
         problem = exc
+    raise_shared(comm, problem)
+    return path
+
+
+def raise_shared(comm, problem):
+    """Raise on every rank the first problem any rank of ``comm`` found (None: none).
+
+    Collective: each rank passes what it found, so a check made by one rank ends every
+    rank alike, with one message (rank 0's) and exit 2.
+    """
     problems = [p for p in comm.allgather(problem) if p is not None]
     if problems:
         raise collective(problems[0])
-    return path
 
 
 def _refuse(flag, path, cause):

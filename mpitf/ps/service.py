@@ -78,6 +78,7 @@ class Service:
         self.last_push = [None] * self.num_workers
         self.check_every = None if self.deadline is None else min(1.0, self.deadline / 10)
         self.next_check = 0.0
+        self.last_message = 0.0  # when the last request arrived (any worker)
         self.counters = dict(global_step=0, pushes_applied=0, stale_dropped=0,
                              nonfinite_skipped=0, staleness_histogram={}, max_staleness=0,
                              max_lead=0,
@@ -231,7 +232,7 @@ class Service:
         worker = self.worker_of.get(source)
         if worker is None:
             raise PeerError(f"request from rank {source}, which is not a worker")
-        now = self.last_seen[worker] = time.monotonic()
+        now = self.last_seen[worker] = self.last_message = time.monotonic()
         if flags & P.FLAG_CHUNKED:
             self.chunked_workers.add(worker)
             if kind in (P.PUSH, P.INIT) and self.chunk_bytes:
@@ -240,13 +241,12 @@ class Service:
                                    lambda i: self.describe_worker(worker, "push (chunked)"))
         if kind == P.PUSH:
             self._stepped(worker, now)
-        elif kind != P.SKIP:  # pull, pause, counters: not a step (start-up, evaluation,
-            self.last_push[worker] = None  # a checkpoint): the whole deadline until a push
-        if kind == P.PUSH:
             frame.received()
             self.counters["bytes_in"] += frame.bytes.nbytes
             self.positions[worker] = (request.epoch, request.cursor)
             return self.policy.on_push(self, worker, request.step, frame, index)
+        if kind != P.SKIP:  # pull, pause, counters: not a step (start-up, evaluation,
+            self.last_push[worker] = None  # a checkpoint): the whole deadline until a push
         if kind == P.PULL or kind == P.PULL_AVERAGE:
             if not self.initialized:
                 self.pending_pulls.append((worker, kind))
@@ -303,9 +303,8 @@ class Service:
             index = P.wait_any(self.recv_requests, self.check_every, self._timeout, status)
             if self._handle(index, status.Get_source()):
                 self.repost(index)
-            if self.check_every is not None and self.last_seen[self.worker_of[
-                    status.Get_source()]] > self.next_check:  # busy: silence goes unseen
-                self._timeout()
+            if self.check_every is not None and self.last_message > self.next_check:
+                self._timeout()  # busy: without this, one silent worker would go unseen
         self._finish_replies()
         for req in self.recv_requests:
             if not req.Test():  # still posted: nobody will send to it now
