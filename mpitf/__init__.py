@@ -21,6 +21,8 @@ __version__ = "0.1.0"
 
 # Attributes loaded on first access: name -> module that defines it.
 _LAZY = {
+    "TFConfigClusterResolver": "resolvers",
+    "SlurmClusterResolver": "resolvers",
     "Server": "runtime.server",
     "abort_on_error": "runtime.exits",
     "TrainingSession": "worker.session",

@@ -6,24 +6,20 @@ ValueError for an absent job or task. Addresses keep TensorFlow's ``host:port``
 form, but ports are ignored: MPI carries every message. mpitf runs the jobs
 ``ps`` and ``worker`` (`check_run_job`); its chief is worker task 0.
 
+TF_CONFIG and Slurm are read by :mod:`mpitf.resolvers`, as TensorFlow's resolvers read
+them; :mod:`mpitf.cluster_args` picks a job's cluster from its flags and environment.
 Which MPI rank runs which task is :mod:`mpitf.roles`' business.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import re
 from collections.abc import Mapping
 
 from mpitf.errors import ConfigurationError
 
-__all__ = [
-    "ClusterSpec", "add_cluster_arguments", "cluster_from_args", "check_claimed_role",
-    "check_run_job", "claimed_roles",
-    "split_address", "tf_config_task",
-]
+__all__ = ["ClusterSpec", "add_cluster_arguments", "check_run_job", "split_address"]
 
 JOBS = ("ps", "worker")  # the jobs mpitf runs so far; a spec may hold any others
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "")
@@ -160,39 +156,6 @@ class ClusterSpec:
         return cls({"ps": split(ps_hosts, "--ps_hosts"), "worker": workers})
 
     @classmethod
-    def from_tf_config(cls, value):
-        """Build the spec from the ``cluster`` part of TF_CONFIG (a JSON string or dict)."""
-        cluster = _tf_config(value).get("cluster")
-        if not isinstance(cluster, Mapping) or not cluster:
-            raise ConfigurationError(
-                "TF_CONFIG has no 'cluster' entry: expecting {\"cluster\": {\"worker\": [...]}}")
-        return cls(cluster)
-
-    @classmethod
-    def from_slurm(cls, env, num_ps):
-        """Build the spec for the current Slurm job step: num_ps ps, the rest workers.
-
-        Every task gets the address ``"localhost"``: nodelists are not expanded,
-        because `assign_roles` places tasks by the ranks' own processor names,
-        which spreads the ps tasks over the nodes without them.
-        """
-        var = "SLURM_STEP_NUM_TASKS" if env.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
-        raw = env.get(var)
-        if raw is None:
-            raise ConfigurationError(
-                "SLURM_NTASKS is not set: this is not inside a Slurm job step;"
-                " run under srun, or give --cluster_spec or --num-ps with mpiexec")
-        if not str(raw).strip().isdigit() or int(raw) < 1:
-            raise ConfigurationError(f"bad {var}={raw!r}: expecting a task count >= 1")
-        ntasks = int(raw)
-        num_ps = _count(num_ps, "num_ps")
-        if num_ps >= ntasks:
-            raise ConfigurationError(
-                f"num_ps={num_ps} leaves no worker among the {ntasks} Slurm tasks:"
-                f" use --num-ps below {ntasks} or ask for more tasks (--ntasks)")
-        return cls.from_counts(num_ps, ntasks - num_ps)
-
-    @classmethod
     def from_counts(cls, num_ps, num_workers):
         """Build a spec of num_ps ps and num_workers workers, all on ``localhost``."""
         num_ps, num_workers = _count(num_ps, "num_ps"), _count(num_workers, "num_workers")
@@ -287,29 +250,6 @@ def _count(value, name):
     return value
 
 
-def _tf_config(value):
-    if isinstance(value, Mapping):
-        return value
-    try:
-        config = json.loads(value)
-    except (TypeError, ValueError) as exc:
-        raise ConfigurationError(f"TF_CONFIG is not valid JSON ({exc}): {value!r}") from None
-    if not isinstance(config, dict):
-        raise ConfigurationError(f"TF_CONFIG must be a JSON object, got {value!r}")
-    return config
-
-
-def tf_config_task(value):
-    """Return the (job, index) of TF_CONFIG's ``task`` entry, or None when it has none."""
-    task = _tf_config(value).get("task")
-    if not task:
-        return None
-    if not isinstance(task, Mapping) or "type" not in task:
-        raise ConfigurationError(
-            f"bad TF_CONFIG task {task!r}: expecting {{\"type\": \"worker\", \"index\": 0}}")
-    return check_run_job(task["type"]), _task_index(task.get("index", 0), task["type"])
-
-
 # --- command-line resolution ------------------------------------------------
 def add_cluster_arguments(parser):
     """Add the cluster flags of TensorFlow's example scripts to an argparse parser."""
@@ -328,72 +268,3 @@ def add_cluster_arguments(parser):
     group.add_argument("--task_index", "--task-index", dest="task_index", type=int, default=None,
                        help="accepted for TF scripts; checked against the role of the MPI rank")
     return group
-
-
-def cluster_from_args(args, world_size, env=os.environ):
-    """Resolve the cluster spec from flags, then TF_CONFIG, then --num-ps and the world size.
-
-    A spec with a worker job but no ps job gets an empty ps job: it trains without ps.
-    """
-    spec = _resolve(args, world_size, env)
-    if "worker" in spec.jobs and "ps" not in spec.jobs:
-        spec = ClusterSpec({"ps": [], **spec.as_dict()})
-    return spec
-
-
-def _resolve(args, world_size, env):
-    spec_flag = getattr(args, "cluster_spec", None)
-    ps_hosts = getattr(args, "ps_hosts", None)
-    worker_hosts = getattr(args, "worker_hosts", None)
-    # A flag given empty ('') is an error, never "not given": it would train with defaults.
-    if spec_flag is not None and (ps_hosts is not None or worker_hosts is not None):
-        raise ConfigurationError(
-            "--cluster_spec and --ps_hosts/--worker_hosts both given: pass only one of them")
-    if spec_flag is not None:
-        return ClusterSpec.from_string(spec_flag)
-    if ps_hosts is not None and worker_hosts is None:
-        raise ConfigurationError("--ps_hosts needs --worker_hosts: give both")
-    if worker_hosts is not None:
-        return ClusterSpec.from_hosts(ps_hosts, worker_hosts)
-    if env.get("TF_CONFIG"):
-        return ClusterSpec.from_tf_config(env["TF_CONFIG"])
-    num_ps = _count(getattr(args, "num_ps", 1), "--num-ps")
-    if num_ps >= world_size:
-        raise ConfigurationError(
-            f"--num-ps={num_ps} needs more MPI ranks than the world's {world_size}"
-            f" (num_ps ps and at least one worker): run with mpiexec -n {num_ps + 1}"
-            " or more, or lower --num-ps (0 trains locally)")
-    return ClusterSpec.from_counts(num_ps, world_size - num_ps)
-
-
-def claimed_roles(args, env=os.environ):
-    """Return the roles this rank was told to run: ``[(source, job, index)]``.
-
-    The sources are ``--job_name/--task_index`` and the ``task`` entry of TF_CONFIG when the
-    cluster comes from TF_CONFIG (no cluster flag given); either may leave out the index.
-    """
-    claims = []
-    job, task = getattr(args, "job_name", None), getattr(args, "task_index", None)
-    if job is not None or task is not None:
-        claim = " ".join(f"--{k}={v}" for k, v in (("job_name", job), ("task_index", task))
-                         if v is not None)
-        claims.append((claim, job, task))
-    flags = [getattr(args, k, None) for k in ("cluster_spec", "ps_hosts", "worker_hosts")]
-    if env.get("TF_CONFIG") and all(f is None for f in flags):
-        entry = tf_config_task(env["TF_CONFIG"])
-        if entry is not None:
-            claims.append((f"TF_CONFIG task {{\"type\": \"{entry[0]}\", \"index\": {entry[1]}}}",
-                           *entry))
-    return claims
-
-
-def check_claimed_role(args, job, task_index, rank=None, env=os.environ):
-    """Raise if --job_name/--task_index or TF_CONFIG's task disagree with this rank's role."""
-    for claim, claimed_job, claimed_task in claimed_roles(args, env):
-        if (claimed_job is None or claimed_job == job) and (
-                claimed_task is None or claimed_task == task_index):
-            continue
-        who = "this MPI rank" if rank is None else f"MPI rank {rank}"
-        raise ConfigurationError(
-            f"{claim} but {who} runs /job:{job}/task:{task_index}; roles come from the MPI "
-            "rank (see mpitf.roles for the mapping policy): drop the claim or fix the spec")

@@ -8,13 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mpitf import cluster as cluster_mod
-from mpitf.cluster import (
-    ClusterSpec,
-    add_cluster_arguments,
-    check_claimed_role,
-    cluster_from_args,
-    tf_config_task,
-)
+from mpitf.cluster import ClusterSpec, add_cluster_arguments
+from mpitf.cluster_args import check_claimed_role, cluster_from_args
 from mpitf.errors import ConfigurationError
 from mpitf.roles import assign_roles, describe_roles
 
@@ -210,43 +205,6 @@ def test_from_hosts():
         ClusterSpec.from_hosts("p0", "")
     with pytest.raises(ConfigurationError, match="empty host in --ps_hosts='p0,'"):
         ClusterSpec.from_hosts("p0,", "w0")
-
-
-def test_from_tf_config():
-    config = {"cluster": {"ps": ["p:1"], "worker": ["w:1", "w:2"]},
-              "task": {"type": "worker", "index": 1}}
-    spec = ClusterSpec.from_tf_config(json.dumps(config))
-    assert spec == ClusterSpec.from_tf_config(config) == ClusterSpec(config["cluster"])
-    assert tf_config_task(json.dumps(config)) == ("worker", 1)
-    assert tf_config_task({"cluster": config["cluster"]}) is None
-    assert tf_config_task({"task": {"type": "ps"}}) == ("ps", 0)
-    with pytest.raises(ConfigurationError, match="not valid JSON"):
-        ClusterSpec.from_tf_config("{nope")
-    with pytest.raises(ConfigurationError, match="no 'cluster' entry"):
-        ClusterSpec.from_tf_config({"task": {}})
-    chief = ClusterSpec.from_tf_config({"cluster": {"chief": ["c:1"], "worker": ["w:1"]}})
-    with pytest.raises(ConfigurationError, match="chief is worker task 0"):
-        assign_roles(chief, ["c", "w"])  # issue 14: held by the spec, refused to run
-    with pytest.raises(ConfigurationError, match="chief is worker task 0"):
-        tf_config_task({"task": {"type": "chief", "index": 0}})
-    with pytest.raises(ConfigurationError, match="bad TF_CONFIG task"):
-        tf_config_task({"task": {"index": 0}})
-    with pytest.raises(ConfigurationError, match="JSON object"):
-        tf_config_task("[1]")
-
-
-def test_from_slurm():
-    env = {"SLURM_NTASKS": "8", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "n[1-2]"}
-    spec = ClusterSpec.from_slurm(env, 2)
-    assert (spec.num_tasks("ps"), spec.num_tasks("worker")) == (2, 6)
-    assert ClusterSpec.from_slurm({**env, "SLURM_STEP_NUM_TASKS": "4"}, 1).total_tasks == 4
-    assert ClusterSpec.from_slurm({"SLURM_NTASKS": "1"}, 0).jobs == ["ps", "worker"]
-    with pytest.raises(ConfigurationError, match="not inside a Slurm job step"):
-        ClusterSpec.from_slurm({}, 1)
-    with pytest.raises(ConfigurationError, match="num_ps=8 leaves no worker among the 8"):
-        ClusterSpec.from_slurm(env, 8)
-    with pytest.raises(ConfigurationError, match="bad SLURM_NTASKS='x'"):
-        ClusterSpec.from_slurm({"SLURM_NTASKS": "x"}, 0)
 
 
 def test_from_counts_errors():

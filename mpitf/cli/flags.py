@@ -3,7 +3,8 @@
 import dataclasses
 import os
 
-from ..cluster import add_cluster_arguments, check_claimed_role, cluster_from_args
+from ..cluster import add_cluster_arguments
+from ..cluster_args import check_claimed_role, cluster_from_args
 from ..config import (
     DEFAULT_DEADLINE,
     DEFAULT_MAX_NONFINITE_SKIPS,

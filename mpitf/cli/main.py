@@ -46,6 +46,7 @@ def _error(message, code):
 def parse_spec(text):
     """Return the ClusterSpec a ``--spec`` value describes, in any of its three forms."""
     from ..cluster import ClusterSpec
+    from ..resolvers import TFConfigClusterResolver
 
     text = (text or "").strip()
     if text.startswith("{"):
@@ -54,7 +55,7 @@ def parse_spec(text):
         except ValueError as exc:
             raise ConfigurationError(f"--spec is not valid JSON ({exc}): {text!r}") from None
         if isinstance(value, dict) and "cluster" in value:
-            return ClusterSpec.from_tf_config(value)
+            return TFConfigClusterResolver(env={"TF_CONFIG": text}).cluster_spec()
         return ClusterSpec(value)
     if "|" in text:
         return ClusterSpec.from_string(text)
