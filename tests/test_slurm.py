@@ -1,4 +1,5 @@
-"""slurm/train.sbatch on a real single-node Slurm: checkpoint on SIGUSR1, requeue, resume.
+"""slurm/train.sbatch on a real single-node Slurm: checkpoint on SIGUSR1, requeue, resume;
+and srun's ranks running the tasks TensorFlow's SlurmClusterResolver gives them.
 
 The session fixture starts Slurm with tests/slurm/start-slurm.sh (root and Debian's packages).
 Where this machine cannot run it, the tests skip; with MPITF_TEST_SLURM=1 they fail instead.
@@ -28,6 +29,7 @@ JOB_SCRIPT = REPO / "jobs" / "mnist_mlp.py"
 JOB_ARGS = ["--num-ps", "1", "--steps", "20000", "--log-every", "1000"]
 FINAL_STEP = 20000
 LONG_JOB_ARGS = ["--num-ps", "1", "--steps", "2000000", "--log-every", "1000"]
+TF_TASKS = REPO / "tests" / "slurm" / "tf_tasks.py"
 START = REPO / "tests" / "slurm" / "start-slurm.sh"
 STOP = REPO / "tests" / "slurm" / "stop-slurm.sh"
 SLURM_ROOT = os.environ.get("SLURM_TEST_ROOT", "/tmp/mpitf-slurm")
@@ -194,3 +196,20 @@ def test_scancel_does_not_requeue(submitted):
     time.sleep(3)
     info = _job_info(env, jobid)
     assert info.get("JobState", "CANCELLED") == "CANCELLED" and info.get("Restarts", "0") == "0"
+
+
+def test_srun_runs_tensorflows_task_for_slurm_task_r_on_mpi_rank_r(slurm_env, tmp_path):
+    # Under srun the jobs' cluster comes from SlurmClusterResolver: each address is a Slurm
+    # node name and a port, mpitf.roles pins the task there, and since srun makes SLURM_PROCID
+    # the MPI rank, rank r runs the task TensorFlow gives Slurm task r. -O: 3 tasks, 2 CPUs.
+    cmd = ["srun", "-O", "-n", "3", "--time=2", sys.executable, str(TF_TASKS), "--num-ps", "1"]
+    res = subprocess.run(cmd, env=dict(slurm_env, PYTHONPATH=str(REPO)), cwd=tmp_path,
+                         capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = sorted((json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")),
+                  key=lambda row: row["rank"])
+    assert [r["rank"] for r in rows] == [r["procid"] for r in rows] == [0, 1, 2], res.stdout
+    assert [r["role"] for r in rows] == [r["tf"] for r in rows] == [
+        ["ps", 0], ["worker", 0], ["worker", 1]], res.stdout
+    node = rows[0]["host"].split(".")[0]  # the test Slurm's NodeName is `hostname -s`
+    assert [r["address"] for r in rows] == [f"{node}:8888", f"{node}:8889", f"{node}:8890"]
