@@ -207,6 +207,12 @@ def test_from_hosts():
         ClusterSpec.from_hosts("p0,", "w0")
 
 
+def test_a_chief_job_is_held_by_the_spec_but_not_run():
+    chief = ClusterSpec({"chief": ["c:1"], "worker": ["w:1"]})
+    with pytest.raises(ConfigurationError, match="chief is worker task 0"):
+        assign_roles(chief, ["c", "w"])  # issue 14: held by the spec, refused to run
+
+
 def test_from_counts_errors():
     with pytest.raises(ConfigurationError, match="at least one worker"):
         ClusterSpec.from_counts(1, 0)
