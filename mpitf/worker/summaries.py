@@ -1,106 +1,98 @@
 """TensorBoard event files (TF's ``FileWriter``): scalars and histograms, via tensorboardX.
 
 The one module that imports tensorboardX, and only when the first event is written, so a
-rank that writes none (every rank but the chief) never loads it. Histograms are counted
-where the array lives (numpy, or CuPy on its GPU) into TensorFlow's default buckets; only
-the counts and five numbers cross to the host, and tensorboardX encodes the event.
+rank that writes none (every rank but the chief) never loads it. tensorboardX builds the
+protocol buffers and writes the records; a histogram is counted where its array lives
+(numpy, or CuPy on its GPU), so only the counts and five numbers cross to the host.
 """
 
+import itertools
+import math
 import os
-import sys
+import time
 
 import numpy as np
 
 from ..runtime.backend import array_module
 
-__all__ = ["EventWriter", "histogram_stats"]
+__all__ = ["HISTOGRAM_BUCKETS", "EventWriter", "histogram_stats"]
+
+HISTOGRAM_BUCKETS = 30  # equal-width buckets from min to max: tf.summary.histogram's default
+_files = itertools.count()  # an event file's name has the second it was opened: make it unique
 
 
-def _tf_bucket_limits():
-    """Return TensorFlow's default histogram edges: ±1e-12 growing by 10 % to 1e20, 0, ±max."""
-    positive = [1e-12]
-    while positive[-1] < 1e20:
-        positive.append(positive[-1] * 1.1)
-    big = sys.float_info.max
-    return np.array([-big, *(-v for v in reversed(positive)), 0.0, *positive, big])
+def histogram_stats(values, buckets=HISTOGRAM_BUCKETS):
+    """Return the histogram of ``values`` as TensorBoard's ``HistogramProto`` fields (a dict).
 
-
-_EDGES = _tf_bucket_limits()
-_edges_on = {}  # array module -> the edges there (one copy per device kind)
-
-
-def histogram_stats(values):
-    """Return the histogram of ``values`` as ``add_histogram_raw`` takes it (a dict).
-
-    ``values`` is any numpy or CuPy array; it is counted in place (a contiguous variable is
-    read through a view). The buckets are TensorFlow's, trimmed to the occupied range with
-    one empty bucket on the left, as TensorBoard draws them.
+    ``values`` is a numpy or CuPy array, read in place (a contiguous variable through a
+    view). ``buckets`` equal-width buckets span min to max, each given by its right edge as
+    TensorBoard reads them; NaN and Inf count in ``num`` but in no bucket.
     """
     xp = array_module(values)
     flat = values.reshape(-1)
-    edges = _edges_on.get(xp)
-    if edges is None:
-        edges = _edges_on[xp] = _EDGES if xp is np else xp.asarray(_EDGES)
-    counts = xp.histogram(flat, bins=edges)[0]
-    counts = counts.get() if xp is not np else counts
-    occupied = np.flatnonzero(counts)
-    if occupied.size:
-        start, end = int(occupied[0]), int(occupied[-1]) + 1
-    else:  # nothing finite to count
-        start = end = len(counts)
-    bucket = counts[max(start - 1, 0):end]
-    limit = _EDGES[max(start, 1):end + 1]
-    if start == 0:  # keep an empty bucket on the left, so the first one has a left edge
-        bucket = np.concatenate([[0], bucket])
-        limit = np.concatenate([_EDGES[:1], limit])
+    lo, hi = float(flat.min()), float(flat.max())
     with np.errstate(over="ignore", invalid="ignore"):  # a diverged variable: inf is the truth
         squares = float(xp.dot(flat, flat))
-    return dict(min=float(flat.min()), max=float(flat.max()), num=int(flat.size),
-                sum=float(flat.sum(dtype=np.float64)), sum_squares=squares,
-                bucket_limits=limit.tolist(), bucket_counts=bucket.tolist())
+    total = float(flat.sum(dtype=np.float64))
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        flat = flat[xp.isfinite(flat)]  # a copy, only for a variable that holds NaN or Inf
+        lo, hi = (float(flat.min()), float(flat.max())) if flat.size else (0.0, 0.0)
+    width = (hi - lo) / buckets
+    if width > 0:
+        counts = xp.histogram(flat, bins=buckets, range=(lo, hi))[0]
+        counts = counts if xp is np else counts.get()
+        limits = np.linspace(lo, hi, buckets + 1)[1:].tolist()  # np.histogram's edges
+    else:  # every value equal (or none finite): one bucket
+        counts, limits = [int(flat.size)], [hi]
+    return dict(min=lo, max=hi, num=int(values.size), sum=total, sum_squares=squares,
+                bucket_limits=limits, bucket_counts=[int(c) for c in counts])
 
 
 class EventWriter:
     """Write TensorBoard events into ``logdir``; nothing is created before the first event.
 
-    TensorBoard reads every event file of a directory, so a resumed run adds its own file
-    beside the earlier ones (named with this process's id, so two runs never share one).
-    ``tensorboard --logdir DIR`` shows each directory under DIR as a run.
+    Each call writes one event holding every value of its mapping, at once (in this
+    thread, no queue), so what :meth:`flush` returned from is on disk even if the job is
+    then killed. TensorBoard reads every event file of a directory, so a resumed run adds
+    its own file beside the earlier ones (named with the process id and a count, so no
+    two writers share one); ``tensorboard --logdir DIR`` shows each directory under DIR as a run.
 
     Args:
         logdir: the directory of the event files (made on the first write).
-        flush_secs: events still queued are written at least this often (and at
-            :meth:`flush` and :meth:`close`).
     """
 
-    def __init__(self, logdir, flush_secs=30):
+    def __init__(self, logdir):
         self.logdir = os.fspath(logdir)
-        self.flush_secs = flush_secs
         self._writer = None
 
-    def _open(self):
+    def _write(self, step, values):
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.summary_pb2 import Summary
+
         if self._writer is None:
-            from tensorboardX import SummaryWriter
+            from tensorboardX.event_file_writer import EventsWriter
 
             os.makedirs(self.logdir, exist_ok=True)
-            self._writer = SummaryWriter(self.logdir, flush_secs=self.flush_secs,
-                                         filename_suffix=f".{os.getpid()}")
-        return self._writer
+            self._writer = EventsWriter(os.path.join(self.logdir, "events"),
+                                        f".{os.getpid()}.{next(_files)}")
+        self._writer.write_event(Event(wall_time=time.time(), step=int(step),
+                                       summary=Summary(value=values)))
 
     def scalars(self, step, mapping):
         """Write each ``tag: number`` of ``mapping`` at global step ``step``."""
-        writer = self._open()
-        for tag, value in mapping.items():
-            writer.add_scalar(tag, float(value), int(step))
+        from tensorboardX.summary import scalar
+
+        self._write(step, [scalar(tag, float(v)).value[0] for tag, v in mapping.items()])
 
     def histograms(self, step, mapping):
         """Write a histogram of each ``tag: array`` of ``mapping`` at global step ``step``."""
-        writer = self._open()
-        for tag, values in mapping.items():
-            writer.add_histogram_raw(tag, global_step=int(step), **histogram_stats(values))
+        from tensorboardX.summary import histogram_raw
+
+        self._write(step, [histogram_raw(tag, **histogram_stats(v)).value[0]
+                           for tag, v in mapping.items()])
 
     def flush(self):
-        """Write the queued events to disk."""
+        """Write what was given so far to disk."""
         if self._writer is not None:
             self._writer.flush()
 
