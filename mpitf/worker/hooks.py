@@ -102,10 +102,9 @@ class LoggingHook(Hook):
         step = session.global_step
         n = self.summary_every
         if n and step // n > self.last_histograms // n:
-            self.events.histograms(step, {f"gradients/{k}": v for k, v in session.grads.items()})
-            self.events.histograms(step, {f"variables/{k}": v
-                                          for k, v in session.params.items()})
-            self.events.flush()
+            arrays = {f"gradients/{k}": v for k, v in session.grads.items()}
+            arrays.update((f"variables/{k}", v) for k, v in session.params.items())
+            self.events.histograms(step, arrays)
             self.last_histograms = step
         if not self.every:
             return
@@ -139,7 +138,6 @@ class LoggingHook(Hook):
             self.metrics.flush()
         if self.events:
             self.events.scalars(step, {t: record[k] for k, t in self.SCALAR_TAGS.items()})
-            self.events.flush()
         self.last_logged = step
         self._mark(session)
 

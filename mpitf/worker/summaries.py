@@ -51,19 +51,25 @@ def histogram_stats(values, buckets=HISTOGRAM_BUCKETS):
 class EventWriter:
     """Write TensorBoard events into ``logdir``; nothing is created before the first event.
 
-    Each call writes one event holding every value of its mapping, at once (in this
-    thread, no queue), so what :meth:`flush` returned from is on disk even if the job is
-    then killed. TensorBoard reads every event file of a directory, so a resumed run adds
-    its own file beside the earlier ones (named with the process id and a count, so no
-    two writers share one); ``tensorboard --logdir DIR`` shows each directory under DIR as a run.
+    Each call writes one event holding every value of its mapping, in this thread (no
+    queue, no thread of its own). A flush syncs the file to disk (milliseconds on a busy
+    file system), so writes flush at most every ``flush_secs``, the first at once; call
+    :meth:`flush` to force one and :meth:`close` at the end. TensorBoard reads every event
+    file of a directory, so a resumed run adds its own file beside the earlier ones (named
+    with the process id and a count, so no two writers share one); ``tensorboard --logdir
+    DIR`` shows each directory under DIR as a run.
 
     Args:
         logdir: the directory of the event files (made on the first write).
+        flush_secs: the longest time a written event waits before it is flushed (as long
+            as writes go on).
     """
 
-    def __init__(self, logdir):
+    def __init__(self, logdir, flush_secs=5.0):
         self.logdir = os.fspath(logdir)
+        self.flush_secs = flush_secs
         self._writer = None
+        self._flushed = -math.inf
 
     def _write(self, step, values):
         from tensorboardX.proto.event_pb2 import Event
@@ -77,12 +83,15 @@ class EventWriter:
                                         f".{os.getpid()}.{next(_files)}")
         self._writer.write_event(Event(wall_time=time.time(), step=int(step),
                                        summary=Summary(value=values)))
+        if time.monotonic() - self._flushed >= self.flush_secs:
+            self.flush()
 
     def scalars(self, step, mapping):
         """Write each ``tag: number`` of ``mapping`` at global step ``step``."""
-        from tensorboardX.summary import scalar
+        from tensorboardX.proto.summary_pb2 import Summary
 
-        self._write(step, [scalar(tag, float(v)).value[0] for tag, v in mapping.items()])
+        self._write(step, [Summary.Value(tag=tag, simple_value=float(v))
+                           for tag, v in mapping.items()])
 
     def histograms(self, step, mapping):
         """Write a histogram of each ``tag: array`` of ``mapping`` at global step ``step``."""
@@ -95,6 +104,7 @@ class EventWriter:
         """Write what was given so far to disk."""
         if self._writer is not None:
             self._writer.flush()
+        self._flushed = time.monotonic()
 
     def close(self):
         """Flush and close the event file (a later write opens a new one)."""
