@@ -11,13 +11,15 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=find_packages(include=["mpitf", "mpitf.*"]),
-    install_requires=["mpi4py>=4", "numpy", "h5py"],
+    # tensorboardX writes the TensorBoard event files every training job leaves in --run-dir.
+    install_requires=["mpi4py>=4", "numpy", "h5py", "tensorboardX>=2.6"],
     extras_require={
         # The MPICH wheel, for machines with no MPI of their own; on a cluster leave it
         # out so mpi4py loads the site MPI library.
         "mpich": ["mpich"],
         "gpu": ["cupy-cuda12x"],
-        "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn", "ruff", "import-linter"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn", "ruff", "import-linter",
+                 "tensorboard"],  # TensorBoard's own reader checks the event files
         "bench": ["matplotlib"],
         "data": ["scikit-learn"],
     },

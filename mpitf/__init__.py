@@ -27,6 +27,7 @@ _LAZY = {
     "abort_on_error": "runtime.exits",
     "TrainingSession": "worker.session",
     "Hook": "worker.hooks",
+    "EventWriter": "worker.summaries",
     "make_optimizer": "ps.optimizers",
     "ExponentialDecay": "ps.optimizers",
     "ShardedDataset": "data.sharded",

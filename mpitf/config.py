@@ -18,6 +18,7 @@ from .errors import ConfigurationError
 __all__ = [
     "DEFAULT_DEADLINE",
     "DEFAULT_MAX_NONFINITE_SKIPS",
+    "DEFAULT_SUMMARY_EVERY",
     "MODES",
     "SERVER_FIRST",
     "STALL_FACTOR",
@@ -56,6 +57,8 @@ SERVER_FIRST = 1.5
 # a few bad batches are noise, a hundred in a row mean the parameters themselves diverged.
 DEFAULT_MAX_NONFINITE_SKIPS = 100
 MODES = ("sync", "async", "ssp")
+# Global steps between TensorBoard histograms (--summary-every); see docs/design.md for the cost.
+DEFAULT_SUMMARY_EVERY = 100
 
 
 # -- the checks ----------------------------------------------------------------------------
@@ -186,8 +189,11 @@ class TrainingConfig:
         moving_average_decay: keep an exponential moving average (None: none).
         ps_strategy: how variables go to ps tasks (None: the placement's default).
         seed: seed of the initial values.
-        log_every: the chief logs every N steps (0: never).
-        run_dir: where metrics.jsonl goes (None: nowhere).
+        log_every: the chief logs every N steps (0: never): a line, metrics.jsonl and
+            TensorBoard scalars.
+        summary_every: the chief writes TensorBoard histograms of the gradients and the
+            variables every N steps (0: never).
+        run_dir: where metrics.jsonl and the TensorBoard event files go (None: nowhere).
         timeline: write a Chrome trace of every rank to this path.
         clients: in-graph replication: the worker tasks that talk to the ps (None: all).
     """
@@ -208,6 +214,7 @@ class TrainingConfig:
     ps_strategy: str = None
     seed: int = 0
     log_every: int = 20
+    summary_every: int = DEFAULT_SUMMARY_EVERY
     run_dir: str = None
     timeline: str = None
     clients: tuple = None
@@ -237,6 +244,7 @@ class TrainingConfig:
             check_moving_average_decay(self.moving_average_decay)
         check_int("seed", self.seed, 0)
         check_int("log_every", self.log_every, 0)
+        check_int("summary_every (--summary-every)", self.summary_every, 0)
         if self.clients is not None:
             object.__setattr__(self, "clients", tuple(
                 check_int("clients", c, 0) for c in self.clients))
@@ -291,8 +299,8 @@ class JobConfig:
             staleness=args.staleness, skip_nonfinite=args.skip_nonfinite,
             max_nonfinite_skips=args.max_nonfinite_skips,
             moving_average_decay=args.moving_average_decay, ps_strategy=args.ps_strategy,
-            seed=args.seed, log_every=args.log_every, run_dir=args.run_dir,
-            timeline=args.timeline)
+            seed=args.seed, log_every=args.log_every, summary_every=args.summary_every,
+            run_dir=args.run_dir, timeline=args.timeline)
         return cls(training=training, model=args.model, hidden=args.hidden,
                    optimizer=args.optimizer, lr=args.lr, lr_decay=args.lr_decay,
                    lr_decay_steps=args.lr_decay_steps,

@@ -62,7 +62,8 @@ def test_flag_defaults_are_the_configuration_defaults():
     config = config_from_args(parse())
     t = config.training
     defaults = TrainingConfig()
-    for name in ("mode", "max_to_keep", "staleness", "seed", "log_every", "deterministic",
+    for name in ("mode", "max_to_keep", "staleness", "seed", "log_every", "summary_every",
+                 "deterministic",
                  "skip_nonfinite", "max_nonfinite_skips", "replicas_to_aggregate",
                  "moving_average_decay",
                  "save_checkpoint_steps", "save_checkpoint_secs", "timeline"):
@@ -86,7 +87,8 @@ def test_from_args_carries_every_flag():
         "--lr-decay-steps", 3, "--optimizer", "adam", "--staleness", 0, "--deterministic",
         "--skip-nonfinite", "--max-nonfinite-skips", 7, "--moving-average-decay", 0.9,
         "--ps-strategy", "greedy",
-        "--seed", 3, "--log-every", 0, "--run-dir", "r", "--checkpoint-dir", "c",
+        "--seed", 3, "--log-every", 0, "--summary-every", 7, "--run-dir", "r",
+        "--checkpoint-dir", "c",
         "--checkpoint-every", 2, "--checkpoint-secs", 1.5, "--max-to-keep", 0,
         "--replicas-to-aggregate", 1, "--timeline", "t.json", "--model", "cnn",
         "--hidden", 9, "--deadline", 4, "--export", "e.npz", "--data", "d.h5",
@@ -96,7 +98,7 @@ def test_from_args_carries_every_flag():
         save_checkpoint_secs=1.5, max_to_keep=0, replicas_to_aggregate=1, deterministic=True,
         staleness=0, skip_nonfinite=True, max_nonfinite_skips=7, moving_average_decay=0.9,
         ps_strategy="greedy",
-        seed=3, log_every=0, run_dir="r", timeline="t.json")
+        seed=3, log_every=0, summary_every=7, run_dir="r", timeline="t.json")
     assert (config.model, config.hidden, config.optimizer, config.lr, config.lr_decay,
             config.lr_decay_steps, config.deadline, config.export, config.data,
             config.gpu_memory_fraction) == \
@@ -149,6 +151,8 @@ def test_training_session_passes_options_straight_into_the_config():
     ("moving_average_decay", math.nan, "moving_average_decay must be a finite number"),
     ("seed", -1, "seed must be >= 0"),
     ("log_every", -1, "log_every must be >= 0"),
+    ("summary_every", -1, r"summary_every \(--summary-every\) must be >= 0, got -1"),
+    ("summary_every", 2.5, r"summary_every \(--summary-every\) must be an integer"),
     ("clients", (-1,), "clients must be >= 0"),
 ])
 def test_training_checks(field, value, message):
@@ -179,7 +183,8 @@ def test_job_checks(field, value, message):
 def test_good_values_pass():
     TrainingConfig(mode="ssp", last_step=0, batch_size=1, save_checkpoint_steps=1,
                    save_checkpoint_secs=0.01, max_to_keep=0, replicas_to_aggregate=1,
-                   staleness=0, moving_average_decay=0.5, log_every=0, clients=[0])
+                   staleness=0, moving_average_decay=0.5, log_every=0, summary_every=0,
+                   clients=[0])
     assert TrainingConfig(clients=[0, 2]).clients == (0, 2)
     JobConfig(lr=1e-9, lr_decay=2.0, lr_decay_steps=1, deadline=0.001, hidden=1,
               gpu_memory_fraction=1.0)

@@ -65,9 +65,14 @@ def add_training_arguments(parser, steps=300, batch_size=32, lr=_JOB["lr"]):
     g.add_argument("--seed", type=int, default=_TRAINING["seed"],
                    help="seed of initial values and shuffling")
     g.add_argument("--log-every", type=int, default=_TRAINING["log_every"],
-                   help="chief logs every N steps (0: never)")
+                   help="chief logs every N steps (0: never): a line, metrics.jsonl and "
+                        "TensorBoard scalars")
+    g.add_argument("--summary-every", type=int, default=_TRAINING["summary_every"],
+                   help="chief writes TensorBoard histograms of gradients and variables "
+                        f"every N steps (0: never; default: {_TRAINING['summary_every']})")
     g.add_argument("--run-dir", default="runs/latest",
-                   help="where metrics.jsonl and summary.json go")
+                   help="where metrics.jsonl, summary.json and the TensorBoard event files "
+                        "go (tensorboard --logdir runs/)")
     g.add_argument("--checkpoint-dir", default=os.environ.get("MPITF_CHECKPOINT_DIR"),
                    help="checkpoint directory; the newest good checkpoint there is restored "
                         "(default: $MPITF_CHECKPOINT_DIR, else none)")

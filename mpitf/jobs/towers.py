@@ -10,7 +10,6 @@ locally with the optimizer (no ps) or pushed through the ps like a worker's.
 
 import time
 
-import numpy as np
 from mpi4py import MPI
 
 from mpitf.cli.flags import (
@@ -33,7 +32,8 @@ from mpitf.models import evaluate
 from mpitf.runtime.backend import describe_backend
 from mpitf.runtime.exits import RankParser, collective, run_job, setup_logging
 from mpitf.runtime.server import Server
-from mpitf.worker.towers import Towers, parse_devices, tower_backend
+from mpitf.worker.hooks import LoggingHook
+from mpitf.worker.towers import LocalSession, Towers, parse_devices, tower_backend
 
 
 def main(argv=None):
@@ -88,30 +88,21 @@ def main(argv=None):
 def _train_locally(towers, optimizer, dataset, config, devices, path):
     """Train in this process: average on tower 0, apply there with the optimizer."""
     training = config.training
-    steps = training.last_step
-    params = towers.params
-    for name, value in towers.init(np.random.default_rng(training.seed)).items():
-        towers.backends[0].to_device(value, out=params[name])
-    slots, loss, logged = None, float("nan"), 0
-    start = mark = time.monotonic()
-    for step in range(steps):
-        loss = towers.loss_and_grads(params, dataset.next_batch(), towers.grads)
-        slots = towers.apply_locally(optimizer, step, slots)
-        done = step + 1
-        if done % max(1, training.log_every) == 0 or done == steps:
-            now = time.monotonic()
-            n, logged = done - logged, done
-            print(f"step {done}, loss = {loss:.2f} "
-                  f"({n * dataset.batch_size / max(now - mark, 1e-9):.1f} examples/sec; "
-                  f"{(now - mark) / n:.3f} sec/batch)", flush=True)
-            mark = now
+    metrics = LoggingHook.from_config(training)
+    sess = LocalSession(towers, optimizer, dataset, training,
+                        hooks=[metrics] if metrics is not None else [])
+    start = time.monotonic()
+    while not sess.should_stop():
+        sess.run()
     elapsed = time.monotonic() - start
+    sess.close()
     x_test, y_test = load_split(path, "test")
-    test_loss, test_acc = evaluate(towers.model, params, x_test, y_test)
-    summary = dict(step=steps, loss=loss, test_loss=test_loss, test_accuracy=test_acc,
-                   examples_per_sec=steps * dataset.batch_size / max(elapsed, 1e-9),
+    test_loss, test_acc = evaluate(towers.model, towers.params, x_test, y_test)
+    summary = dict(step=sess.global_step, loss=sess.loss, test_loss=test_loss,
+                   test_accuracy=test_acc,
+                   examples_per_sec=sess.steps_run * dataset.batch_size / max(elapsed, 1e-9),
                    towers=len(towers.towers), devices=devices, ps=0)
-    return report_final(config, summary, params, towers.backends[0].to_host)
+    return report_final(config, summary, towers.params, towers.backends[0].to_host)
 
 
 def _train_with_ps(server, towers, dataset, config, args, path):

@@ -1,4 +1,4 @@
-"""Session hooks: what runs around every step (stop at a step, logging, checkpoint timing).
+"""Session hooks: what runs around every step (stop at a step, metrics, checkpoint timing).
 
 A hook sees the session before the first step, after every step and at the end; the
 session itself decides nothing about logging or when to save.
@@ -8,6 +8,8 @@ import json
 import os
 import sys
 import time
+
+from .summaries import EventWriter
 
 
 class Hook:
@@ -44,50 +46,86 @@ class StopAtStepHook(Hook):
 
 
 class LoggingHook(Hook):
-    """On the chief, log ``step N, loss = L (E examples/sec; S sec/batch)`` every few steps.
+    """On the chief, the per-step metrics: log lines, ``metrics.jsonl`` and TensorBoard events.
 
-    Also appends one JSON object per logged step to ``RUN_DIR/metrics.jsonl`` and shows a
-    progress bar when stderr is a terminal. Gradients the chief dropped for NaN/Inf are
-    counted on each line (``nonfinite_skipped``); while skipping, a line says so at the
-    first skip in a row and every ``every`` skips after it, since the step does not move.
+    Every ``every`` global steps (and at the last) it prints ``step N, loss = L (E
+    examples/sec; S sec/batch)``, appends the step's record to ``RUN_DIR/metrics.jsonl``
+    and writes the same numbers as TensorBoard scalars into ``RUN_DIR`` (tags in
+    ``SCALAR_TAGS``); every ``summary_every`` global steps it writes histograms of the
+    gradients (``gradients/<var>``: the last gradient this worker computed) and of the
+    variables (``variables/<var>``: the parameters just pulled), read from the session's
+    buffers in place. A progress bar shows when stderr is a terminal. Gradients dropped for
+    NaN/Inf are counted (``nonfinite_skipped``); while skipping, a line says so at the first
+    skip in a row and every ``every`` skips after it, since the step does not move.
     """
 
-    def __init__(self, every=20, run_dir=None, last_step=None, stream=sys.stdout):
-        self.every = max(1, every)
+    # metrics.jsonl key -> TensorBoard tag (TensorFlow's names where it has them)
+    SCALAR_TAGS = {"loss": "loss", "learning_rate": "learning_rate",
+                   "examples_per_sec": "examples_per_sec",
+                   "global_steps_per_sec": "global_step/sec",
+                   "max_staleness": "staleness/max", "max_lead": "staleness/max_lead",
+                   "stale_dropped": "dropped/stale", "nonfinite_skipped": "dropped/nonfinite"}
+
+    def __init__(self, every=20, run_dir=None, last_step=None, stream=sys.stdout,
+                 summary_every=0):
+        self.every = every
         self.run_dir = run_dir
+        self.summary_every = summary_every if run_dir else 0
         self.last_step = last_step
         self.stream = stream
         self.metrics = None
+        self.events = EventWriter(run_dir) if run_dir else None
+
+    @classmethod
+    def from_config(cls, config):
+        """Return the hook a :class:`~mpitf.config.TrainingConfig` asks for, or None."""
+        if config.log_every or (config.summary_every and config.run_dir):
+            return cls(config.log_every, config.run_dir, config.last_step,
+                       summary_every=config.summary_every)
+        return None
 
     def begin(self, session):
         """Open the metrics file and start the clocks."""
-        if self.run_dir:
+        if self.run_dir and self.every:
             os.makedirs(self.run_dir, exist_ok=True)
             self.metrics = open(os.path.join(self.run_dir, "metrics.jsonl"), "a")
         self._mark(session)
         self.last_logged = None
+        self.last_histograms = session.global_step
 
     def _mark(self, session):
         self.t0, self.step0 = time.monotonic(), session.global_step
         self.batches0 = session.steps_run
 
     def after_run(self, session, loss):
-        """Log when the global step crosses a multiple of ``every``."""
+        """Log when the global step crosses a multiple of ``every``; histograms likewise."""
         step = session.global_step
+        n = self.summary_every
+        if n and step // n > self.last_histograms // n:
+            arrays = {f"gradients/{k}": v for k, v in session.grads.items()}
+            arrays.update((f"variables/{k}", v) for k, v in session.params.items())
+            self.events.histograms(step, arrays)
+            self.last_histograms = step
+        if not self.every:
+            return
         if step // self.every == (self.last_logged or self.step0) // self.every and \
                 not session.should_stop():
             self._progress(session)
             return
+        self._log(session, step, loss)
+
+    def _log(self, session, step, loss):
         elapsed = max(time.monotonic() - self.t0, 1e-9)
         batches = session.steps_run - self.batches0
         examples = (step - self.step0) * session.examples_per_global_step
+        reply = session.last_reply
         record = dict(step=step, time=time.time(), loss=float(loss),
+                      learning_rate=session.optimizer.learning_rate(max(step - 1, 0)),
                       examples_per_sec=examples / elapsed,
+                      global_steps_per_sec=(step - self.step0) / elapsed,
                       sec_per_batch=elapsed / max(batches, 1),
-                      stale_dropped=session.last_reply.dropped,
-                      max_staleness=session.last_reply.max_staleness,
-                      max_lead=session.last_reply.max_lead,
-                      nonfinite_skipped=session.nonfinite_skipped)
+                      stale_dropped=reply.dropped, max_staleness=reply.max_staleness,
+                      max_lead=reply.max_lead, nonfinite_skipped=session.nonfinite_skipped)
         if sys.stderr.isatty():
             sys.stderr.write("\r\033[K")
         skipped = f"; {session.nonfinite_skipped} non-finite skipped" \
@@ -98,13 +136,15 @@ class LoggingHook(Hook):
         if self.metrics:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
+        if self.events:
+            self.events.scalars(step, {t: record[k] for k, t in self.SCALAR_TAGS.items()})
         self.last_logged = step
         self._mark(session)
 
     def after_skip(self, session, variable):
         """Say that the chief dropped a gradient, at the first skip in a row and every few."""
         n = session.skips_in_a_row
-        if n == 1 or n % self.every == 0:
+        if self.every and (n == 1 or n % self.every == 0):
             print(f"step {session.global_step}: skipped a gradient holding NaN or Inf in "
                   f"{variable!r} ({n} in a row, {session.nonfinite_skipped} in all; the job "
                   f"ends at {session.config.max_nonfinite_skips} in a row)", file=self.stream,
@@ -118,9 +158,11 @@ class LoggingHook(Hook):
             sys.stderr.flush()
 
     def end(self, session):
-        """Close the metrics file."""
+        """Close the metrics and event files."""
         if self.metrics:
             self.metrics.close()
+        if self.events:
+            self.events.close()
 
 
 class CheckpointSaverHook(Hook):

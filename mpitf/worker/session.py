@@ -1,8 +1,9 @@
 """``TrainingSession``: the ``MonitoredTrainingSession`` of mpitf, run on every worker.
 
 It configures the ps (chief), restores or initialises, runs steps (compute gradients into
-the client's views, push and pull), and calls hooks: stop at a step, logging, checkpoints
-every N steps or T seconds and at the end, and checkpoint-then-exit on SIGTERM/SIGUSR1.
+the client's views, push and pull), and calls hooks: stop at a step, metrics (log lines,
+metrics.jsonl, TensorBoard events), checkpoints every N steps or T seconds and at the end,
+and checkpoint-then-exit on SIGTERM/SIGUSR1.
 """
 
 import logging
@@ -39,8 +40,8 @@ class TrainingSession:
         config: a :class:`~mpitf.config.TrainingConfig`; ``options`` (its field names:
             last_step, checkpoint_dir, save_checkpoint_steps, save_checkpoint_secs,
             replicas_to_aggregate, deterministic, staleness, moving_average_decay,
-            skip_nonfinite, ps_strategy, seed, log_every, run_dir, max_to_keep, timeline,
-            batch_size, clients) build one or change the given one. A misspelt option is a
+            skip_nonfinite, ps_strategy, seed, log_every, summary_every, run_dir, max_to_keep,
+            timeline, batch_size, clients) build one or change the given one. A misspelt option is a
             TypeError that names it; a bad value a ConfigurationError.
     """
 
@@ -83,9 +84,9 @@ class TrainingSession:
             self.hooks.append(StopAtStepHook(config.last_step))
         self.saver = None
         if server.is_chief:
-            if config.log_every:
-                self.hooks.append(LoggingHook(config.log_every, config.run_dir,
-                                              config.last_step))
+            metrics = LoggingHook.from_config(config)
+            if metrics is not None:
+                self.hooks.append(metrics)
             if self.checkpoint_dir and (config.save_checkpoint_steps or
                                         config.save_checkpoint_secs):
                 self.saver = CheckpointSaverHook(config.save_checkpoint_steps,
@@ -142,6 +143,11 @@ class TrainingSession:
     def params(self):
         """Return the model's parameters (views into the pulled buffer)."""
         return self.client.params
+
+    @property
+    def grads(self):
+        """Return the gradient views of the last step (what was pushed, or is about to be)."""
+        return self.client.grads
 
     def request_stop(self):
         """Ask the loop to end after this step."""

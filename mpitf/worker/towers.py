@@ -2,7 +2,8 @@
 
 :class:`Towers` splits the batch over local devices (``cpu:k`` = numpy, ``gpu:k`` = CuPy on
 device k), computes each tower's gradient on its device and averages them on the first
-device, where they are applied locally or pushed to the ps like any worker's gradient.
+device, where they are applied locally (:class:`LocalSession`) or pushed to the ps like any
+worker's gradient.
 """
 
 import contextlib
@@ -13,7 +14,7 @@ from ..errors import ConfigurationError
 from ..models.wrapper import ModelWrapper
 from ..runtime.backend import copy_array, numpy_backend, select_backend
 
-__all__ = ["Towers", "parse_devices", "tower_backend"]
+__all__ = ["LocalSession", "Towers", "parse_devices", "tower_backend"]
 
 
 def parse_devices(spec):
@@ -146,9 +147,11 @@ class Towers(ModelWrapper):
             with _on(first.backend):
                 xp.divide(acc, len(self.towers), out=acc)
 
-    def apply_locally(self, optimizer, step, slots=None):
+    def apply_locally(self, optimizer, step, slots=None, keep_gradient=False):
         """Apply tower 0's averaged gradient to its parameters with ``optimizer``.
 
+        The optimizer may consume the gradient buffer; with ``keep_gradient`` it works on
+        a copy (in a scratch buffer made once), so the gradient can still be read.
         Returns the optimizer slots (pass them back on the next call).
         """
         first = self.towers[0]
@@ -156,5 +159,79 @@ class Towers(ModelWrapper):
             if slots is None:
                 slots = {k: first.backend.to_device(v) for k, v in optimizer.make_slots(
                     self.size, first.backend.xp, self.dtype).items()}
-            optimizer.apply(first.params_flat, first.grads_flat, slots, step)
+            grad = first.grads_flat
+            if keep_gradient:
+                grad = copy_array(self.incoming, grad)  # not in use between steps
+            optimizer.apply(first.params_flat, grad, slots, step)
         return slots
+
+
+class LocalSession:
+    """The session of towers that train alone (no ps), as the session hooks see it.
+
+    Each :meth:`run` is one global step: the towers' averaged gradient, applied on tower 0.
+    Its hooks get what a :class:`~mpitf.worker.session.TrainingSession` gives them (steps,
+    parameters and gradients, the optimizer; no ps, so nothing is stale or dropped), so a
+    local run logs, writes ``metrics.jsonl`` and TensorBoard events the same way.
+
+    Args:
+        towers: the :class:`Towers`, whose parameters are set to ``towers.init(rng)``.
+        optimizer: the optimizer applied on tower 0.
+        dataset: the batches (each spans every tower).
+        config: the :class:`~mpitf.config.TrainingConfig` (last_step, seed, summary_every).
+        hooks: session hooks.
+    """
+
+    class _NoPs:
+        """The counters of a reply, for a run without a ps."""
+
+        dropped = max_staleness = max_lead = 0
+
+    def __init__(self, towers, optimizer, dataset, config, hooks=()):
+        self.towers = towers
+        self.optimizer = optimizer
+        self.dataset = dataset
+        self.config = config
+        self.examples_per_global_step = dataset.batch_size
+        self.last_reply = self._NoPs()
+        self.global_step = self.steps_run = self.nonfinite_skipped = 0
+        self.loss = float("nan")
+        self._slots = None
+        for name, value in towers.init(np.random.default_rng(config.seed)).items():
+            towers.backends[0].to_device(value, out=towers.params[name])
+        self.hooks = list(hooks)
+        for hook in self.hooks:
+            hook.begin(self)
+
+    @property
+    def params(self):
+        """Return the parameters (tower 0's)."""
+        return self.towers.params
+
+    @property
+    def grads(self):
+        """Return the averaged gradient of the last step (kept on ``summary_every`` steps)."""
+        return self.towers.grads
+
+    def should_stop(self):
+        """Return True once the global step reached the config's ``last_step``."""
+        return self.config.last_step is not None and self.global_step >= self.config.last_step
+
+    def run(self):
+        """Run one step: the towers' gradients, averaged, applied; then the hooks."""
+        towers = self.towers
+        self.loss = towers.loss_and_grads(towers.params, self.dataset.next_batch(), towers.grads)
+        every = self.config.summary_every
+        self._slots = towers.apply_locally(self.optimizer, self.global_step, self._slots,
+                                           keep_gradient=bool(every) and
+                                           (self.global_step + 1) % every == 0)
+        self.global_step += 1
+        self.steps_run += 1
+        for hook in self.hooks:
+            hook.after_run(self, self.loss)
+        return self.loss
+
+    def close(self):
+        """Run the hooks' ends."""
+        for hook in self.hooks:
+            hook.end(self)
