@@ -15,6 +15,7 @@ from mpi4py import MPI
 from ..cluster import ClusterSpec
 from ..config import DEFAULT_DEADLINE, check_deadline
 from ..device import device_name, local_rank
+from ..errors import ConfigurationError
 from ..roles import assign_roles, describe_roles
 from . import lifeline
 
@@ -27,6 +28,9 @@ class Server:
     Args:
         cluster: a :class:`ClusterSpec` or anything it accepts; None means
             ``{"ps": 1, "worker": world_size - 1}`` (or one worker alone).
+        job_name, task_index: the role this process expects, as TensorFlow's ``Server``
+            takes them. The role comes from the MPI rank all the same; one that disagrees
+            is an error naming both. None: no expectation.
         comm: the communicator the cluster spans (``MPI.COMM_WORLD``).
         deadline: seconds a rank waits on a peer before ending the job with a message
             naming it. None waits forever.
@@ -36,7 +40,8 @@ class Server:
             ``deadline`` (then set it above the longest step).
     """
 
-    def __init__(self, cluster=None, comm=None, deadline=DEFAULT_DEADLINE, fixed_deadline=False):
+    def __init__(self, cluster=None, job_name=None, task_index=None, comm=None,
+                 deadline=DEFAULT_DEADLINE, fixed_deadline=False):
         self.deadline = check_deadline(deadline)
         self.fixed_deadline = bool(fixed_deadline)
         world = comm if comm is not None else MPI.COMM_WORLD
@@ -55,6 +60,12 @@ class Server:
             exc.collective = True  # every rank raised this from the same facts
             raise
         self.job_name, self.task_index = self.roles[self.rank]
+        if job_name not in (None, self.job_name) or task_index not in (None, self.task_index):
+            raise ConfigurationError(
+                f"Server(job_name={job_name!r}, task_index={task_index!r}) but MPI rank "
+                f"{self.rank} runs /job:{self.job_name}/task:{self.task_index}; roles come from "
+                "the MPI rank (see mpitf.roles): start the processes in that order or leave "
+                "job_name and task_index out")
         # A private duplicate keeps mpitf's messages apart from the user's own MPI traffic.
         self.comm = world.Dup()
         job_ids = {job: i for i, job in enumerate(sorted({j for j, _ in self.roles}))}
