@@ -51,21 +51,16 @@ class Server:
         self.cluster = cluster if isinstance(cluster, ClusterSpec) else ClusterSpec(cluster)
         self.rank = world.Get_rank()
         token = world.bcast(os.urandom(6).hex() if self.rank == 0 else None, root=0)
-        hosts_pids = world.allgather((MPI.Get_processor_name(), os.getpid()))
-        self.hosts = [h for h, _ in hosts_pids]
-        self.pids = [p for _, p in hosts_pids]
+        gathered = world.allgather((MPI.Get_processor_name(), os.getpid(), job_name, task_index))
+        self.hosts = [g[0] for g in gathered]
+        self.pids = [g[1] for g in gathered]
         try:
             self.roles = assign_roles(self.cluster, self.hosts)
         except Exception as exc:
             exc.collective = True  # every rank raised this from the same facts
             raise
+        _check_claims([g[2:] for g in gathered], self.roles)
         self.job_name, self.task_index = self.roles[self.rank]
-        if job_name not in (None, self.job_name) or task_index not in (None, self.task_index):
-            raise ConfigurationError(
-                f"Server(job_name={job_name!r}, task_index={task_index!r}) but MPI rank "
-                f"{self.rank} runs /job:{self.job_name}/task:{self.task_index}; roles come from "
-                "the MPI rank (see mpitf.roles): start the processes in that order or leave "
-                "job_name and task_index out")
         # A private duplicate keeps mpitf's messages apart from the user's own MPI traffic.
         self.comm = world.Dup()
         job_ids = {job: i for i, job in enumerate(sorted({j for j, _ in self.roles}))}
@@ -73,7 +68,7 @@ class Server:
         self.local_rank, self.local_size = local_rank(self.comm)
         self.exit_code = 0
         me = self.hosts[self.rank]
-        peers = {r: p for r, (h, p) in enumerate(hosts_pids) if h == me and r != self.rank}
+        peers = {r: g[1] for r, g in enumerate(gathered) if g[0] == me and r != self.rank}
         lifeline.watch(self.rank, peers, token, self._describe_rank,
                        lambda: world.Abort(1),
                        parent=os.getppid() if world.Get_size() > 1 else None)
@@ -135,3 +130,16 @@ class Server:
 
         self.exit_code = serve(self)
         return None
+
+
+def _check_claims(claims, roles):
+    """Raise, alike on every rank, if a rank's ``Server(job_name, task_index)`` is not its role."""
+    for rank, ((job, task), (role_job, role_task)) in enumerate(zip(claims, roles)):
+        if job not in (None, role_job) or task not in (None, role_task):
+            exc = ConfigurationError(
+                f"Server(job_name={job!r}, task_index={task!r}) on MPI rank {rank}, which runs "
+                f"/job:{role_job}/task:{role_task}; roles come from the MPI rank (see "
+                "mpitf.roles): start the processes in that order or leave job_name and "
+                "task_index out")
+            exc.collective = True  # every rank checks every claim: one message, exit code 2
+            raise exc

@@ -49,6 +49,7 @@ parser.add_argument("--batch_size", type=int, default=100, help="training batch 
 parser.add_argument("--learning_rate", type=float, default=0.01, help="learning rate")
 parser.add_argument("--sync_replicas", action="store_true",
                     help="aggregate the workers' gradients before each update")
+# TF: --existing_servers (reuse running gRPC servers): mpitf has none; mpiexec starts the tasks.
 parser.add_argument("--ps_hosts", default="localhost:2222",
                     help="comma-separated hostname:port pairs")
 parser.add_argument("--worker_hosts", default="localhost:2223,localhost:2224",
