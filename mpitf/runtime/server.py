@@ -15,6 +15,7 @@ from mpi4py import MPI
 from ..cluster import ClusterSpec
 from ..config import DEFAULT_DEADLINE, check_deadline
 from ..device import device_name, local_rank
+from ..errors import ConfigurationError
 from ..roles import assign_roles, describe_roles
 from . import lifeline
 
@@ -27,6 +28,9 @@ class Server:
     Args:
         cluster: a :class:`ClusterSpec` or anything it accepts; None means
             ``{"ps": 1, "worker": world_size - 1}`` (or one worker alone).
+        job_name, task_index: the role this process expects, as TensorFlow's ``Server``
+            takes them. The role comes from the MPI rank all the same; one that disagrees
+            is an error naming both. None: no expectation.
         comm: the communicator the cluster spans (``MPI.COMM_WORLD``).
         deadline: seconds a rank waits on a peer before ending the job with a message
             naming it. None waits forever.
@@ -36,7 +40,8 @@ class Server:
             ``deadline`` (then set it above the longest step).
     """
 
-    def __init__(self, cluster=None, comm=None, deadline=DEFAULT_DEADLINE, fixed_deadline=False):
+    def __init__(self, cluster=None, job_name=None, task_index=None, comm=None,
+                 deadline=DEFAULT_DEADLINE, fixed_deadline=False):
         self.deadline = check_deadline(deadline)
         self.fixed_deadline = bool(fixed_deadline)
         world = comm if comm is not None else MPI.COMM_WORLD
@@ -46,14 +51,15 @@ class Server:
         self.cluster = cluster if isinstance(cluster, ClusterSpec) else ClusterSpec(cluster)
         self.rank = world.Get_rank()
         token = world.bcast(os.urandom(6).hex() if self.rank == 0 else None, root=0)
-        hosts_pids = world.allgather((MPI.Get_processor_name(), os.getpid()))
-        self.hosts = [h for h, _ in hosts_pids]
-        self.pids = [p for _, p in hosts_pids]
+        gathered = world.allgather((MPI.Get_processor_name(), os.getpid(), job_name, task_index))
+        self.hosts = [g[0] for g in gathered]
+        self.pids = [g[1] for g in gathered]
         try:
             self.roles = assign_roles(self.cluster, self.hosts)
         except Exception as exc:
             exc.collective = True  # every rank raised this from the same facts
             raise
+        _check_claims([g[2:] for g in gathered], self.roles)
         self.job_name, self.task_index = self.roles[self.rank]
         # A private duplicate keeps mpitf's messages apart from the user's own MPI traffic.
         self.comm = world.Dup()
@@ -62,7 +68,7 @@ class Server:
         self.local_rank, self.local_size = local_rank(self.comm)
         self.exit_code = 0
         me = self.hosts[self.rank]
-        peers = {r: p for r, (h, p) in enumerate(hosts_pids) if h == me and r != self.rank}
+        peers = {r: g[1] for r, g in enumerate(gathered) if g[0] == me and r != self.rank}
         lifeline.watch(self.rank, peers, token, self._describe_rank,
                        lambda: world.Abort(1),
                        parent=os.getppid() if world.Get_size() > 1 else None)
@@ -124,3 +130,16 @@ class Server:
 
         self.exit_code = serve(self)
         return None
+
+
+def _check_claims(claims, roles):
+    """Raise, alike on every rank, if a rank's ``Server(job_name, task_index)`` is not its role."""
+    for rank, ((job, task), (role_job, role_task)) in enumerate(zip(claims, roles)):
+        if job not in (None, role_job) or task not in (None, role_task):
+            exc = ConfigurationError(
+                f"Server(job_name={job!r}, task_index={task!r}) on MPI rank {rank}, which runs "
+                f"/job:{role_job}/task:{role_task}; roles come from the MPI rank (see "
+                "mpitf.roles): start the processes in that order or leave job_name and "
+                "task_index out")
+            exc.collective = True  # every rank checks every claim: one message, exit code 2
+            raise exc

@@ -7,6 +7,7 @@ worker's gradient.
 """
 
 import contextlib
+import logging
 
 import numpy as np
 
@@ -32,11 +33,23 @@ def parse_devices(spec):
 
 
 def tower_backend(kind, index, **select):
-    """Return the backend of one tower: numpy for ``cpu``, CuPy on GPU ``index`` for ``gpu``."""
+    """Return the backend of one tower: numpy for ``cpu``, CuPy on GPU ``index`` for ``gpu``.
+
+    ``select`` goes to :func:`~mpitf.runtime.backend.select_backend`; with
+    ``allow_soft_placement=True`` a GPU that cannot be had gives a CPU tower, as
+    TensorFlow's soft placement puts a ``/gpu:k`` tower on the CPU.
+    """
     if kind == "cpu":
         return numpy_backend()
     be = select_backend("gpu", local_rank=index, **select)
+    if not be.is_gpu:
+        return be  # soft placement fell back to the CPU (and said so)
     if be.device_id != index:
+        if select.get("allow_soft_placement"):
+            logging.getLogger("mpitf").warning(
+                "gpu:%d asked for, but only GPUs below %d are visible; the tower runs on "
+                "the CPU (numpy)", index, index)
+            return numpy_backend()
         raise ConfigurationError(f"gpu:{index} asked for, but only GPUs below {index} are "
                                  "visible (check CUDA_VISIBLE_DEVICES)")
     return be
