@@ -310,7 +310,8 @@ class PsAssignment:
     num_ps, optimizer (an ``Optimizer.config()`` dict), restore (a checkpoint directory or
     None), chief_rank, deadline (seconds, or None), adaptive (True: the deadline is an upper
     bound and waits adapt to the step time, see ``stall_allowance``), chunk_bytes (or None),
-    total_num_replicas (the workers that push, or None: all).
+    total_num_replicas (the workers that push, or None: all), sparse (embedding tables:
+    ``tables``, ``batch_size``; None: none).
     """
 
     slices: tuple
@@ -324,3 +325,4 @@ class PsAssignment:
     adaptive: bool = False
     chunk_bytes: int = None
     total_num_replicas: int = None
+    sparse: dict = None
