@@ -270,7 +270,8 @@ class JobConfig:
     def __post_init__(self):
         check_choice("model", self.model, ("mlp", "cnn"))
         check_int("hidden units (--hidden)", self.hidden, 1)
-        check_choice("optimizer", self.optimizer, ("sgd", "momentum", "adam", "adagrad"))
+        check_choice("optimizer", self.optimizer,
+                     ("sgd", "momentum", "adam", "adagrad", "ftrl"))
         check_learning_rate(self.lr, "learning rate (--lr)")
         if self.lr_decay is not None:
             check_number("learning-rate decay (--lr-decay)", self.lr_decay, low=0.0,

@@ -140,7 +140,29 @@ def _push(tables, worker, ids, grads):
     tables.stash(worker, buf, {})
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adagrad", "adam"])
+def test_ftrl_follows_tensorflows_formula():
+    opt = make_optimizer("ftrl", 0.3, l1=0.05, l2=0.1)
+    rng = np.random.default_rng(1)
+    var = rng.standard_normal(50)
+    accum, linear = np.full(50, 0.1), np.zeros(50)
+    slots = opt.make_slots(50, np, np.float64)
+    p = var.copy()
+    for step in range(3):
+        g = rng.standard_normal(50)
+        new = accum + g * g
+        linear += g - (np.sqrt(new) - np.sqrt(accum)) / 0.3 * var
+        quadratic = np.sqrt(new) / 0.3 + 2 * 0.1
+        var = np.where(np.abs(linear) > 0.05, (np.sign(linear) * 0.05 - linear) / quadratic, 0)
+        accum = new
+        opt.apply(p, g.copy(), slots, step)
+    np.testing.assert_allclose(p, var, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(slots["accum"], accum, rtol=1e-12)
+    np.testing.assert_allclose(slots["linear"], linear, rtol=1e-12, atol=1e-15)
+    assert (p == 0).any() and (p != 0).any()  # l1 zeroed some weights, not all
+    assert make_optimizer(**opt.config()) == opt
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adagrad", "adam", "ftrl"])
 def test_sparse_apply_is_the_dense_kernel_on_the_rows_present(optimizer):
     spec, opt, tables = _tables(optimizer)
     table = tables.tables[0]
@@ -265,7 +287,8 @@ def tables_of(out, num_ps):
 
 
 @pytest.mark.parametrize("optimizer,num_ps,placement", [
-    ("sgd", 1, "mod"), ("adam", 2, "mod"), ("adagrad", 3, "range"), ("momentum", 2, "range")])
+    ("sgd", 1, "mod"), ("adam", 2, "mod"), ("adagrad", 3, "range"), ("momentum", 2, "range"),
+    ("ftrl", 2, "mod")])
 def test_deterministic_sync_is_one_process_bit_for_bit_under_any_ps_count(
         tmp_path, optimizer, num_ps, placement):
     steps, workers = 4, 2

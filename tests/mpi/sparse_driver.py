@@ -27,7 +27,7 @@ ROWS = {"users": 37, "items": 23}
 DIM = {"users": 4, "items": 3}
 BATCH = 6
 LOOKUPS = {"users": 1, "items": 2}  # items: two ids per example (a shared table)
-LEARNING_RATES = {"sgd": 0.5, "momentum": 0.1, "adagrad": 0.3, "adam": 0.05}
+LEARNING_RATES = {"sgd": 0.5, "momentum": 0.1, "adagrad": 0.3, "adam": 0.05, "ftrl": 0.2}
 
 
 def tables(placement="mod"):
