@@ -348,3 +348,72 @@ def test_async_with_one_worker_is_the_sequential_computation(tmp_path):
     got, _ = tables_of(tmp_path, 2)
     for n in full:
         assert np.array_equal(got[n], full[n]), n
+
+
+# -- checkpoints --------------------------------------------------------------------------
+
+def run_driver_raw(out, num_ps, num_workers, *args, timeout=60):
+    return run_mpi(num_ps + num_workers, [str(DRIVER), str(out), "--num-ps", str(num_ps),
+                                          *map(str, args)], timeout=timeout, cwd=str(REPO))
+
+
+def _assert_reference(out, num_ps, optimizer, workers, steps):
+    full, slots, params = reference(optimizer, workers, steps)
+    got, got_slots = tables_of(out, num_ps)
+    for n in full:
+        assert np.array_equal(got[n], full[n]), n
+        for k in slots[n]:
+            assert np.array_equal(got_slots[n][k], slots[n][k]), (n, k)
+    with np.load(Path(out) / "params.npz") as f:
+        for k, v in params.items():
+            assert np.array_equal(f[k], v), k
+
+
+def test_tables_restore_under_another_ps_count_bit_for_bit(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    common = ["--mode", "sync", "--deterministic", "--optimizer", "adam",
+              "--checkpoint-dir", ckpt]
+    run_driver(tmp_path, 3, 2, *common, "--steps", 3)  # final checkpoint at step 3
+    from mpitf.ckpt.verify import verify_checkpoint
+    assert verify_checkpoint(ckpt / "ckpt-00000003") == []
+    run_driver(tmp_path, 2, 2, *common, "--steps", 6, "--placement", "range")  # 2 ps, ranges
+    _assert_reference(tmp_path, 2, "adam", 2, 6)
+
+
+def test_kill_and_resume_of_a_sparse_job_is_bit_for_bit(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    common = ["--mode", "sync", "--deterministic", "--optimizer", "adagrad", "--steps", 6,
+              "--checkpoint-dir", ckpt, "--save-steps", 2]
+    run = run_driver_raw(tmp_path, 2, 2, *common, "--kill-at", 5)
+    assert not run.timed_out and run.returncode != 0, run.output
+    assert (ckpt / "latest").read_text().strip() == "ckpt-00000004"
+    run_driver(tmp_path, 2, 2, *common)
+    _assert_reference(tmp_path, 2, "adagrad", 2, 6)
+
+
+def test_a_damaged_table_fails_verification(tmp_path):
+    import h5py
+
+    from mpitf.ckpt.verify import verify_checkpoint
+    ckpt = tmp_path / "ckpt"
+    run_driver(tmp_path, 2, 1, "--steps", 2, "--checkpoint-dir", ckpt)
+    shard = ckpt / "ckpt-00000002" / "shard-00001-of-00002.h5"
+    with h5py.File(shard, "r+") as f:
+        f["tables/users/rows"][0, 0] += 1
+    problems = verify_checkpoint(ckpt / "ckpt-00000002")
+    assert any("checksum mismatch in tables/users/rows" in p for p in problems), problems
+
+
+def test_a_checkpoint_whose_table_has_other_rows_is_refused(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run_driver(tmp_path, 1, 1, "--steps", 2, "--checkpoint-dir", ckpt)
+    before = {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()
+              and p.name != ".mpitf-lock"}
+    run = run_driver_raw(tmp_path, 1, 1, "--steps", 4, "--checkpoint-dir", ckpt,
+                         "--rows-scale", 2)
+    assert not run.timed_out and run.returncode != 0, run.output
+    assert "table 'users' is 74 x 4 float32 in the model but 37 x 4 float32 in" in run.output
+    assert run.seconds < 30
+    after = {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()
+             and p.name != ".mpitf-lock"}
+    assert after == before  # nothing on disk touched

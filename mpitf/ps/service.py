@@ -215,7 +215,8 @@ class Service:
         shard = self.shard
         average = shard.average_frame.payload if shard.average is not None else None
         restored = cut.restore_shard(ckpt_dir, shard.slices, self.backend, shard.params,
-                                     shard.saved_slots(), average)
+                                     shard.saved_slots(), average,
+                                     self.tables.targets() if self.tables else None)
         if restored["missing_average"]:
             shard.start_average()
         self.global_step = restored["global_step"]
@@ -229,7 +230,8 @@ class Service:
         cut.save_shard(self.comm, self.chief, self.config.checkpoint_dir, self.ps_task,
                        self.assignment.num_ps, self.global_step, shard.slices, self.backend,
                        shard.params, shard.saved_slots(), average, self.positions,
-                       self.paused, self.counters)
+                       self.paused, self.counters,
+                       self.tables.saved() if self.tables else None)
 
     def _check_quiescent(self):
         if self.pausing and all(w in self.done or w in self.paused

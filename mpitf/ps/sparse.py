@@ -99,6 +99,16 @@ class SparseTables:
         self.cat_ids = [np.empty(n, np.int64) for n in total]
         self.cat_grads = [np.empty((n, t.dim), t.dtype) for n, t in zip(total, self.specs)]
 
+    def saved(self):
+        """Return this ps's rows of every table as a checkpoint writes them."""
+        return [{"spec": t.spec, "ids": t.placement.global_ids(self.ps), "rows": t.params,
+                 "slots": t.slots} for t in self.tables]
+
+    def targets(self):
+        """Return this ps's tables as a restore fills them."""
+        return [{"spec": t.spec, "placement": t.placement, "ps": self.ps, "rows": t.params,
+                 "slots": t.slots} for t in self.tables]
+
     @property
     def capacity(self):
         """Return the bytes of the largest sparse request (the pool frames take it)."""

@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from ..ckpt import cut
+from ..ckpt.tables import table_dicts
 from ..config import TrainingConfig
 from ..errors import ConfigurationError, NonFiniteGradientError
 from ..placement import replica_device_setter
@@ -259,6 +260,8 @@ class TrainingSession:
                               self.server.host_of)
         layout = dict(num_ps=len(reports), num_workers=self.num_workers, mode=self.mode,
                       cluster=repr(self.server.cluster), optimizer=self.optimizer.config())
+        if self.embeddings is not None:
+            layout["tables"] = table_dicts(self.embeddings.specs)
         step = cut.commit(self.checkpoint_dir, reports, self.placement.variables, layout,
                           max_to_keep=self.config.max_to_keep)
         if self.saver is not None:

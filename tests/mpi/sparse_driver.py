@@ -12,6 +12,7 @@ to ``OUT_DIR/params.npz``. The test recomputes the same arithmetic in one proces
 import argparse
 import json
 import os
+import signal
 
 import numpy as np
 from mpi4py import MPI
@@ -30,9 +31,9 @@ LOOKUPS = {"users": 1, "items": 2}  # items: two ids per example (a shared table
 LEARNING_RATES = {"sgd": 0.5, "momentum": 0.1, "adagrad": 0.3, "adam": 0.05, "ftrl": 0.2}
 
 
-def tables(placement="mod"):
+def tables(placement="mod", rows_scale=1):
     """Return the model's tables."""
-    return [EmbeddingTable(name, ROWS[name], DIM[name], lookups=LOOKUPS[name],
+    return [EmbeddingTable(name, ROWS[name] * rows_scale, DIM[name], lookups=LOOKUPS[name],
                            placement=placement, scale=0.5) for name in ROWS]
 
 
@@ -51,8 +52,8 @@ def row_gradient(rows, weights):
 class TinySparse:
     """Dense variable ``w`` (per table, dim) and two tables; loss sum((row * w)^2) / 2."""
 
-    def __init__(self, placement="mod"):
-        self._tables = tables(placement)
+    def __init__(self, placement="mod", rows_scale=1):
+        self._tables = tables(placement, rows_scale)
 
     def variables(self):
         return [(f"w_{name}", (DIM[name],), "float32") for name in ROWS]
@@ -99,6 +100,10 @@ def main():
     parser.add_argument("--placement", default="mod")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--staleness", type=int, default=1)
+    parser.add_argument("--checkpoint-dir")
+    parser.add_argument("--save-steps", type=int)
+    parser.add_argument("--kill-at", type=int, help="the chief SIGKILLs itself at this step")
+    parser.add_argument("--rows-scale", type=int, default=1, help="a model with other rows")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     with abort_on_error():
@@ -118,18 +123,24 @@ def main():
                 json.dump(svc.counters, f)
             return
         opt = make_optimizer(args.optimizer, LEARNING_RATES[args.optimizer])
-        options = dict(mode=args.mode, batch_size=BATCH, seed=3)
+        # sync: train to global step --steps; async, ssp: --steps steps of each worker
+        sync = args.mode == "sync"
+        options = dict(mode=args.mode, batch_size=BATCH, seed=3,
+                       last_step=args.steps if sync else None,
+                       checkpoint_dir=args.checkpoint_dir,
+                       save_checkpoint_steps=args.save_steps)
         if args.mode == "sync":
             options["deterministic"] = args.deterministic
         if args.mode == "ssp":
             options["staleness"] = args.staleness
-        session = TrainingSession(server, TinySparse(args.placement), opt, **options)
+        model = TinySparse(args.placement, args.rows_scale)
+        session = TrainingSession(server, model, opt, **options)
         w = server.task_index
-        sent = []
         with session:
-            for step in range(args.steps):
-                session.run(batch(w, step))
-                sent.append(session.embeddings.bytes_sent)
+            while not session.should_stop() and (sync or session.steps_run < args.steps):
+                if server.is_chief and session.global_step == args.kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                session.run(batch(w, session.global_step if sync else session.steps_run))
         with open(os.path.join(args.out, f"worker{w}.json"), "w") as f:
             json.dump(dict(bytes_sent=session.embeddings.bytes_sent,
                            bytes_received=session.embeddings.bytes_received,
