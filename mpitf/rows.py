@@ -78,3 +78,18 @@ class RowPlacement:
         order = np.argsort(owner, kind="stable")
         counts = np.bincount(owner, minlength=self.num_ps)
         return order, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+
+def segment_sum(values, segments, out):
+    """Sum the rows of ``values`` into ``out[segments[i]]``; return ``out`` (overwritten).
+
+    One ``np.bincount`` per column: it adds in the order of the rows, in float64, so a sum
+    is the same on every run and in any process that sums the same rows in the same order
+    (the worker's sum per unique id, the ps's sum over workers in worker order). Measured
+    (benchmarks/sparse.py, 4096 x 26 ids of dim 16): 4-35x faster than ``np.add.at`` on
+    numpy 2.4, whose loop over 2-D rows is slow.
+    """
+    n = len(out)
+    for d in range(out.shape[1]):
+        out[:, d] = np.bincount(segments, weights=values[:, d], minlength=n)
+    return out

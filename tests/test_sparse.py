@@ -16,11 +16,11 @@ from mpitf.errors import ConfigurationError, PeerError
 from mpitf.models.embedding import EmbeddingTable, initial_rows
 from mpitf.ps.optimizers import make_optimizer
 from mpitf.ps.sparse import SparseTables
-from mpitf.rows import RowPlacement
+from mpitf.rows import RowPlacement, segment_sum
 from mpitf.testing import run_mpi
 from mpitf.wire.header import HEADER_BYTES
 from mpitf.wire.sparse import SparseLayout
-from mpitf.worker.embedding import Lookup, segment_sum
+from mpitf.worker.embedding import Lookup
 
 REPO = Path(__file__).resolve().parent.parent
 DRIVER = REPO / "tests" / "mpi" / "sparse_driver.py"
@@ -172,9 +172,9 @@ def test_sparse_apply_is_the_dense_kernel_on_the_rows_present(optimizer):
     _push(tables, 1, [3, 7], g1)
     _push(tables, 0, [7, 11], g0)
     tables.apply([1, 0], 2, step=4)
-    # worker order: id 7 gets 0 + g0[0] + g1[1]; then the mean over the two workers
-    summed = {3: (np.float32(0) + g1[0]) / 2, 7: (np.float32(0) + g0[0] + g1[1]) / 2,
-              11: (np.float32(0) + g0[1]) / 2}
+    # worker order: id 7 gets g0[0] + g1[1] (exact in float64, then rounded: the float32
+    # sum); then the mean over the two workers
+    summed = {3: g1[0] / 2, 7: (g0[0] + g1[1]) / 2, 11: g0[1] / 2}
     ids = np.array(sorted(summed))
     dense_p = start[ids].reshape(-1).copy()
     slots = {k: np.full(dense_p.size, v[0], np.float32)
@@ -231,7 +231,7 @@ def reference(optimizer, num_workers, steps):
             summed = {}
             for n, (uids, inv) in uniq.items():
                 out = np.zeros((len(uids), specs[n].dim), np.float32)
-                np.add.at(out, inv, lookups[n].grad.reshape(-1, specs[n].dim))
+                segment_sum(lookups[n].grad.reshape(-1, specs[n].dim), inv, out)
                 summed[n] = (uids, out)
             sparse.append(summed)
         for k, v in params.items():
@@ -249,7 +249,7 @@ def reference(optimizer, num_workers, steps):
                 cat = np.concatenate([s[n][0] for s in sparse])
                 uids, inv = np.unique(cat, return_inverse=True)
                 g = np.zeros((len(uids), spec.dim), np.float32)
-                np.add.at(g, inv, np.concatenate([s[n][1] for s in sparse]))
+                segment_sum(np.concatenate([s[n][1] for s in sparse]), inv, g)
                 np.divide(g, num_workers, out=g)
             p = full[n][uids].reshape(-1)
             gathered = {k: v[uids].reshape(-1) for k, v in slots[n].items()}

@@ -11,15 +11,15 @@ run the optimizer's own arithmetic on them, scatter them back. Rows absent from 
 keep their slots untouched; for Adam this is TensorFlow's ``LazyAdamOptimizer`` (only
 present rows update ``m`` and ``v``; the bias correction follows the global step). In
 sync mode each step's gradients are summed by id across workers in worker order
-(``np.add.at``, sequential per id) and divided by the number of gradients, as the dense
-mean, so deterministic sync is bit for bit a single process's sum.
+(:func:`~mpitf.rows.segment_sum`, sequential per id) and divided by the number of
+gradients, as the dense mean, so deterministic sync is bit for bit a single process's sum.
 """
 
 import numpy as np
 
 from ..errors import PeerError
 from ..models.embedding import initial_rows
-from ..rows import RowPlacement
+from ..rows import RowPlacement, segment_sum
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.sparse import SparseLayout
@@ -176,10 +176,7 @@ class SparseTables:
             cat_grads[n:n + len(ids)] = grads
             n += len(ids)
         uids, inverse = np.unique(cat_ids[:n], return_inverse=True)
-        out = table.grad_buf[:len(uids)]
-        out[...] = 0
-        np.add.at(out, inverse, cat_grads[:n])
-        return uids, out
+        return uids, segment_sum(cat_grads[:n], inverse, table.grad_buf[:len(uids)])
 
     def _check_counts(self, counts, describe):
         if any(c < 0 or c > m for c, m in zip(counts, self.layout.max_ids)):

@@ -15,21 +15,10 @@ import numpy as np
 
 from ..errors import DataError, PeerError
 from ..models.embedding import check_tables
-from ..rows import RowPlacement
+from ..rows import RowPlacement, segment_sum
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.sparse import SparseLayout
-
-
-def segment_sum(values, segments, out):
-    """Sum rows of ``values`` into ``out[segments[i]]`` (``out`` is overwritten).
-
-    ``np.add.at`` adds in the order of the rows, so each sum is sequential and the same
-    on every run; benchmarks/sparse.py compares it with a bincount per column.
-    """
-    out[...] = 0
-    np.add.at(out, segments, values)
-    return out
 
 
 class Lookup:
