@@ -417,3 +417,16 @@ def test_a_checkpoint_whose_table_has_other_rows_is_refused(tmp_path):
     after = {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()
              and p.name != ".mpitf-lock"}
     assert after == before  # nothing on disk touched
+
+
+@pytest.mark.parametrize("bad,message", [
+    ("high", r"table 'users': id \d+ is outside \[0, 37\) \(ids are never wrapped"),
+    ("negative", r"table 'users': id -\d+ is outside \[0, 37\)"),
+    ("float", r"table 'users': ids must be integers, got float64")])
+def test_a_bad_id_ends_every_rank_with_one_clear_message(tmp_path, bad, message):
+    import re
+    run = run_driver_raw(tmp_path, 2, 2, "--steps", 5, "--bad-ids", bad)
+    assert not run.timed_out, run.output
+    assert run.returncode != 0
+    assert re.search(message, run.output), run.output
+    assert run.seconds < 30

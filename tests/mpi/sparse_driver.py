@@ -104,6 +104,8 @@ def main():
     parser.add_argument("--save-steps", type=int)
     parser.add_argument("--kill-at", type=int, help="the chief SIGKILLs itself at this step")
     parser.add_argument("--rows-scale", type=int, default=1, help="a model with other rows")
+    parser.add_argument("--bad-ids", choices=("high", "negative", "float"),
+                        help="the last worker's batch at step 2 holds a bad id")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     with abort_on_error():
@@ -140,7 +142,13 @@ def main():
             while not session.should_stop() and (sync or session.steps_run < args.steps):
                 if server.is_chief and session.global_step == args.kill_at:
                     os.kill(os.getpid(), signal.SIGKILL)
-                session.run(batch(w, session.global_step if sync else session.steps_run))
+                b = batch(w, session.global_step if sync else session.steps_run)
+                if args.bad_ids and w == server.cluster.num_tasks("worker") - 1 \
+                        and session.steps_run == 2:
+                    b = dict(b, users={"high": b["users"] + ROWS["users"],
+                                       "negative": b["users"] - 40,
+                                       "float": b["users"] * 1.0}[args.bad_ids])
+                session.run(b)
         with open(os.path.join(args.out, f"worker{w}.json"), "w") as f:
             json.dump(dict(bytes_sent=session.embeddings.bytes_sent,
                            bytes_received=session.embeddings.bytes_received,
