@@ -430,3 +430,18 @@ def test_a_bad_id_ends_every_rank_with_one_clear_message(tmp_path, bad, message)
     assert run.returncode != 0
     assert re.search(message, run.output), run.output
     assert run.seconds < 30
+
+
+def test_a_table_larger_than_a_ps_memory_limit_trains_split_over_more_ps(tmp_path):
+    # 37e5 x 4 + 23e5 x 3 float32 = 87 MB of tables (+ their ids while a ps draws them);
+    # each ps may map 64 MiB more than at start (RLIMIT_AS): one ps cannot hold them, two
+    # can (the driver lifts the limit after serving, to write its report).
+    big = ["--rows-scale", 100000, "--ps-memory-mb", 64, "--steps", 2]
+    run = run_driver_raw(tmp_path, 1, 1, *big, timeout=120)
+    assert not run.timed_out and run.returncode != 0, run.output
+    assert "Unable to allocate" in run.output or "MemoryError" in run.output, run.output
+    run_driver(tmp_path, 2, 1, *big, timeout=120)
+    counters = json.loads((tmp_path / "ps1.json").read_text())
+    assert counters["pushes_applied"] == 2
+    with np.load(tmp_path / "ps0.npz") as f:
+        assert f["users/rows"].shape == (37 * 100000 // 2, 4)

@@ -12,6 +12,7 @@ to ``OUT_DIR/params.npz``. The test recomputes the same arithmetic in one proces
 import argparse
 import json
 import os
+import resource
 import signal
 
 import numpy as np
@@ -104,6 +105,8 @@ def main():
     parser.add_argument("--save-steps", type=int)
     parser.add_argument("--kill-at", type=int, help="the chief SIGKILLs itself at this step")
     parser.add_argument("--rows-scale", type=int, default=1, help="a model with other rows")
+    parser.add_argument("--ps-memory-mb", type=int,
+                        help="a ps may map this many MiB more than it has at start (RLIMIT_AS)")
     parser.add_argument("--bad-ids", choices=("high", "negative", "float"),
                         help="the last worker's batch at step 2 holds a bad id")
     args = parser.parse_args()
@@ -112,7 +115,14 @@ def main():
         server = Server({"ps": args.num_ps, "worker": world.Get_size() - args.num_ps},
                         deadline=60)
         if server.job_name == "ps":
+            if args.ps_memory_mb:
+                with open("/proc/self/statm") as f:
+                    now = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+                hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+                resource.setrlimit(resource.RLIMIT_AS, (now + (args.ps_memory_mb << 20), hard))
             server.join()
+            if args.ps_memory_mb:  # the report below is the test's, not the ps's
+                resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
             svc = _SERVICES[-1]
             arrays = {}
             for table in svc.tables.tables:
