@@ -1,6 +1,7 @@
 """Click-through data and the ctr job: synthetic data, the Criteo converter, bad inputs, AUC."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -129,8 +130,11 @@ def test_the_ctr_job_trains_and_reports_auc_and_log_loss(tmp_path):
     ceiling = synthetic_ctr(data, train=4000, test=1000, fields=3, rows=40, dense=2, seed=4)
     run = run_mpi(3, ["-m", "mpitf.jobs.ctr", "--data", data, "--num-ps", "1", "--steps",
                       "300", "--batch-size", "64", "--optimizer", "adagrad", "--lr", "0.1",
-                      "--mode", "async"], timeout=120, cwd=str(REPO))
+                      "--mode", "sync", "--eval-every", "100"], timeout=120, cwd=str(REPO))
     assert not run.timed_out and run.returncode == 0, run.output
+    logged = re.findall(r"^step (\d+): test_auc = 0\.\d+, test_logloss = \d\.\d+$",
+                        run.output, re.M)
+    assert logged == ["100", "200"], run.output
     line = next(x for x in run.output.splitlines() if x.startswith("final: "))
     final = json.loads(line[len("final: "):])
     assert final["test_auc"] > 0.5 + (ceiling - 0.5) * 0.6, (final, ceiling)

@@ -4,7 +4,8 @@ Run: mpiexec -n 3 python jobs/ctr.py --data ctr.h5 --num-ps 1 --steps 2000 --mod
 (write the data with ``mpitf data synthetic-ctr --out ctr.h5`` or ``mpitf data criteo``).
 Every field's ids look up its own table on the ps tasks (rows i mod P); the embeddings
 and the dense features go through an MLP to one logit. The chief evaluates the test
-split and prints ``final: {json}`` with ``test_auc`` and ``test_logloss``.
+split every ``--eval-every`` steps (a log line) and at the end, where it prints
+``final: {json}`` with ``test_auc`` and ``test_logloss``.
 """
 
 import numpy as np
@@ -72,6 +73,8 @@ def main(argv=None):
     parser = RankParser(description=__doc__.splitlines()[0])
     add_training_arguments(parser, steps=2000, batch_size=256, lr=0.05)
     parser.add_argument("--embedding-dim", type=int, default=8, help="values per table row")
+    parser.add_argument("--eval-every", type=int, default=500,
+                        help="the chief logs test AUC and log loss every N steps (0: never)")
     args = parser.parse_args(argv)
     config = config_from_args(args)
     server = start(args, config)
@@ -86,6 +89,12 @@ def main(argv=None):
     sess = session_from_config(server, model, config, dataset)
     while not sess.should_stop():
         sess.run()
+        step = sess.global_step
+        if server.is_chief and args.eval_every and step % args.eval_every == 0 \
+                and not sess.should_stop():
+            test_auc, test_logloss = evaluate(sess, model, config.data, dataset.batch_size)
+            print(f"step {step}: test_auc = {test_auc:.4f}, test_logloss = "
+                  f"{test_logloss:.4f}", flush=True)
     if server.is_chief and not sess.requeue:
         test_auc, test_logloss = evaluate(sess, model, config.data, dataset.batch_size)
         summary = dict(step=sess.global_step, loss=sess.loss, test_auc=test_auc,
