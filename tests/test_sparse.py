@@ -16,7 +16,7 @@ from mpitf.errors import ConfigurationError, PeerError
 from mpitf.models.embedding import EmbeddingTable, initial_rows
 from mpitf.ps.optimizers import make_optimizer
 from mpitf.ps.sparse import SparseTables
-from mpitf.rows import RowPlacement, segment_sum
+from mpitf.rows import RowPlacement, segment_sum, unique_inverse
 from mpitf.testing import run_mpi
 from mpitf.wire.header import HEADER_BYTES
 from mpitf.wire.sparse import SparseLayout
@@ -112,6 +112,15 @@ def test_messages_hold_counts_ids_and_rows_where_both_sides_read_them():
     assert [r.shape for r in lay.rows(buf, counts)] == [(2, 3), (3, 2)]
     assert lay.rows(buf, counts)[1].dtype == np.float64
     assert lay.capacity == lay.end([5, 4]) and len(buf) >= lay.capacity
+
+
+@pytest.mark.parametrize("n,high", [(0, 5), (1, 5), (50, 7), (5000, 10**9)])
+def test_unique_inverse_is_numpys(n, high):
+    ids = np.random.default_rng(n).integers(0, high, n)
+    u, inv = unique_inverse(ids)
+    nu, ninv = np.unique(ids, return_inverse=True)
+    assert np.array_equal(u, nu) and np.array_equal(inv, ninv.reshape(-1))
+    assert np.array_equal(u[inv], ids)
 
 
 def test_segment_sum_adds_every_occurrence():

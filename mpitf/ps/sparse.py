@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import PeerError
 from ..models.embedding import initial_rows
-from ..rows import RowPlacement, segment_sum
+from ..rows import RowPlacement, segment_sum, unique_inverse
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.sparse import SparseLayout
@@ -175,7 +175,7 @@ class SparseTables:
             cat_ids[n:n + len(ids)] = ids
             cat_grads[n:n + len(ids)] = grads
             n += len(ids)
-        uids, inverse = np.unique(cat_ids[:n], return_inverse=True)
+        uids, inverse = unique_inverse(cat_ids[:n])
         return uids, segment_sum(cat_grads[:n], inverse, table.grad_buf[:len(uids)])
 
     def _check_counts(self, counts, describe):

@@ -1,9 +1,10 @@
 """A worker's embedding lookups: pull the rows a batch uses, push their summed gradients.
 
-Per step and table: the batch's ids are deduplicated once (``np.unique`` with
-``return_inverse``), grouped by the ps that holds them (:class:`~mpitf.rows.RowPlacement`),
-and each ps gets one sparse pull with its ids in every table and answers their rows, all
-ps at once, nonblocking. The model runs forward and backward on the rows of each
+Per step and table: the batch's ids are deduplicated once
+(:func:`~mpitf.rows.unique_inverse`), grouped by the ps that holds them
+(:class:`~mpitf.rows.RowPlacement`), and each ps gets one sparse pull with its ids in
+every table and answers their rows, all ps at once, nonblocking. The model runs forward
+and backward on the rows of each
 occurrence (:class:`Lookup`); the row gradients are summed per unique id and pushed with
 their ids, one message per ps, just before the dense push (same tag, so MPI keeps them in
 order and the ps applies both under one policy decision). Buffers are made once for the
@@ -15,7 +16,7 @@ import numpy as np
 
 from ..errors import DataError, PeerError
 from ..models.embedding import check_tables
-from ..rows import RowPlacement, segment_sum
+from ..rows import RowPlacement, segment_sum, unique_inverse
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.sparse import SparseLayout
@@ -62,7 +63,7 @@ class _TableState:
                 bad = lo if lo < 0 else hi
                 raise DataError(f"table {spec.name!r}: id {bad} is outside [0, {spec.rows}) "
                                 "(ids are never wrapped or clipped)")
-        uids, inverse = np.unique(flat, return_inverse=True)
+        uids, inverse = unique_inverse(flat)
         order, self.offsets = self.placement.route(uids)
         self.routed = uids[order]
         rank = np.empty_like(order)
