@@ -37,13 +37,21 @@ class _Table:
     def __init__(self, spec, placement, ps, optimizer, seed, max_rows):
         self.spec, self.placement, self.ps = spec, placement, ps
         n, dim, dtype = placement.rows_on(ps), spec.dim, np.dtype(spec.dtype)
-        self.params = np.empty((n, dim), dtype)
-        ids = placement.global_ids(ps)
-        for lo in range(0, n, 1 << 16):  # bounded scratch while drawing a large table
-            self.params[lo:lo + (1 << 16)] = initial_rows(spec, seed, ids[lo:lo + (1 << 16)])
         start = optimizer.make_slots(1, np, dtype)  # each slot's initial value
-        self.slots = {k: np.full((n, dim), v[0], dtype) for k, v in start.items()
-                      if not k.startswith("_")}
+        slots = [k for k in start if not k.startswith("_")]
+        try:
+            self.params = np.empty((n, dim), dtype)
+            ids = placement.global_ids(ps)
+            for lo in range(0, n, 1 << 16):  # bounded scratch while drawing a large table
+                self.params[lo:lo + (1 << 16)] = initial_rows(spec, seed,
+                                                              ids[lo:lo + (1 << 16)])
+            self.slots = {k: np.full((n, dim), start[k][0], dtype) for k in slots}
+        except MemoryError:
+            need = n * dim * dtype.itemsize * (1 + len(slots)) / 2**20
+            raise MemoryError(
+                f"ps task {ps} cannot hold its {n} rows of table {spec.name!r} ({need:.0f} "
+                f"MiB with the optimizer's slots): split the table over more ps tasks "
+                f"(--num-ps)") from None
         rows = min(n, max_rows)
         self.gathered = {k: v.reshape(-1, dim) if v.size else v.reshape(0, dim)
                          for k, v in optimizer.make_slots(rows * dim, np, dtype).items()}
