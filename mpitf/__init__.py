@@ -34,6 +34,8 @@ _LAZY = {
     "default_data_path": "data.datasets",
     "ensure_digits": "data.datasets",
     "build_model": "models",
+    "EmbeddingTable": "models.embedding",
+    "RowPlacement": "rows",
     "replica_device_setter": "placement",
     "GreedyLoadBalancingStrategy": "placement",
     "min_max_variable_partitioner": "placement",

@@ -278,7 +278,8 @@ class JobConfig:
     def __post_init__(self):
         check_choice("model", self.model, ("mlp", "cnn"))
         check_int("hidden units (--hidden)", self.hidden, 1)
-        check_choice("optimizer", self.optimizer, ("sgd", "momentum", "adam", "adagrad"))
+        check_choice("optimizer", self.optimizer,
+                     ("sgd", "momentum", "adam", "adagrad", "ftrl"))
         check_learning_rate(self.lr, "learning rate (--lr)")
         if self.lr_decay is not None:
             check_number("learning-rate decay (--lr-decay)", self.lr_decay, low=0.0,
@@ -318,7 +319,8 @@ class PsAssignment:
     num_ps, optimizer (an ``Optimizer.config()`` dict), restore (a checkpoint directory or
     None), chief_rank, deadline (seconds, or None), adaptive (True: the deadline is an upper
     bound and waits adapt to the step time, see ``stall_allowance``), chunk_bytes (or None),
-    total_num_replicas (the workers that push, or None: all).
+    total_num_replicas (the workers that push, or None: all), sparse (embedding tables:
+    ``tables``, ``batch_size``; None: none).
     """
 
     slices: tuple
@@ -332,3 +334,4 @@ class PsAssignment:
     adaptive: bool = False
     chunk_bytes: int = None
     total_num_replicas: int = None
+    sparse: dict = None

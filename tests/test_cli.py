@@ -115,7 +115,7 @@ def test_run_missing_script_exits_2(capsys):
     assert "no such script: no/such/job.py" in capsys.readouterr().err
 
 
-BUILTIN = ["hello", "in_graph", "mnist_mlp", "towers"]
+BUILTIN = ["ctr", "hello", "in_graph", "mnist_mlp", "towers"]
 
 
 def test_builtin_jobs_are_the_modules_of_mpitf_jobs():
@@ -149,7 +149,7 @@ def test_run_help_names_the_builtin_jobs(capsys):
 @pytest.mark.parametrize("script, module", [
     *((f"jobs/{name}.py", f"mpitf.jobs.{name}") for name in BUILTIN),
     *((f"benchmarks/{name}.py", f"mpitf.bench.{name}") for name in ("pushpull", "scaling",
-                                                                     "modes")),
+                                                                     "modes", "sparse")),
 ])
 def test_checkout_scripts_launch_the_package_code(script, module):
     by_path = subprocess.run([sys.executable, str(REPO / script), "--help"], cwd=REPO,

@@ -26,6 +26,7 @@ from .files import writing
 from .lock import acquire
 from .names import MANIFEST, checkpoint_name, read_manifest, shard_name
 from .restore import load_shard
+from .tables import load_tables
 from .verify import find_restorable
 from .write import prepare_save, set_aside_newer, write_manifest, write_shard
 
@@ -50,18 +51,19 @@ def request(root, step, send_control):
 
 
 def save_shard(comm, chief, root, ps_task, num_ps, global_step, slices, backend, params,
-               slots, average, positions, paused, counters):
+               slots, average, positions, paused, counters, tables=None):
     """A quiescent ps: write its shard (from host copies of its buffers), report to the chief.
 
     ``positions`` maps each worker to the (epoch, cursor) it sent with its last applied
-    push; ``paused`` are the workers waiting for the chief's release.
+    push; ``paused`` are the workers waiting for the chief's release; ``tables`` the ps's
+    rows of the embedding tables (host arrays).
     """
     ckpt_dir = f"{root}/{checkpoint_name(global_step)}"
     with writing(f"{ckpt_dir}/{shard_name(ps_task, num_ps)}", "checkpoint shard"):
         entry = write_shard(ckpt_dir, ps_task, num_ps, global_step, slices,
                             backend.to_host(params),
                             {k: backend.to_host(v) for k, v in slots.items()},
-                            None if average is None else backend.to_host(average))
+                            None if average is None else backend.to_host(average), tables)
     report = dict(entry=entry, ps_task=ps_task, global_step=global_step,
                   positions={w: {"epoch": int(e), "cursor": int(c)}
                              for w, (e, c) in positions.items()},
@@ -157,11 +159,12 @@ def data_position(ckpt_dir, task):
     return state
 
 
-def restore_shard(ckpt_dir, slices, backend, params, slots, average=None):
+def restore_shard(ckpt_dir, slices, backend, params, slots, average=None, tables=None):
     """A ps: fill its buffers from ``ckpt_dir`` (any placement), through host memory.
 
     ``slots`` maps slot name to buffer (scratch excluded); ``average`` is the moving
-    average's buffer or None. Returns ``{"global_step", "positions", "missing_slots",
+    average's buffer or None; ``tables`` the ps's embedding tables to fill (see
+    :func:`~mpitf.ckpt.tables.load_tables`). Returns ``{"global_step", "positions", "missing_slots",
     "missing_average"}``; ``positions`` maps each worker to its saved (epoch, cursor).
     """
     manifest = read_manifest(ckpt_dir)
@@ -171,6 +174,8 @@ def restore_shard(ckpt_dir, slices, backend, params, slots, average=None):
     host_slots = {k: host(v) for k, v in slots.items()}
     host_average = None if average is None else host(average)
     loaded = load_shard(ckpt_dir, manifest, slices, host_params, host_slots, host_average)
+    if tables:
+        load_tables(ckpt_dir, manifest, tables)
     if gpu:
         backend.to_device(host_params, out=params)
         for k, v in host_slots.items():

@@ -33,6 +33,8 @@ def walk(f, entry):
         if not isinstance(obj, h5py.Dataset):
             return
         kind, _, rest = path.partition("/")
+        if kind == "tables":  # embedding tables: checked by ckpt/tables.py
+            return
         slot, var, leaf = None, *rest.rpartition("/")[::2]
         if kind == "slots":
             slot, _, var = var.partition("/")

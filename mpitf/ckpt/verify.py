@@ -13,6 +13,7 @@ from ..errors import CheckpointError
 from .files import sha256
 from .names import MANIFEST, list_checkpoints, read_latest, read_manifest
 from .pieces import cover, read_piece, walk
+from .tables import check_counts, check_tables
 
 
 def _check_shard(f, entry, manifest, variables, found):
@@ -53,7 +54,7 @@ def verify_checkpoint(ckpt_dir):
     except CheckpointError as e:
         return [str(e)]
     variables = {v["name"]: v for v in manifest["variables"]}
-    problems, pieces, lost = [], [], False
+    problems, pieces, lost, rows = [], [], False, {}
     for entry in manifest["shards"]:
         fname, path = entry["file"], os.path.join(ckpt_dir, entry["file"])
         if not os.path.isfile(path):
@@ -64,6 +65,7 @@ def verify_checkpoint(ckpt_dir):
         try:
             with h5py.File(path, "r") as f:
                 pieces += _check_shard(f, entry, manifest, variables, found)
+                found += check_tables(f, manifest, rows)
         except OSError as e:
             found.append(f"unreadable HDF5 ({e})")
             lost = True
@@ -72,6 +74,7 @@ def verify_checkpoint(ckpt_dir):
         problems += [f"{fname}: {p}" for p in found]
     if lost:
         return problems  # checking coverage would only repeat that a shard is gone
+    problems += check_counts(manifest, rows)
     groups = defaultdict(list)
     for p in pieces:
         groups[(p.kind, p.slot, p.var)].append(p)

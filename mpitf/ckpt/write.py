@@ -26,17 +26,19 @@ from .names import (
     read_manifest,
     shard_name,
 )
+from .tables import write_tables
 from .verify import verify_checkpoint
 
 
 def write_shard(ckpt_dir, ps_task, num_ps, global_step, slices, params, slots=None,
-                average=None):
+                average=None, tables=None):
     """Write this ps's shard file atomically and return its manifest entry.
 
     ``ckpt_dir`` is created if needed (ps tasks may race to). ``slices`` are this ps's
     :class:`~mpitf.placement.VariableSlice` list; ``params`` is its flat host buffer,
     ``slots`` maps slot name to a flat buffer (names starting with ``_`` are scratch and
-    skipped) and ``average`` is the moving-average buffer or None. Returns
+    skipped) and ``average`` is the moving-average buffer or None; ``tables`` this ps's
+    rows of the embedding tables (see :func:`~mpitf.ckpt.tables.write_tables`). Returns
     ``{"file", "ps_task", "global_step", "sha256"}``.
     """
     import h5py
@@ -72,6 +74,8 @@ def write_shard(ckpt_dir, ps_task, num_ps, global_step, slices, params, slots=No
                 ds.attrs.update(start=int(s.start), stop=int(s.stop),
                                 shape=np.array(s.shape, dtype=np.int64),
                                 dtype=np.dtype(s.dtype).str, crc32=crc32(data, s.dtype))
+        if tables:
+            write_tables(f, tables)
         f.flush()
         image = f.id.get_file_image()
     # The hash of the bytes in hand, not of the file read back: the chief's write_manifest

@@ -42,7 +42,7 @@ def add_training_arguments(parser, steps=300, batch_size=32, lr=_JOB["lr"]):
                    help="exponential decay rate of the learning rate per --lr-decay-steps")
     g.add_argument("--lr-decay-steps", type=int, default=_JOB["lr_decay_steps"],
                    help="steps per decay")
-    g.add_argument("--optimizer", choices=("sgd", "momentum", "adam", "adagrad"),
+    g.add_argument("--optimizer", choices=("sgd", "momentum", "adam", "adagrad", "ftrl"),
                    default=_JOB["optimizer"])
     g.add_argument("--mode", choices=MODES, default=_TRAINING["mode"],
                    help="sync replicas, async, or bounded staleness (ssp)")

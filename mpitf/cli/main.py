@@ -4,11 +4,11 @@ Subcommands::
 
     mpitf cluster --spec SPEC [-n N] [--hosts h1,h1,h2,...]   print the rank -> task map
     mpitf run -n N [--dry-run] JOB [ARGS...]                run a job under mpiexec
-    mpitf data digits|mnist ...                             write an HDF5 data set
+    mpitf data digits|mnist|synthetic-ctr|criteo ...        write an HDF5 data set
     mpitf ckpt ls|show|verify|export DIR ...                inspect checkpoints
     mpitf bench [--quick] [--suite S] [--out DIR] [-n N]    run the benchmarks
 
-JOB is a built-in job's name (hello, mnist_mlp, in_graph, towers: ``mpitf run -n 3
+JOB is a built-in job's name (hello, mnist_mlp, in_graph, towers, ctr: ``mpitf run -n 3
 mnist_mlp --steps 50`` runs ``python -m mpitf.jobs.mnist_mlp --steps 50`` on 3 ranks), a
 ``.py`` script (run with this Python), or a program.
 
@@ -169,8 +169,18 @@ def _report_dataset(path):
 
 def cmd_data(args):
     """Write a data set in mpitf's HDF5 layout."""
-    from ..data import datasets
+    from ..data import ctr, datasets
 
+    if args.dataset == "synthetic-ctr":
+        ceiling = ctr.synthetic_ctr(args.out, args.train, args.test, args.fields, args.rows,
+                                    args.dense, seed=args.seed)
+        print(f"wrote {args.out}: synthetic click-through data, {args.train} training and "
+              f"{args.test} test examples; the planted model's test AUC is {ceiling:.4f}")
+        return 0
+    if args.dataset == "criteo":
+        n = ctr.convert_criteo(args.tsv, args.out, args.rows_per_field, args.test_fraction)
+        print(f"wrote {args.out}: {n} Criteo examples, 26 fields of {args.rows_per_field} rows")
+        return 0
     if args.dataset == "digits":
         out = args.out or datasets.default_data_path()
         datasets.prepare_digits(out, test_fraction=args.test_fraction, seed=args.seed)
@@ -257,6 +267,23 @@ def build_parser():
     d = data.add_parser("mnist", help="convert the four MNIST IDX files (plain or .gz)")
     d.add_argument("--idx-dir", required=True, help="directory holding the IDX files")
     d.add_argument("--out", required=True, help="output file")
+    d = data.add_parser("synthetic-ctr", help="power-law click-through data from a planted "
+                        "model (prints the planted model's test AUC: the ceiling)")
+    d.add_argument("--out", required=True, help="output file")
+    d.add_argument("--train", type=int, default=20000, help="training examples")
+    d.add_argument("--test", type=int, default=5000, help="test examples")
+    d.add_argument("--fields", type=int, default=8, help="categorical fields")
+    d.add_argument("--rows", type=int, default=1000, help="rows of each field's table")
+    d.add_argument("--dense", type=int, default=4, help="dense features")
+    d.add_argument("--seed", type=int, default=0)
+    d = data.add_parser("criteo", help="convert Criteo's display-advertising TSV (label, 13 "
+                        "integers, 26 hashed categories)")
+    d.add_argument("--tsv", required=True, help="the TSV file")
+    d.add_argument("--out", required=True, help="output file")
+    d.add_argument("--rows-per-field", type=int, default=100000,
+                   help="rows each field's ids are hashed into")
+    d.add_argument("--test-fraction", type=float, default=0.1,
+                   help="share of the last lines held out for testing")
     p.set_defaults(handler=cmd_data)
 
     p = sub.add_parser("ckpt", help="list, show, verify or export checkpoints",

@@ -6,6 +6,10 @@ The protocol mpitf needs from a model::
     init(rng) -> {name: numpy array}                 # deterministic given rng
     loss_and_grads(params, (x, y), grads) -> float   # writes grads[name][...] in place
     logits(params, x) -> array
+
+A model with embedding tables (sparse variables on the ps, :mod:`.embedding`) adds
+``tables()`` and ``ids(batch)``, and its ``loss_and_grads`` takes a fourth argument, the
+batch's lookups (rows to read, row gradients to write).
 """
 
 import math

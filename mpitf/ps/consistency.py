@@ -64,7 +64,7 @@ class SyncReplicas:
             self.maybe_step(svc)
             return False
         if not self.waiting and self.needed(svc) == 1:
-            svc.apply(frame.payload)  # a step of one gradient: no need to copy it first
+            svc.apply(frame.payload, (worker,))  # one gradient: no need to copy it first
             svc.reply(worker)
             return True
         if self.accum is None:
@@ -94,7 +94,7 @@ class SyncReplicas:
             self.held.clear()
         if count > 1:
             svc.xp.divide(self.accum, count, out=self.accum)
-        svc.apply(self.accum)
+        svc.apply(self.accum, self.waiting)
         waiting, self.waiting = self.waiting, []
         for w in waiting:
             svc.reply(w)
@@ -126,7 +126,7 @@ class Async:
     def on_push(self, svc, worker, step, frame, index):
         """Apply the gradient now; return True (the frame is free again)."""
         svc.note_staleness(svc.global_step - step)
-        svc.apply(frame.payload)
+        svc.apply(frame.payload, (worker,))
         self.after_apply(svc, worker)
         return True
 

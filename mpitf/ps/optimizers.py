@@ -308,20 +308,24 @@ _OPTIMIZERS = {cls.name: cls for cls in (GradientDescent, Momentum, Adam, Adagra
 
 
 def make_optimizer(name, learning_rate=0.01, **kwargs):
-    """Build an optimizer by name: "sgd", "momentum", "adam", "adagrad" or "none".
+    """Build an optimizer by name: "sgd", "momentum", "adam", "adagrad", "ftrl" or "none".
 
     ``learning_rate`` is a float, a schedule, or a schedule config dict;
     ``kwargs`` are the optimizer's hyper-parameters (``momentum``,
     ``use_nesterov``; ``beta1``, ``beta2``, ``epsilon``;
-    ``initial_accumulator_value``). Raises ConfigurationError for an unknown
-    name, an unknown hyper-parameter, or a value out of range.
+    ``initial_accumulator_value``; ftrl's ``learning_rate_power``, ``l1``, ``l2``).
+    Raises ConfigurationError for an unknown name, an unknown hyper-parameter, or a value
+    out of range.
     """
+    from .ftrl import Ftrl  # in a module of its own: this one is at its size limit
+
+    classes = {**_OPTIMIZERS, Ftrl.name: Ftrl}
     key = name.lower() if isinstance(name, str) else name
-    if key not in _OPTIMIZERS:
+    if key not in classes:
         raise ConfigurationError(
-            f"unknown optimizer {name!r}; expected one of {sorted(_OPTIMIZERS)}"
+            f"unknown optimizer {name!r}; expected one of {sorted(classes)}"
         )
-    cls = _OPTIMIZERS[key]
+    cls = classes[key]
     unknown = sorted(set(kwargs) - set(cls._hyper))
     if unknown:
         raise ConfigurationError(

@@ -14,7 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..ckpt import cut
-from ..errors import DeadlineError, PeerError
+from ..errors import ConfigurationError, DeadlineError, PeerError
 from ..runtime.backend import get_backend
 from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
 from ..runtime.stall import StepClock
@@ -25,6 +25,7 @@ from ..wire.frame import Frame
 from .consistency import make_policy
 from .optimizers import ExponentialMovingAverage, make_optimizer
 from .shard import Shard
+from .sparse import SparseTables
 
 _log = logging.getLogger("mpitf")
 
@@ -54,10 +55,18 @@ class Service:
         self.shard = Shard(assignment.slices, size, dtype, optimizer, self.backend,
                            ExponentialMovingAverage(ema) if ema else None)
         self.policy = make_policy(config, self.num_workers, assignment.total_num_replicas)
+        self.tables = None  # embedding tables (ps/sparse.py): rows pulled and pushed by id
+        if assignment.sparse:
+            if self.backend.name != "numpy":
+                raise ConfigurationError("embedding tables need ps tasks on the host for now; "
+                                         "run the ps with the numpy backend")
+            self.tables = SparseTables(assignment.sparse, self.ps_task, assignment.num_ps,
+                                       optimizer, config.seed, self.num_workers)
         self.timeline = Timeline(server.rank, server.device, bool(config.timeline))
         self.chunk_bytes = assignment.chunk_bytes
         self.chunked_workers = set()  # workers that stage through host memory, in chunks
-        self.pool = [Frame.allocate(self.backend, size, dtype)
+        capacity = self.tables.capacity if self.tables else None
+        self.pool = [Frame.allocate(self.backend, size, dtype, capacity)
                      for _ in range(self.policy.receive_buffers(self.num_workers))]
         # Each pool frame has one persistent receive, built once and restarted after use.
         self.recv_requests = [frame.recv_init(self.comm, MPI.ANY_SOURCE, P.TAG_REQUEST)
@@ -119,17 +128,23 @@ class Service:
         """Drop a stale gradient, count it, and send its worker the current parameters."""
         self.counters["stale_dropped"] += 1
         self.note_staleness(staleness)
+        if self.tables:
+            self.tables.discard(worker)
         self.reply(worker)
 
-    def apply(self, grad):
-        """Apply a gradient (or an aggregated mean) and advance the global step."""
+    def apply(self, grad, workers):
+        """Apply a gradient (or the mean of ``workers``' gradients); advance the global step.
+
+        The sparse pushes of ``workers`` (embedding tables) are applied with it, their sum
+        divided by as many.
+        """
         self._finish_replies()
+        start = time.perf_counter()
+        self.shard.apply(grad, self.global_step)
+        if self.tables:
+            self.tables.apply(workers, len(workers), self.global_step)
         if self.timeline.enabled:
-            start = time.perf_counter()
-            self.shard.apply(grad, self.global_step)
             self.timeline.add("apply", start, time.perf_counter(), step=self.global_step)
-        else:
-            self.shard.apply(grad, self.global_step)
         self.global_step += 1
         self.counters["pushes_applied"] += 1
         self._write_header()
@@ -200,7 +215,8 @@ class Service:
         shard = self.shard
         average = shard.average_frame.payload if shard.average is not None else None
         restored = cut.restore_shard(ckpt_dir, shard.slices, self.backend, shard.params,
-                                     shard.saved_slots(), average)
+                                     shard.saved_slots(), average,
+                                     self.tables.targets() if self.tables else None)
         if restored["missing_average"]:
             shard.start_average()
         self.global_step = restored["global_step"]
@@ -214,7 +230,8 @@ class Service:
         cut.save_shard(self.comm, self.chief, self.config.checkpoint_dir, self.ps_task,
                        self.assignment.num_ps, self.global_step, shard.slices, self.backend,
                        shard.params, shard.saved_slots(), average, self.positions,
-                       self.paused, self.counters)
+                       self.paused, self.counters,
+                       self.tables.saved() if self.tables else None)
 
     def _check_quiescent(self):
         if self.pausing and all(w in self.done or w in self.paused
@@ -242,9 +259,11 @@ class Service:
         if kind == P.PUSH:
             self._stepped(worker, now)
             frame.received()
-            self.counters["bytes_in"] += frame.bytes.nbytes
+            self.counters["bytes_in"] += H.HEADER_BYTES + request.count * frame.itemsize
             self.positions[worker] = (request.epoch, request.cursor)
             return self.policy.on_push(self, worker, request.step, frame, index)
+        if kind == P.SPARSE_PULL or kind == P.SPARSE_PUSH:  # within a step: not a pause
+            return self._sparse(worker, kind, frame)
         if kind != P.SKIP:  # pull, pause, counters: not a step (start-up, evaluation,
             self.last_push[worker] = None  # a checkpoint): the whole deadline until a push
         if kind == P.PULL or kind == P.PULL_AVERAGE:
@@ -286,6 +305,21 @@ class Service:
                            tag=P.TAG_CONTROL)
         else:
             raise PeerError(f"unknown request kind {kind}", **self.describe_worker(worker, "?"))
+        return True
+
+    def _sparse(self, worker, kind, frame):
+        """Answer a pull of rows by id, or keep a sparse push for the policy's apply."""
+        describe = self.describe_worker(worker, P.KIND_NAMES[kind])
+        if kind == P.SPARSE_PUSH:
+            self.counters["bytes_in"] += self.tables.stash(worker, frame.bytes, describe)
+            return True
+        self.counters["bytes_in"] += self.tables.layout.ids_end(
+            self.tables.layout.counts(frame.bytes).tolist())
+        view = self.tables.pull(worker, frame.bytes, self.global_step, describe)
+        self.reply_requests.append(P.frame_op(self.comm.Isend, view, self.worker_ranks[worker],
+                                              P.TAG_SPARSE_REPLY))
+        self.reply_workers.append(worker)
+        self.counters["bytes_out"] += view.nbytes
         return True
 
     def _answer_pull(self, worker, kind):

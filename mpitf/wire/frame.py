@@ -85,16 +85,19 @@ class Frame:
         buffer: the :class:`MPIBuffer` of the flat array the frame lies in.
         segment: ``(start of header, start of payload, end)`` in elements of that array.
         chunk_bytes: chunk size of this side's frames when it stages (None: whole).
+        capacity: the most bytes a message received into it may have (None: the frame's
+            own size); a ps whose pool also takes sparse messages receives into more.
     """
 
-    def __init__(self, buffer, segment, chunk_bytes=None):
+    def __init__(self, buffer, segment, chunk_bytes=None, capacity=None):
         a, b, c = segment
         self.backend = buffer.backend
         self.buffer = buffer
         self.segment = segment
         self.itemsize = buffer.array.dtype.itemsize
         self.staged = buffer.staged
-        self.bytes = buffer.mpi[a:c].view(np.uint8)
+        end = c if capacity is None else max(c, a + -(-capacity // self.itemsize))
+        self.bytes = buffer.mpi[a:end].view(np.uint8)
         self.payload = buffer.array[b:c]
         if self.backend.is_device_array(buffer.mpi):
             self._device_header = buffer.array[a:b].view(np.int64)
@@ -108,10 +111,16 @@ class Frame:
         self._chunks_for = {}  # chunk_bytes -> byte ranges, for isend_published
 
     @classmethod
-    def allocate(cls, backend, size, dtype):
-        """Return a frame over a new zeroed buffer: a header slot and ``size`` elements."""
+    def allocate(cls, backend, size, dtype, capacity=None):
+        """Return a frame over a new zeroed buffer: a header slot and ``size`` elements.
+
+        ``capacity``: receive messages of up to this many bytes (header included) into it.
+        """
         (segment,) = frame_segments([size], dtype)
-        return cls(MPIBuffer(backend, backend.zeros(segment[2], dtype)), segment)
+        total = segment[2]
+        if capacity is not None:
+            total = max(total, -(-capacity // np.dtype(dtype).itemsize))
+        return cls(MPIBuffer(backend, backend.zeros(total, dtype)), segment, capacity=capacity)
 
     # -- out ---------------------------------------------------------------------------
 

@@ -10,7 +10,8 @@ word  request (push, pull, init, done, ...)        reply
 1     step: the ps's step the gradient was         step: the ps's global step
       computed on
 2     worker: the sending worker task              ps: the answering ps task
-3     count: payload elements (0: header only)     pushes_applied: gradients applied so far
+3     count: payload elements (0: header only;     pushes_applied: gradients applied so far
+      sparse kinds: ids in all tables)
 4     flags (``FLAG_CHUNKED``, ``FLAG_REQUEUE``)   flags (``FLAG_PAUSE``)
 5     epoch: the worker's data position after      stale_dropped: stale gradients dropped
       this batch (push)
@@ -19,6 +20,7 @@ word  request (push, pull, init, done, ...)        reply
                                                    worker (``ssp``; 0 in other modes)
 ====  ===========================================  =========================================
 
+A sparse reply (``SPARSE_REPLY``, the rows a sparse pull asked for) has the reply's words.
 A reply has no element count: its payload is the shard, whose size both sides know from
 the layout, and the word carries a counter instead, so every counter travels under its
 own name in every mode. Packing writes eight ints into a preallocated header (no
@@ -71,9 +73,10 @@ def pack_request(words, kind, step, worker, count=0, flags=0, epoch=0, cursor=0)
     words[7] = 0
 
 
-def pack_reply(words, step, ps, flags, pushes_applied, stale_dropped, max_staleness, max_lead):
-    """Write a reply header into the int64 array ``words`` (in place)."""
-    words[0] = P.REPLY
+def pack_reply(words, step, ps, flags, pushes_applied, stale_dropped, max_staleness, max_lead,
+               kind=P.REPLY):
+    """Write a reply header (``REPLY`` or ``SPARSE_REPLY``) into ``words`` (in place)."""
+    words[0] = kind
     words[1] = step
     words[2] = ps
     words[3] = pushes_applied

@@ -27,6 +27,7 @@ from ..errors import DeadlineError
 TAG_REQUEST = 11  # worker -> ps frames
 TAG_REPLY = 12  # ps -> worker frames
 TAG_CONTROL = 13  # pickled control objects (config, save, counters): rare, so objects are fine
+TAG_SPARSE_REPLY = 14  # ps -> worker rows of an embedding table (answers SPARSE_PULL)
 CHUNK_TAG_OFFSET = 100  # continuation chunks of a staged frame: TAG_REQUEST/TAG_REPLY + 100
 DEFAULT_CHUNK_BYTES = 4 << 20  # chunk size of frames staged through pinned host memory
 
@@ -40,8 +41,11 @@ PAUSED = 6  # no payload; the worker saw a pause flag and waits for the chief
 SAVE = 7  # no payload; the chief asks for a checkpoint cut
 COUNTERS = 8  # no payload; the ps answers with a pickled dict of counters on TAG_CONTROL
 SKIP = 9  # no payload; the worker dropped a NaN/Inf gradient: count it, reply parameters
+SPARSE_PULL = 10  # payload: ids per table (wire/sparse.py); reply: their rows (SPARSE_REPLY)
+SPARSE_PUSH = 11  # payload: ids and row gradients per table; no reply (the PUSH after it has)
 # Reply kinds (ps -> worker).
 REPLY = 21
+SPARSE_REPLY = 22  # on TAG_SPARSE_REPLY: the rows a SPARSE_PULL asked for
 
 # Flags (the header's ``flags`` word).
 FLAG_PAUSE = 1  # stop after this step and wait for the chief (a checkpoint is being cut)
@@ -50,7 +54,8 @@ FLAG_CHUNKED = 16  # (in requests) this worker stages through host memory: frame
 
 KIND_NAMES = {PUSH: "push", PULL: "pull", PULL_AVERAGE: "pull of the average", INIT: "init",
               DONE: "done", PAUSED: "paused", SAVE: "save", COUNTERS: "counters", SKIP: "skip",
-              REPLY: "reply"}
+              SPARSE_PULL: "sparse pull", SPARSE_PUSH: "sparse push", REPLY: "reply",
+              SPARSE_REPLY: "sparse reply"}
 
 
 def frame_op(mpi_call, frame, peer, tag):

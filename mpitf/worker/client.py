@@ -297,7 +297,7 @@ class Client:
                 for p, rank in enumerate(self.ps_ranks)]
 
     def start(self, config, optimizer, initial_values=None, restore=None,
-              total_num_replicas=None):
+              total_num_replicas=None, sparse=None):
         """Configure every ps (chief only), then pull the starting parameters (every worker).
 
         Args:
@@ -307,6 +307,7 @@ class Client:
             initial_values: dict of starting values, sent by the chief unless restoring.
             restore: a checkpoint directory every ps loads its shard from, or None.
             total_num_replicas: the number of workers that push (None: all of them).
+            sparse: the embedding tables every ps holds rows of (``Embeddings.assignment``).
         Returns the :class:`Reply` of the first pull (its ``global_step`` is where to start).
         """
         if self.server.is_chief:
@@ -318,7 +319,7 @@ class Client:
                     optimizer=optimizer, chief_rank=self.server.rank, restore=restore,
                     deadline=self.deadline, adaptive=self.adaptive,
                     chunk_bytes=self.chunk_bytes,
-                    total_num_replicas=total_num_replicas)
+                    total_num_replicas=total_num_replicas, sparse=sparse)
                 self.comm.send((config, assignment), dest=rank, tag=P.TAG_CONTROL)
             if restore is None:
                 if initial_values is None:

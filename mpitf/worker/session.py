@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from ..ckpt import cut
+from ..ckpt.tables import table_dicts
 from ..config import TrainingConfig
 from ..errors import ConfigurationError, NonFiniteGradientError
 from ..placement import replica_device_setter
@@ -20,6 +21,7 @@ from ..runtime.stall import StepClock
 from ..runtime.timeline import Timeline
 from ..wire import protocol as P
 from .client import Client
+from .embedding import Embeddings
 from .hooks import CheckpointSaverHook, LoggingHook, StopAtStepHook
 
 _log = logging.getLogger("mpitf")
@@ -79,6 +81,8 @@ class TrainingSession:
         self.client = Client(server, self.placement, deadline=server.deadline,
                              adaptive=not server.fixed_deadline)
         self.stall = StepClock(server.deadline, adaptive=not server.fixed_deadline)
+        tables = model.tables() if hasattr(model, "tables") else ()
+        self.embeddings = Embeddings(self.client, tables, self.batch_size) if tables else None
         self.hooks = []
         if config.last_step is not None:
             self.hooks.append(StopAtStepHook(config.last_step))
@@ -106,8 +110,10 @@ class TrainingSession:
             rng = np.random.default_rng(self.config.seed)
             values = self.model.init(rng)
         with self.timeline.span("pull"):
-            self.last_reply = self.client.start(self.config, optimizer.config(), values, restore,
-                                                total_num_replicas=self.num_workers)
+            self.last_reply = self.client.start(
+                self.config, optimizer.config(), values, restore,
+                total_num_replicas=self.num_workers,
+                sparse=self.embeddings.assignment if self.embeddings else None)
         self.global_step = self.last_reply.global_step
         self.optimizer = optimizer
         # A worker waiting on a reply cannot tell a silent ps from a ps waiting (sync) on a
@@ -168,15 +174,25 @@ class TrainingSession:
         with tl.span("compute", step=self.global_step):
             if batch is None:
                 batch = self.dataset.next_batch()
-            self.loss = self.model.loss_and_grads(self.client.params, batch, self.client.grads)
+            if self.embeddings is None:
+                self.loss = self.model.loss_and_grads(self.client.params, batch,
+                                                      self.client.grads)
+            else:  # pull the batch's rows, backward into them, sum per id
+                lookups = self.embeddings.lookup(self.model.ids(batch))
+                self.loss = self.model.loss_and_grads(self.client.params, batch,
+                                                      self.client.grads, lookups)
+                self.embeddings.reduce()
         state = self.dataset.state() if self.dataset is not None else {"epoch": 0, "cursor": 0}
-        bad = self.client.nonfinite_gradient()
+        bad = self.client.nonfinite_gradient() or (
+            self.embeddings.nonfinite() if self.embeddings else None)
         if bad is not None:
             return self._skip(bad)
         self.skips_in_a_row = 0
         if self.server.is_chief and self._cut_due():
             self._send_save(self.global_step + 1)
         with tl.span("push_pull", step=self.global_step):
+            if self.embeddings is not None:
+                self.embeddings.push()  # before the dense push: the ps applies both at once
             reply = self.client.push_pull((state["epoch"], state["cursor"])).wait()
         self.last_reply = reply
         self.global_step = reply.global_step
@@ -250,6 +266,8 @@ class TrainingSession:
                               self.server.host_of)
         layout = dict(num_ps=len(reports), num_workers=self.num_workers, mode=self.mode,
                       cluster=repr(self.server.cluster), optimizer=self.optimizer.config())
+        if self.embeddings is not None:
+            layout["tables"] = table_dicts(self.embeddings.specs)
         step = cut.commit(self.checkpoint_dir, reports, self.placement.variables, layout,
                           max_to_keep=self.config.max_to_keep)
         if self.saver is not None:

@@ -1,0 +1,227 @@
+"""Sparse step against raw MPI and against the dense push+pull of the whole table.
+
+Run: mpiexec -n P+1 python benchmarks/sparse.py --rows R --dim D --batch B --fields F
+     --zipf A --num-ps P --json FILE     (or python -m mpitf.bench.sparse ...)
+
+One table of R x D float32 on P ps tasks (rows i mod P); batches of B x F ids drawn
+Zipf(A) with a fixed seed (``(zipf - 1) % R``). Measured in one run, on the worker:
+
+* step_us: ``TrainingSession.run``: deduplication, routing, the sparse pull, the
+  gradient of the pulled rows (the rows themselves: d(sum(r^2)/2)), the sum per id, the
+  sparse push and the ps's SGD apply (answered with the one-float dense push the step
+  carries). Median over ``--steps`` steps after warm-up.
+* raw_us: a raw MPI exchange of the same bytes with every ps, in the same two round
+  trips (pull request -> rows; push + dense push -> dense reply).
+* dense_us: ``Client.push_pull`` of the whole table as one dense variable (SGD).
+* gather_scatter_us: numpy's gather of the step's unique rows and SGD scatter into a
+  table of R x D (on ps task 0), the memory work a step cannot avoid.
+* segment_sum_us: summing B x F row gradients per unique id, ``np.add.at`` and a
+  ``np.bincount`` per column (:func:`mpitf.rows.segment_sum`, the one used).
+
+``bytes_per_step`` counts both directions (headers included); rank 0 writes the JSON.
+"""
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from mpitf.config import TrainingConfig
+from mpitf.models.embedding import EmbeddingTable
+from mpitf.placement import Placement
+from mpitf.ps.optimizers import make_optimizer
+from mpitf.ps.service import serve
+from mpitf.rows import segment_sum
+from mpitf.runtime.exits import run_job
+from mpitf.runtime.server import Server
+from mpitf.worker.client import Client
+from mpitf.worker.session import TrainingSession
+
+from .scaling import write_json
+
+LR = 1e-4
+WARMUP = 3
+BATCHES = 8  # distinct batches, drawn once and cycled
+
+
+def parse_args(argv=None):
+    """Parse the command line (the flag names are the issue's)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=1_000_000)
+    p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--fields", type=int, default=26)
+    p.add_argument("--zipf", type=float, default=1.2)
+    p.add_argument("--num-ps", type=int, default=1)
+    p.add_argument("--steps", type=int, default=30, help="timed steps per figure")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+class TableModel:
+    """One table looked up ``fields`` times per example, and one dense float."""
+
+    def __init__(self, rows, dim, fields):
+        self.table = EmbeddingTable("table", rows, dim, lookups=fields)
+
+    def variables(self):
+        return [("bias", (1,), "float32")]
+
+    def init(self, rng):
+        return {"bias": np.zeros(1, np.float32)}
+
+    def tables(self):
+        return [self.table]
+
+    def ids(self, batch):
+        return {"table": batch}
+
+    def loss_and_grads(self, params, batch, grads, lookups):
+        lookup = lookups["table"]
+        lookup.grad[...] = lookup.rows  # d(sum(rows^2)/2)
+        grads["bias"][...] = 0
+        return 0.0
+
+
+def _median_us(times):
+    return statistics.median(times) * 1e6
+
+
+def _timed(fn, reps):
+    times = []
+    for i in range(WARMUP + reps):
+        t0 = time.perf_counter()
+        fn()
+        if i >= WARMUP:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _segment_sums(values, inverse, n):
+    out = np.zeros((n, values.shape[1]), values.dtype)
+
+    def add_at():
+        out[...] = 0
+        np.add.at(out, inverse, values)
+
+    def bincount():
+        segment_sum(values, inverse, out)
+
+    return {"add_at": _median_us(_timed(add_at, 10)),
+            "bincount": _median_us(_timed(bincount, 10))}
+
+
+def main(argv=None):
+    """Run every phase on every rank; rank 0 prints and writes the JSON."""
+    args = parse_args(argv)
+    world = MPI.COMM_WORLD
+    server = Server({"ps": args.num_ps, "worker": world.Get_size() - args.num_ps},
+                    deadline=300)
+    raw = world.Dup()
+    ps_ranks = server.ranks_of("ps")
+    is_ps = server.job_name == "ps"
+    rng = np.random.default_rng(args.seed)
+    batches = [(rng.zipf(args.zipf, (args.batch, args.fields)) - 1) % args.rows
+               for _ in range(BATCHES)]
+    row = {}
+    # -- the sparse step -------------------------------------------------------------
+    if is_ps:
+        serve(server)
+    else:
+        model = TableModel(args.rows, args.dim, args.fields)
+        session = TrainingSession(server, model, make_optimizer("sgd", LR), mode="sync",
+                                  batch_size=args.batch, log_every=0)
+        emb = session.embeddings
+        k = iter(range(10**9))
+        session.run(batches[0])
+        b0, r0 = emb.bytes_sent, emb.bytes_received
+        times = _timed(lambda: session.run(batches[next(k) % BATCHES]), args.steps)
+        steps = WARMUP + args.steps
+        dense_bytes = 2 * (64 + 4) * len(ps_ranks)
+        row["step_us"] = _median_us(times)
+        row["bytes_per_step"] = (emb.bytes_sent - b0 + emb.bytes_received - r0) / steps \
+            + dense_bytes
+        uniques = [len(np.unique(b)) for b in batches]
+        row["unique_ids"] = float(np.mean(uniques))
+        table = emb.tables[0]
+        n = table.offsets[-1]
+        row["segment_sum_us"] = _segment_sums(table.occ_grads[:len(table.inverse)],
+                                              table.inverse, n)
+        # per ps, the sizes of the last step's messages, for the raw exchange
+        lay = emb.layout
+        sizes = [(lay.ids_end(c), lay.reply_end(c), lay.end(c) + 64 + 4, 64 + 4)
+                 for c in emb.counts]
+        session.close()
+    # -- raw MPI exchange of the same bytes --------------------------------------------
+    sizes = raw.bcast(sizes if server.is_chief else None, root=server.ranks_of("worker")[0])
+    worker = server.ranks_of("worker")[0]
+    if is_ps:
+        a, b, c, d = sizes[server.task_index]
+        bufs = [np.zeros(x, np.uint8) for x in (a, b, c, d)]
+        for _ in range(WARMUP + args.steps):
+            raw.Recv([bufs[0], MPI.BYTE], worker, 1)
+            raw.Send([bufs[1], MPI.BYTE], worker, 2)
+            raw.Recv([bufs[2], MPI.BYTE], worker, 3)
+            raw.Send([bufs[3], MPI.BYTE], worker, 4)
+    elif server.is_chief:
+        bufs = [[np.zeros(x, np.uint8) for x in s] for s in sizes]
+
+        def exchange():
+            for send_tag, recv_tag, i in ((1, 2, 0), (3, 4, 2)):
+                reqs = [raw.Irecv([bb[i + 1], MPI.BYTE], r, recv_tag)
+                        for bb, r in zip(bufs, ps_ranks)]
+                reqs += [raw.Isend([bb[i], MPI.BYTE], r, send_tag)
+                         for bb, r in zip(bufs, ps_ranks)]
+                MPI.Request.Waitall(reqs)
+
+        row["raw_us"] = _median_us(_timed(exchange, args.steps))
+    # -- numpy's gather and scatter of the same rows (ps task 0) -------------------------
+    ids = raw.bcast(np.unique(batches[0]) if server.is_chief else None, root=worker)
+    if is_ps and server.task_index == 0:
+        full = np.zeros((args.rows, args.dim), np.float32)
+        grad = np.ones((len(ids), args.dim), np.float32)
+
+        def gather_scatter():
+            rows = np.take(full, ids, axis=0)
+            full[ids] = rows - LR * grad
+
+        gs = _median_us(_timed(gather_scatter, args.steps))
+        del full
+        raw.send(gs, dest=worker, tag=5)
+    elif server.is_chief:
+        row["gather_scatter_us"] = raw.recv(source=ps_ranks[0], tag=5)
+    # -- dense push+pull of the whole table ----------------------------------------------
+    if is_ps:
+        serve(server)
+    else:
+        n = args.rows * args.dim // len(ps_ranks)
+        placement = Placement([(f"w{p}", (n,), "float32") for p in range(len(ps_ranks))],
+                              len(ps_ranks))
+        client = Client(server, placement, deadline=300)
+        client.grads_flat[...] = 0
+        client.start(TrainingConfig(mode="sync"), make_optimizer("sgd", LR).config(),
+                     initial_values=client.params)
+        row["dense_us"] = _median_us(_timed(lambda: client.push_pull().wait(),
+                                            max(3, args.steps // 5)))
+        client.done()
+    if not server.is_chief:
+        return 0
+    row.update(rows=args.rows, dim=args.dim, batch=args.batch, fields=args.fields,
+               zipf=args.zipf, num_ps=args.num_ps)
+    row["bytes_bound"] = 1.1 * row["unique_ids"] * (8 + 2 * args.dim * 4)
+    print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                   for k, v in row.items()), flush=True)
+    write_json(args.json, {"results": [row]})
+    return 0
+
+
+def run():
+    """Run from the command line (``python -m``, benchmarks/); every rank ends on an error."""
+    run_job(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,192 @@
+"""One ps's rows of every embedding table: answer pulls by id, apply sparse gradients.
+
+A ps holds rows ``placement.global_ids(ps)`` of each table (in host memory, numpy), with
+the optimizer's slots for the same rows. A sparse push is copied aside for its worker
+(its pool frame is posted again at once); the gradients are applied when the ps applies
+that worker's dense push, so the consistency policy decides for both (:meth:`apply`
+takes the workers whose gradients make the step).
+
+Sparse apply is the dense kernel on the rows present: gather the rows and their slots,
+run the optimizer's own arithmetic on them, scatter them back. Rows absent from a step
+keep their slots untouched; for Adam this is TensorFlow's ``LazyAdamOptimizer`` (only
+present rows update ``m`` and ``v``; the bias correction follows the global step). In
+sync mode each step's gradients are summed by id across workers in worker order
+(:func:`~mpitf.rows.segment_sum`, sequential per id) and divided by the number of
+gradients, as the dense mean, so deterministic sync is bit for bit a single process's sum.
+"""
+
+import numpy as np
+
+from ..errors import PeerError
+from ..models.embedding import initial_rows
+from ..rows import RowPlacement, segment_sum, unique_inverse
+from ..wire import header as H
+from ..wire import protocol as P
+from ..wire.sparse import SparseLayout
+
+
+def message_layout(tables, batch_size):
+    """Return the :class:`SparseLayout` of the sparse messages of ``tables``."""
+    return SparseLayout([(t.dim, t.dtype) for t in tables],
+                        [t.max_ids(batch_size) for t in tables])
+
+
+class _Table:
+    """The rows of one table on this ps, its slots and the scratch of one apply."""
+
+    def __init__(self, spec, placement, ps, optimizer, seed, max_rows):
+        self.spec, self.placement, self.ps = spec, placement, ps
+        n, dim, dtype = placement.rows_on(ps), spec.dim, np.dtype(spec.dtype)
+        start = optimizer.make_slots(1, np, dtype)  # each slot's initial value
+        slots = [k for k in start if not k.startswith("_")]
+        try:
+            self.params = np.empty((n, dim), dtype)
+            ids = placement.global_ids(ps)
+            for lo in range(0, n, 1 << 16):  # bounded scratch while drawing a large table
+                self.params[lo:lo + (1 << 16)] = initial_rows(spec, seed,
+                                                              ids[lo:lo + (1 << 16)])
+            self.slots = {k: np.full((n, dim), start[k][0], dtype) for k in slots}
+        except MemoryError:
+            need = n * dim * dtype.itemsize * (1 + len(slots)) / 2**20
+            raise MemoryError(
+                f"ps task {ps} cannot hold its {n} rows of table {spec.name!r} ({need:.0f} "
+                f"MiB with the optimizer's slots): split the table over more ps tasks "
+                f"(--num-ps)") from None
+        rows = min(n, max_rows)
+        self.gathered = {k: v.reshape(-1, dim) if v.size else v.reshape(0, dim)
+                         for k, v in optimizer.make_slots(rows * dim, np, dtype).items()}
+        self.rows_buf = np.empty((rows, dim), dtype)
+        self.grad_buf = np.empty((rows, dim), dtype)
+
+    def check(self, ids, worker_desc):
+        """Refuse ids this ps does not hold (a worker routing bug, never user data)."""
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.spec.rows or
+                         (self.placement.owner(ids) != self.ps).any()):
+            raise PeerError(f"sparse message for table {self.spec.name!r} names rows this ps "
+                            f"does not hold", **worker_desc)
+
+    def apply(self, optimizer, ids, grads, step):
+        """Apply row gradients ``grads`` of unique ``ids`` (sorted) at global ``step``."""
+        u = len(ids)
+        local = self.placement.local(ids, self.ps)
+        p = np.take(self.params, local, axis=0, out=self.rows_buf[:u])
+        slots = {}
+        for k, buf in self.gathered.items():
+            if k in self.slots:
+                np.take(self.slots[k], local, axis=0, out=buf[:u])
+            slots[k] = buf[:u].reshape(-1)
+        optimizer.apply(p.reshape(-1), grads.reshape(-1), slots, step)
+        self.params[local] = p
+        for k in self.slots:
+            self.slots[k][local] = self.gathered[k][:u]
+
+
+class SparseTables:
+    """Every table's rows on one ps, and the sparse pushes waiting to be applied.
+
+    Args:
+        sparse: the assignment's ``sparse`` dict: ``tables`` (EmbeddingTable objects) and
+            ``batch_size`` (of one worker's step).
+        ps, num_ps: this ps task and the number of ps tasks.
+        optimizer: the ps's optimizer (its kernels run on the gathered rows).
+        seed: the job's seed (the tables' initial values).
+        num_workers: the workers that push.
+    """
+
+    def __init__(self, sparse, ps, num_ps, optimizer, seed, num_workers):
+        self.specs = tuple(sparse["tables"])
+        self.ps, self.optimizer = ps, optimizer
+        self.layout = message_layout(self.specs, sparse["batch_size"])
+        self.placements = [RowPlacement(t.rows, num_ps, t.placement) for t in self.specs]
+        self.tables = [_Table(t, pl, ps, optimizer, seed, n * num_workers)
+                       for t, pl, n in zip(self.specs, self.placements, self.layout.max_ids)]
+        self.pending = [self.layout.allocate() for _ in range(num_workers)]
+        self.has_pending = [False] * num_workers
+        self.replies = [self.layout.allocate(reply=True) for _ in range(num_workers)]
+        total = [n * num_workers for n in self.layout.max_ids]
+        self.cat_ids = [np.empty(n, np.int64) for n in total]
+        self.cat_grads = [np.empty((n, t.dim), t.dtype) for n, t in zip(total, self.specs)]
+
+    def saved(self):
+        """Return this ps's rows of every table as a checkpoint writes them."""
+        return [{"spec": t.spec, "ids": t.placement.global_ids(self.ps), "rows": t.params,
+                 "slots": t.slots} for t in self.tables]
+
+    def targets(self):
+        """Return this ps's tables as a restore fills them."""
+        return [{"spec": t.spec, "placement": t.placement, "ps": self.ps, "rows": t.params,
+                 "slots": t.slots} for t in self.tables]
+
+    @property
+    def capacity(self):
+        """Return the bytes of the largest sparse request (the pool frames take it)."""
+        return self.layout.capacity
+
+    def pull(self, worker, message, step, describe):
+        """Gather the rows a pull asks for into ``worker``'s reply buffer; return the view."""
+        lay, reply = self.layout, self.replies[worker]
+        counts = lay.counts(message).tolist()
+        self._check_counts(counts, describe)
+        for table, ids, rows in zip(self.tables, lay.ids(message, counts),
+                                    lay.reply_rows(reply, counts)):
+            table.check(ids, describe)
+            np.take(table.params, table.placement.local(ids, self.ps), axis=0, out=rows)
+        H.pack_reply(lay.header(reply), step, self.ps, 0, 0, 0, 0, 0, kind=P.SPARSE_REPLY)
+        return reply[:lay.reply_end(counts)]
+
+    def stash(self, worker, message, describe):
+        """Keep a sparse push aside until the policy applies its worker's dense push."""
+        lay = self.layout
+        counts = lay.counts(message).tolist()
+        self._check_counts(counts, describe)
+        for table, ids in zip(self.tables, lay.ids(message, counts)):
+            table.check(ids, describe)
+        size = lay.end(counts)
+        self.pending[worker][:size] = message[:size]
+        self.has_pending[worker] = True
+        return size
+
+    def discard(self, worker):
+        """Forget ``worker``'s sparse push (its dense push was dropped as stale)."""
+        self.has_pending[worker] = False
+
+    def apply(self, workers, count, step):
+        """Apply the sparse pushes of ``workers`` (summed by id in worker order) / count."""
+        lay = self.layout
+        present = [w for w in sorted(workers) if self.has_pending[w]]
+        if not present:
+            return
+        parts = []
+        for w in present:
+            counts = lay.counts(self.pending[w]).tolist()
+            parts.append((lay.ids(self.pending[w], counts), lay.rows(self.pending[w], counts)))
+            self.has_pending[w] = False
+        for t, table in enumerate(self.tables):
+            ids, grads = self._sum(t, [(i[t], g[t]) for i, g in parts])
+            if len(ids) == 0:
+                continue
+            if count > 1:
+                np.divide(grads, count, out=grads)
+            table.apply(self.optimizer, ids, grads, step)
+
+    def _sum(self, t, parts):
+        """Return (unique ids, summed rows) of one table over the parts, in their order."""
+        table = self.tables[t]
+        if len(parts) == 1:
+            ids, grads = parts[0]
+            out = table.grad_buf[:len(ids)]
+            out[...] = grads
+            return ids, out
+        n = 0
+        cat_ids, cat_grads = self.cat_ids[t], self.cat_grads[t]
+        for ids, grads in parts:
+            cat_ids[n:n + len(ids)] = ids
+            cat_grads[n:n + len(ids)] = grads
+            n += len(ids)
+        uids, inverse = unique_inverse(cat_ids[:n])
+        return uids, segment_sum(cat_grads[:n], inverse, table.grad_buf[:len(uids)])
+
+    def _check_counts(self, counts, describe):
+        if any(c < 0 or c > m for c, m in zip(counts, self.layout.max_ids)):
+            raise PeerError(f"sparse message with {counts} ids per table; at most "
+                            f"{self.layout.max_ids} fit", **describe)
