@@ -14,7 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..ckpt import cut
-from ..errors import DeadlineError, PeerError
+from ..errors import ConfigurationError, DeadlineError, PeerError
 from ..runtime.backend import get_backend
 from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
 from ..runtime.stall import StepClock
@@ -41,7 +41,7 @@ class Service:
         self.ps_task = server.task_index
         self.chief = assignment.chief_rank
         # The workers that talk to the ps: all of them, or (in-graph replication) the clients.
-        all_workers = server.ranks_of("worker")
+        all_workers = server.replica_ranks  # the chief task (if any), then the workers
         self.worker_ranks = [all_workers[i] for i in config.clients or range(len(all_workers))]
         self.worker_of = {r: i for i, r in enumerate(self.worker_ranks)}
         self.num_workers = len(self.worker_ranks)
@@ -99,9 +99,7 @@ class Service:
 
     def describe_worker(self, worker, operation):
         """Return keyword arguments naming a worker for a PeerError."""
-        rank = self.worker_ranks[worker]
-        return dict(rank=rank, job="worker", task=worker, host=self.server.host_of(rank),
-                    operation=operation)
+        return self.server.peer(self.worker_ranks[worker], operation)
 
     def note_staleness(self, staleness):
         """Count a gradient of the given staleness (steps behind the ps) in the histogram."""
@@ -322,11 +320,14 @@ def serve(server):
     """
     # A checkpoint signal is the chief's to act on; the ps must only survive it.
     CheckpointSignals().install()
-    chief = server.rank_of("worker", min(server.cluster.task_indices("worker")))
+    if not server.replica_ranks:
+        raise ConfigurationError(
+            "a ps serves the chief and worker tasks, but the cluster has none: add a "
+            "'worker' (or 'chief') job to the spec")
+    chief = server.replica_ranks[0]
     config, assignment = P.recv_object(
         server.comm, chief, P.TAG_CONTROL, server.deadline,
-        lambda: dict(rank=chief, job="worker", task=0, host=server.host_of(chief),
-                     operation="configuration of the ps"))
+        lambda: server.peer(chief, "configuration of the ps"))
     service = Service(server, config, assignment)
     code = service.run()
     if config.timeline:  # collective with the workers' end of training
