@@ -61,3 +61,26 @@ def test_training_refuses_a_cluster_it_cannot_run(spec, words):
 def test_at_most_one_chief_or_evaluator(job, count):
     with pytest.raises(ConfigurationError, match=f"{count} '{job}' tasks"):
         assign_roles({"worker": 1, job: count}, ["n"] * (count + 1))
+
+
+def test_a_training_session_refuses_a_task_that_does_not_train():
+    from types import SimpleNamespace
+
+    from mpitf.worker.session import TrainingSession
+
+    evaluator = SimpleNamespace(replica_index=None, num_replicas=2, job_name="evaluator",
+                                task_index=0)
+    with pytest.raises(ConfigurationError, match="not on /job:evaluator/task:0"):
+        TrainingSession(evaluator, model=None, optimizer=None)
+    alone = SimpleNamespace(replica_index=None, num_replicas=0, job_name="local", task_index=1)
+    with pytest.raises(ConfigurationError, match="the cluster has none"):
+        TrainingSession(alone, model=None, optimizer=None)
+
+
+def test_a_ps_refuses_a_cluster_with_nothing_to_serve():
+    from types import SimpleNamespace
+
+    from mpitf.ps.service import serve
+
+    with pytest.raises(ConfigurationError, match="serves the chief and worker tasks"):
+        serve(SimpleNamespace(replica_ranks=[]))

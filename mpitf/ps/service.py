@@ -318,12 +318,12 @@ def serve(server):
     The chief sends a (:class:`~mpitf.config.TrainingConfig`,
     :class:`~mpitf.config.PsAssignment`) pair to each ps.
     """
-    # A checkpoint signal is the chief's to act on; the ps must only survive it.
-    CheckpointSignals().install()
     if not server.replica_ranks:
         raise ConfigurationError(
             "a ps serves the chief and worker tasks, but the cluster has none: add a "
             "'worker' (or 'chief') job to the spec")
+    # A checkpoint signal is the chief's to act on; the ps must only survive it.
+    CheckpointSignals().install()
     chief = server.replica_ranks[0]
     config, assignment = P.recv_object(
         server.comm, chief, P.TAG_CONTROL, server.deadline,
