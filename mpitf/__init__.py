@@ -24,6 +24,7 @@ _LAZY = {
     "Server": "runtime.server",
     "abort_on_error": "runtime.exits",
     "TrainingSession": "worker.session",
+    "Evaluator": "worker.evaluator",
     "Hook": "worker.hooks",
     "make_optimizer": "ps.optimizers",
     "ExponentialDecay": "ps.optimizers",

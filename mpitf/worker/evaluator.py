@@ -6,7 +6,7 @@ on the test split (loss and accuracy with the job's model), writes one JSON line
 is in place are read (with the reader ``mpitf ckpt export`` uses), never half-written ones.
 Training ends when the chief closes its session and sends ``TAG_TRAINING_END`` with every
 step it committed; the evaluator then evaluates through the last one, names any that
-``max_to_keep`` deleted before it could read them, and returns 0. A rank that dies ends
+``max_to_keep`` deleted before it could read them, and ends. A rank that dies ends
 the job through MPI (the lifeline, ``abort_on_error``), which ends the evaluator too.
 """
 
@@ -19,6 +19,7 @@ from ..ckpt.names import list_checkpoints
 from ..ckpt.restore import read_variables
 from ..errors import CheckpointError
 from ..models import evaluate
+from ..runtime.exits import EXIT_REQUEUE
 from ..wire import protocol as P
 
 _log = logging.getLogger("mpitf")
@@ -47,7 +48,11 @@ class Evaluator:
         self.skipped = []  # the steps deleted before they could be read
 
     def run(self):
-        """Evaluate checkpoints as they appear until the chief says training ended; return 0."""
+        """Evaluate checkpoints as they appear until the chief says training ended.
+
+        Returns the exit code: 0, or the requeue code when training ended on a signal
+        (so every rank of the job asks alike to be requeued).
+        """
         chief = self.server.replica_ranks[0]
         comm = self.server.comm
         while not comm.Iprobe(source=chief, tag=P.TAG_TRAINING_END):
@@ -62,7 +67,7 @@ class Evaluator:
                 self._skip(step, "deleted (max_to_keep) before it could be evaluated")
         print(f"evaluator: training ended (last checkpoint: step {last}); evaluated "
               f"{len(self.evaluated)} checkpoints", flush=True)
-        return 0
+        return EXIT_REQUEUE if end.get("requeue") else 0
 
     def _evaluate_new(self, through=None):
         done = set(self.evaluated) | set(self.skipped)
