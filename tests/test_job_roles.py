@@ -125,3 +125,14 @@ def test_a_cluster_that_cannot_train_is_one_message(digits_file, tmp_path, n, ar
     assert run.output.count(message) == 1, run.output
     assert "Traceback" not in run.output and "final:" not in run.stdout
     assert run.seconds < 15, run.seconds
+
+
+def test_a_silent_chief_is_named_by_its_own_job(tmp_path):
+    from test_recovery import Background, names_stopped_rank, stop_and_wait
+
+    spec = "--cluster_spec=ps|localhost:1,chief|localhost:2,worker|localhost:3"
+    job = Background(tmp_path, steps=5000, extra=[spec, "--deadline", "5"])
+    code, seconds, out = stop_and_wait(job, "rank1-chief-0", after_step=20, timeout=30)
+    assert code != 0, out
+    assert 4 < seconds < 20, (seconds, out)
+    assert names_stopped_rank(out, "rank1-chief-0", "during push"), out
