@@ -30,8 +30,8 @@ class Evaluator:
 
     Args:
         server: this rank's :class:`~mpitf.runtime.server.Server` (an evaluator task).
-        model: the job's model (``variables()`` and ``predict``/``loss`` as in
-            :mod:`mpitf.models`); parameters come from each checkpoint.
+        model: the job's model (its ``logits(params, x)``, as :func:`mpitf.models.evaluate`
+            uses); the parameters come from each checkpoint, by variable name.
         checkpoint_dir: the directory the chief checkpoints into.
         x, y: the test split.
         run_dir: metrics go to ``<run_dir>/eval/metrics.jsonl`` (None: printed only).
