@@ -84,3 +84,16 @@ def test_a_ps_refuses_a_cluster_with_nothing_to_serve():
 
     with pytest.raises(ConfigurationError, match="serves the chief and worker tasks"):
         serve(SimpleNamespace(replica_ranks=[]))
+
+
+def test_an_evaluator_needs_a_checkpoint_directory_and_a_training_run():
+    from types import SimpleNamespace
+
+    from mpitf.worker.evaluator import Evaluator
+
+    server = SimpleNamespace(replica_ranks=[1])
+    with pytest.raises(ConfigurationError, match="no checkpoint directory is set"):
+        Evaluator(server, None, None, [], [])
+    with pytest.raises(ConfigurationError, match="no chief or worker task"):
+        Evaluator(SimpleNamespace(replica_ranks=[]), None, "ckpt", [], [])
+    assert Evaluator(server, None, "ckpt", [], [], run_dir="run").path == "run/eval/metrics.jsonl"

@@ -17,7 +17,7 @@ import time
 
 from ..ckpt.names import list_checkpoints
 from ..ckpt.restore import read_variables
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigurationError
 from ..models import evaluate
 from ..runtime.exits import EXIT_REQUEUE
 from ..wire import protocol as P
@@ -39,6 +39,14 @@ class Evaluator:
     """
 
     def __init__(self, server, model, checkpoint_dir, x, y, run_dir=None, poll_secs=0.2):
+        if not checkpoint_dir:
+            raise ConfigurationError(
+                "the evaluator evaluates checkpoints, but no checkpoint directory is set: "
+                "give the chief's checkpoint_dir (--checkpoint-dir)")
+        if not server.replica_ranks:
+            raise ConfigurationError(
+                "the evaluator follows a training run, but the cluster has no chief or "
+                "worker task: add a 'worker' (or 'chief') job to the spec")
         self.server, self.model = server, model
         self.checkpoint_dir = checkpoint_dir
         self.x, self.y = x, y
