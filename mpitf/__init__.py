@@ -26,6 +26,7 @@ _LAZY = {
     "Server": "runtime.server",
     "abort_on_error": "runtime.exits",
     "TrainingSession": "worker.session",
+    "Evaluator": "worker.evaluator",
     "Hook": "worker.hooks",
     "EventWriter": "worker.summaries",
     "make_optimizer": "ps.optimizers",

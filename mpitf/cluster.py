@@ -1,14 +1,14 @@
-"""Describe the ps and worker jobs of a cluster, and map MPI ranks onto their tasks.
+"""Describe the jobs of a cluster and resolve it from flags, TF_CONFIG or Slurm.
 
 `ClusterSpec` keeps the interface and meaning of ``tf.train.ClusterSpec``, so
 ported code works: any job name, jobs in insertion order, empty jobs kept,
 ValueError for an absent job or task. Addresses keep TensorFlow's ``host:port``
-form, but ports are ignored: MPI carries every message. mpitf runs the jobs
-``ps`` and ``worker`` (`check_run_job`); its chief is worker task 0.
+form, but ports are ignored: MPI carries every message. Every job runs; what the
+``ps``, ``chief``, ``worker``, ``evaluator`` and other jobs do, and which MPI rank runs
+which task, is :mod:`mpitf.roles`' business.
 
 TF_CONFIG and Slurm are read by :mod:`mpitf.resolvers`, as TensorFlow's resolvers read
 them; :mod:`mpitf.cluster_args` picks a job's cluster from its flags and environment.
-Which MPI rank runs which task is :mod:`mpitf.roles`' business.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from collections.abc import Mapping
 
 from mpitf.errors import ConfigurationError
 
-__all__ = ["ClusterSpec", "add_cluster_arguments", "check_run_job", "split_address"]
+__all__ = ["ClusterSpec", "add_cluster_arguments", "split_address"]
 
-JOBS = ("ps", "worker")  # the jobs mpitf runs so far; a spec may hold any others
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "")
 _JOB_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*\Z")
 _log = logging.getLogger("mpitf")
@@ -35,16 +34,6 @@ def _check_job(job):
     raise ConfigurationError(
         f"bad job name {job!r}: expecting letters, digits and '_', starting with a letter,"
         " as in TensorFlow's device names (/job:<name>)")
-
-
-def check_run_job(job):
-    """Return job if mpitf can run its tasks (ps and worker), else raise saying what to do."""
-    if job in JOBS:
-        return job
-    msg = f"unknown job name {job!r}: mpitf runs the jobs 'ps' and 'worker'"
-    if job in ("chief", "master"):
-        msg += "; mpitf's chief is worker task 0; list that host first under 'worker'"
-    raise ConfigurationError(msg)
 
 
 def split_address(address):

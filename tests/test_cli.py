@@ -65,7 +65,7 @@ def test_parse_spec_forms_agree():
 @pytest.mark.parametrize("argv, words", [
     (["cluster", "--spec", "bogus"], ["cannot read --spec 'bogus'"]),
     (["cluster", "--spec", "ps=two,worker=1"], ["'ps=two'"]),
-    (["cluster", "--spec", "ps|a:1,boss|b:1"], ["unknown job name 'boss'"]),
+    (["cluster", "--spec", "ps|a:1,chief|b:1;c:1"], ["2 'chief' tasks"]),  # issue 14
     (["cluster", "--spec", "{not json"], ["not valid JSON"]),
     (["cluster", "--spec", SPEC5, "-n", "4"], ["5 tasks", "4 ranks"]),
     (["cluster", "--spec", "ps=1,worker=1", "--hosts", "a", "-n", "2"], ["--hosts names 1"]),

@@ -11,7 +11,7 @@ from mpitf import cluster as cluster_mod
 from mpitf.cluster import ClusterSpec, add_cluster_arguments
 from mpitf.cluster_args import check_claimed_role, cluster_from_args
 from mpitf.errors import ConfigurationError
-from mpitf.roles import assign_roles, describe_roles
+from mpitf.roles import assign_roles, check_training_cluster, describe_roles
 
 
 def parse(argv):
@@ -89,22 +89,23 @@ def test_bad_types(bad):
         ClusterSpec(bad)
 
 
-@pytest.mark.parametrize("job", ["foo", "evaluator"])
-def test_unknown_job(job):
-    # issue 14: a spec holds any job; only running its tasks is refused (mpitf.roles)
+@pytest.mark.parametrize("job", ["foo", "evaluator", "chief", "master"])
+def test_any_job_runs(job):
+    # issue 14 (on purpose): every job's tasks run; this test refused all but ps and worker
     spec = ClusterSpec({job: ["a"], "worker": ["b"]})
     assert spec.jobs == [job, "worker"] and spec.num_tasks(job) == 1
-    with pytest.raises(ConfigurationError, match=f"unknown job name '{job}'.*'ps' and 'worker'"):
-        assign_roles(spec, ["n", "n"])
+    want = [(job, 0), ("worker", 0)] if job == "chief" else [("worker", 0), (job, 0)]
+    assert assign_roles({job: ["localhost:1"], "worker": ["localhost:2"]}, ["n", "n"]) == want
     with pytest.raises(ValueError, match=f"no such job in cluster: '{job}'"):
         ClusterSpec({"worker": ["b"]}).num_tasks(job)
     assert assign_roles({job: [], "worker": ["localhost"]}, ["n"]) == [("worker", 0)]
 
 
-@pytest.mark.parametrize("job", ["chief", "master"])
-def test_chief_hint(job):
-    with pytest.raises(ConfigurationError, match="chief is worker task 0; list that host first"):
-        assign_roles(ClusterSpec({job: ["a"], "worker": ["b"]}), ["n", "n"])
+@pytest.mark.parametrize("job", ["chief", "evaluator"])
+def test_at_most_one_chief_and_evaluator(job):
+    # TensorFlow's multi_worker_util._validate_cluster_spec
+    with pytest.raises(ConfigurationError, match=f"2 '{job}' tasks.*at most one {job} task"):
+        assign_roles(ClusterSpec({job: ["a", "b"], "worker": ["c"]}), ["n"] * 3)
 
 
 @pytest.mark.parametrize("job", ["", "a-b", "1st", "x/y", "job:1", 3, None])
@@ -113,11 +114,14 @@ def test_bad_job_name(job):
         ClusterSpec({job: ["a"]})
 
 
-def test_needs_a_worker():
-    for cluster in ({"ps": ["a"]}, {"ps": 1, "worker": 0}):
-        spec = ClusterSpec(cluster)  # issue 14: a spec may lack workers; running it may not
-        with pytest.raises(ConfigurationError, match="no worker task"):
-            assign_roles(spec, ["n"])
+def test_a_cluster_without_workers_runs_but_does_not_train():
+    # issue 14 (on purpose): assign_roles places it (the tutorial's {"local": [a, b]});
+    # the training side refuses it (mpitf.roles.check_training_cluster)
+    for cluster in ({"ps": ["localhost:1"]}, {"ps": 1, "worker": 0}):
+        assert assign_roles(cluster, ["n"]) == [("ps", 0)]
+        with pytest.raises(ConfigurationError, match="needs a chief or worker task"):
+            check_training_cluster(cluster)
+    assert assign_roles({"local": 2}, ["n", "n"]) == [("local", 0), ("local", 1)]
 
 
 def test_same_address_twice_as_in_tf():
@@ -207,10 +211,9 @@ def test_from_hosts():
         ClusterSpec.from_hosts("p0,", "w0")
 
 
-def test_a_chief_job_is_held_by_the_spec_but_not_run():
+def test_a_chief_job_runs_as_the_chief_replica():
     chief = ClusterSpec({"chief": ["c:1"], "worker": ["w:1"]})
-    with pytest.raises(ConfigurationError, match="chief is worker task 0"):
-        assign_roles(chief, ["c", "w"])  # issue 14: held by the spec, refused to run
+    assert assign_roles(chief, ["c", "w"]) == [("chief", 0), ("worker", 0)]  # issue 14
 
 
 def test_from_counts_errors():

@@ -56,12 +56,15 @@ def test_host_flags_and_num_ps(mpirun, n, args, want):
 
 @pytest.mark.parametrize("n, args, words", [
     (4, [f"--cluster_spec={SPEC5}"], ["5 tasks", "4 ranks", "mpiexec -n 5"]),
-    (2, ["--cluster_spec=ps|localhost:1,chief|localhost:2"], ["unknown job name 'chief'"]),
+    # issue 14: any job name runs (this case expected "unknown job name 'chief'" before);
+    # TensorFlow's rule of at most one chief task holds
+    (3, ["--cluster_spec=ps|localhost:1,chief|localhost:2;localhost:3"],
+     ["2 'chief' tasks", "at most one chief task"]),
     (1, ["--cluster_spec=worker|nosuchhost:1"], ["'nosuchhost'", "no MPI rank runs there"]),
     (2, ["--cluster_spec=ps;localhost:1"], ["missing '|'", "'ps;localhost:1'"]),
     (3, ["--job_name=ps", "--task_index=0"], ["--job_name=ps", "/job:worker/task:0"]),
     (1, ["--num-ps", "1"], ["--num-ps=1", "mpiexec -n 2"]),
-], ids=["size", "unknown-job", "missing-host", "malformed",
+], ids=["size", "two-chiefs", "missing-host", "malformed",
         "claimed-role", "num-ps"])
 def test_bad_input_ends_every_rank_with_one_message(mpirun, n, args, words):
     run = mpirun(n, HELLO, *args, timeout=30)
@@ -71,6 +74,22 @@ def test_bad_input_ends_every_rank_with_one_message(mpirun, n, args, words):
     for word in words:
         assert word in run.output, run.output
     assert "Hello" not in run.stdout
+
+
+def test_the_tutorials_local_cluster_greets_from_both_tasks(mpirun):
+    """issue 14: the "Hello, distributed TensorFlow" tutorial's {"local": [a, b]} cluster."""
+    run = mpirun(2, HELLO, "--cluster_spec=local|localhost:2222;localhost:2223", timeout=30)
+    assert greetings(run) == [("/job:local/replica:0/task:0/device:CPU:0", 0),
+                              ("/job:local/replica:0/task:1/device:CPU:0", 1)]
+
+
+def test_ps_chief_worker_evaluator_greet_in_spec_order(mpirun):
+    """Greetings follow the spec's job order; ranks follow mpitf.roles' placement order."""
+    spec = ("evaluator|localhost:1,worker|localhost:2;localhost:3,chief|localhost:4,"
+            "ps|localhost:5")
+    got = greetings(mpirun(5, HELLO, f"--cluster_spec={spec}", timeout=30))
+    assert [(re.sub(r"/job:(\w+)/replica:0/task:(\d+)/.*", r"\1:\2", d), r) for d, r in got] \
+        == [("evaluator:0", 4), ("worker:0", 2), ("worker:1", 3), ("chief:0", 1), ("ps:0", 0)]
 
 
 def test_bad_flag_is_a_usage_error_printed_once(mpirun):

@@ -80,7 +80,7 @@ def test_chunk_size_must_fit_the_header(tmp_path):
 
     class _Server:  # only what Client reads before it checks chunk_bytes
         comm = None
-        task_index = 0
+        replica_index = 0
 
         @staticmethod
         def ranks_of(job):

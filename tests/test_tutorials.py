@@ -217,3 +217,19 @@ def test_tower_backend_soft_placement_falls_back_to_the_cpu():
         assert not tower_backend("gpu", index, allow_soft_placement=True).is_gpu
     with pytest.raises(ConfigurationError):
         tower_backend("gpu", 0)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mpmd", [True, False], ids=["one-process-per-task", "one-line"])
+def test_local_cluster_task_0_prints_the_constant_made_on_task_1(tmp_path, mpmd):
+    if mpmd:
+        run = _mpmd("local_cluster.py", [("local", 0), ("local", 1)], [], tmp_path, timeout=30)
+    else:
+        run = run_mpi(2, [sys.executable, "-c", WHOLE_LINES, str(PROGRAMS / "local_cluster.py")],
+                      timeout=30, env=_env(tmp_path), cwd=str(tmp_path), python=False)
+    _ok(run)
+    lines = run.stdout.splitlines()
+    targets = sorted(re.findall(r"^task (\d): mpi://\S+/job:local/task:(\d)$", run.stdout, re.M))
+    assert targets == [("0", "0"), ("1", "1")], run.stdout
+    assert [x for x in lines if x.startswith("Hello")] == [
+        "Hello, distributed TensorFlow! (made on /job:local/replica:0/task:1/device:CPU:0)"]

@@ -15,8 +15,8 @@ Restoring: :func:`agree_on_restore` (the chief chooses, every worker learns the 
 ps, through host memory onto its device).
 
 Callers pass in what this needs (a communicator, ranks, the client's ``send_control``,
-``host_of`` to name a silent rank, the shard's buffers); ``docs/design.md`` says why the
-cut is consistent.
+``host_of``/``peer`` to name a silent rank, the shard's buffers); ``docs/design.md`` says
+why the cut is consistent.
 """
 
 import logging
@@ -107,11 +107,13 @@ def release(comm, reports, worker_ranks, chief, message):
             comm.send(message, dest=rank, tag=P.TAG_CONTROL)
 
 
-def wait_for_release(comm, chief, deadline, host_of):
-    """A paused worker other than the chief: return the chief's message once it is saved."""
+def wait_for_release(comm, chief, deadline, peer):
+    """A paused worker other than the chief: return the chief's message once it is saved.
+
+    ``peer(rank, operation)`` names a rank's task for the error if the chief is silent.
+    """
     return P.recv_object(comm, chief, P.TAG_CONTROL, deadline,
-                         lambda: dict(rank=chief, job="worker", task=0, host=host_of(chief),
-                                      operation="checkpoint"))
+                         lambda: peer(chief, "checkpoint"))
 
 
 # --------------------------------------------------------------------- restoring

@@ -13,6 +13,7 @@ from ..config import (
     TrainingConfig,
 )
 from ..errors import ConfigurationError, MpitfError
+from ..roles import check_training_cluster
 from ..runtime.exits import collective, setup_logging
 
 # The defaults of the flags are those of the configuration: written once, there.
@@ -64,6 +65,9 @@ def add_training_arguments(parser, steps=300, batch_size=32, lr=_JOB["lr"]):
     g.add_argument("--ps-strategy", choices=("round_robin", "greedy"), default="round_robin")
     g.add_argument("--seed", type=int, default=_TRAINING["seed"],
                    help="seed of initial values and shuffling")
+    g.add_argument("--evaluator", action="store_true",
+                   help="with --num-ps (no spec): the highest rank is an evaluator task that "
+                        "evaluates each checkpoint of --checkpoint-dir")
     g.add_argument("--log-every", type=int, default=_TRAINING["log_every"],
                    help="chief logs every N steps (0: never): a line, metrics.jsonl and "
                         "TensorBoard scalars")
@@ -126,8 +130,15 @@ def setup_backend(args, server):
 
 
 def resolve_cluster(args, world_size):
-    """Return the cluster the flags describe; its errors are the same on every rank."""
+    """Return the cluster the flags describe; its errors are the same on every rank.
+
+    With ``--evaluator`` (the --num-ps form only) the highest rank is an evaluator task.
+    """
     try:
+        if getattr(args, "evaluator", False):
+            from .side_tasks import evaluator_cluster
+
+            return evaluator_cluster(args, world_size)
         return cluster_from_args(args, world_size)
     except MpitfError as exc:
         raise collective(exc) from None
@@ -187,7 +198,7 @@ def check_inputs(config, comm, chief=0, num_shards=1, batch_size=None):
     a batch larger than a worker's shard (``num_shards`` workers of ``batch_size``, default
     the configuration's) or an unwritable ``--run-dir``/``--export``/``--timeline`` give one
     message and every rank exits 2, before training (not after it, losing the result).
-    ``chief`` is the rank of worker task 0 in ``comm``, which writes the run directory and
+    ``chief`` is the rank of the chief replica in ``comm``, which writes the run directory and
     the export. Returns the data file.
     """
     from ..data.datasets import default_data_path, ensure_digits
@@ -360,23 +371,24 @@ def start_job(args, config, check_cluster=None):
     setup_logging()
     world = MPI.COMM_WORLD
     cluster = resolve_cluster(args, world.Get_size())
-    if check_cluster is not None:
-        try:
+    try:
+        check_training_cluster(cluster, config.training.checkpoint_dir)
+        if check_cluster is not None:
             check_cluster(cluster)
-        except MpitfError as exc:
-            raise collective(exc) from None
+    except MpitfError as exc:
+        raise collective(exc) from None
     server = Server(cluster, deadline=config.deadline, fixed_deadline=config.fixed_deadline)
     check_roles(args, server)
     if args.log_device_placement:
         server.describe()  # rank 0 prints the rank -> task -> host table
     setup_backend(args, server)
     path = check_inputs(config, server.comm, chief_rank(server),
-                        num_shards=cluster.num_tasks("worker"))
+                        num_shards=server.num_replicas)
     if config.training.checkpoint_dir:
         claim_checkpoint_dir(server, config.training.checkpoint_dir)
     return server, path
 
 
 def chief_rank(server):
-    """Return the rank of the chief (the lowest worker task), which writes the outputs."""
-    return server.rank_of("worker", min(server.cluster.task_indices("worker")))
+    """Return the rank of the chief replica (see ``Server.is_chief``): it writes the outputs."""
+    return server.replica_ranks[0]

@@ -1,7 +1,10 @@
 r"""Hello, distributed TensorFlow! -- on MPI.
 
 Every rank finds its task in the cluster and greets rank 0, which prints the placement
-table and then the greetings in task order (ps tasks, then workers)::
+table and then the greetings of every task of every job, in the spec's job order then task
+order. Any job name runs, as in the tutorial's two-task cluster::
+
+    mpiexec -n 2 python jobs/hello.py --cluster_spec='local|localhost:2222;localhost:2223'
 
     mpiexec -n 5 python jobs/hello.py \
         --cluster_spec='ps|localhost:2222;localhost:2223,worker|localhost:2224;localhost:2225;localhost:2226'
@@ -29,7 +32,7 @@ from mpitf.wire.protocol import TAG_CONTROL, recv_object
 
 
 def parse_args(argv=None):
-    parser = RankParser(description="Print which MPI rank runs which ps/worker task.")
+    parser = RankParser(description="Print which MPI rank runs which task of the cluster.")
     add_cluster_arguments(parser)
     parser.set_defaults(num_ps=None)  # resolved below: 0 on one rank, else 1
     parser.add_argument("--deadline", type=float, default=60.0,
@@ -53,20 +56,15 @@ def greet(server):
 
 
 def collect_greetings(server):
-    """Receive every rank's greeting on rank 0, in task order, each within the deadline."""
+    """Receive every rank's greeting on rank 0, in job then task order, within the deadline."""
     greetings = []
-    for job in ("ps", "worker"):
-        for task, rank in enumerate(server.ranks_of(job)):
+    for job in server.cluster.jobs:
+        for rank in server.ranks_of(job):
             if rank == 0:
                 greetings.append(greet(server))
                 continue
-
-            def describe(rank=rank, job=job, task=task):
-                return {"rank": rank, "job": job, "task": task, "host": server.host_of(rank),
-                        "operation": "the hello greeting"}
-
             greetings.append(recv_object(server.comm, rank, TAG_CONTROL, server.deadline,
-                                         describe))
+                                         lambda r=rank: server.peer(r, "the hello greeting")))
     return greetings
 
 

@@ -18,6 +18,7 @@ from mpitf.cli.flags import (
     session_from_config,
     start_job,
 )
+from mpitf.cli.side_tasks import run_side_task
 from mpitf.errors import ConfigurationError
 from mpitf.placement import replica_device_setter
 from mpitf.runtime.exits import (
@@ -39,22 +40,24 @@ def main(argv=None):
     config = config_from_args(args)  # every value checked, alike on every rank
     training = config.training
     server, path = start_job(args, config, _check_cluster)
-    cluster = server.cluster
     if server.job_name == "ps":
         server.join()
         return server.exit_code
-    num_workers = cluster.num_tasks("worker")
+    code = run_side_task(server, config, path, "in_graph")  # evaluator, other jobs
+    if code is not None:
+        return code
+    num_workers = server.num_replicas
     batches = InGraphBatches(path, num_workers, training.batch_size, training.seed) \
         if server.is_chief else None
     # The compute tasks read no data; they learn the model's shape from the client.
     first = batches.shards[0] if batches else None
-    x_dim, num_classes, image_shape = server.job_comm.bcast(
+    x_dim, num_classes, image_shape = server.replica_comm.bcast(
         (first.x_dim, first.num_classes, first.image_shape) if first else None, root=0)
     model = model_from_config(config, x_dim, num_classes, image_shape)
     if not server.is_chief:
         return _compute(server, model, training)
 
-    replica = InGraphReplica(server.job_comm, model)
+    replica = InGraphReplica(server.replica_comm, model)
     sess = session_from_config(server, replica, config, batches, args.log_device_placement,
                                clients=(0,), replicas_to_aggregate=None)
     replica.attach(sess.client)
@@ -83,7 +86,7 @@ def _compute(server, model, training):
     CheckpointSignals().install()  # a requeue signal is the client's to act on
     placement = replica_device_setter(server.cluster, ps_strategy=training.ps_strategy)
     layout = FlatLayout(placement.place(model.variables()))
-    InGraphWorker(server.job_comm, model, layout).serve()
+    InGraphWorker(server.replica_comm, model, layout).serve()
     if training.timeline:  # collective with the client's and the ps's end of training
         Timeline(server.rank, server.device, True).gather_and_write(server.comm,
                                                                     training.timeline)

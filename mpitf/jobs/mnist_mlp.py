@@ -1,7 +1,9 @@
 """Between-graph training of an MLP (or CNN) on the digits set: mpitf's mlp_mnist_dist.py.
 
 Run: mpiexec -n 3 python jobs/mnist_mlp.py --num-ps 1 --steps 300 --mode sync
-Every rank runs this script; the MPI rank decides whether it is a ps or a worker.
+Every rank runs this script; the MPI rank decides whether it is a ps, the chief, a worker
+or the evaluator (``--evaluator``, or an ``evaluator`` job in the spec: it evaluates each
+checkpoint of --checkpoint-dir into RUN_DIR/eval/metrics.jsonl).
 """
 
 
@@ -14,6 +16,7 @@ from mpitf.cli.flags import (
     session_from_config,
     start_job,
 )
+from mpitf.cli.side_tasks import run_side_task
 from mpitf.data.sharded import ShardedDataset
 from mpitf.errors import ConfigurationError
 from mpitf.runtime.exits import RankParser, run_job
@@ -28,16 +31,18 @@ def main(argv=None):
     if server.job_name == "ps":
         server.join()
         return server.exit_code
+    code = run_side_task(server, config, path, "mnist_mlp")  # evaluator, other jobs
+    if code is not None:
+        return code
     training = config.training
-    workers = server.cluster.task_indices("worker")
-    dataset = ShardedDataset(path, "train", workers.index(server.task_index), len(workers),
+    dataset = ShardedDataset(path, "train", server.replica_index, server.num_replicas,
                              training.batch_size, training.seed)
     model = model_from_config(config, dataset.x_dim, dataset.num_classes, dataset.image_shape)
     sess = session_from_config(server, model, config, dataset, args.log_device_placement)
     while not sess.should_stop():
         sess.run()
     if server.is_chief and not sess.requeue:
-        summary = evaluate_session(sess, config, path, workers=len(workers),
+        summary = evaluate_session(sess, config, path, workers=server.num_replicas,
                                    mode=training.mode)
         report_final(config, summary, sess.params)
     sess.close()

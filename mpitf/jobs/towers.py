@@ -26,9 +26,11 @@ from mpitf.cli.flags import (
     session_from_config,
     setup_backend,
 )
+from mpitf.cli.side_tasks import run_side_task
 from mpitf.data.sharded import ShardedDataset, load_split
 from mpitf.errors import ConfigurationError
 from mpitf.models import evaluate
+from mpitf.roles import check_training_cluster
 from mpitf.runtime.backend import describe_backend
 from mpitf.runtime.exits import RankParser, collective, run_job, setup_logging
 from mpitf.runtime.server import Server
@@ -52,27 +54,34 @@ def main(argv=None):
         raise collective(ConfigurationError(
             "towers without a ps train in one process: run without mpiexec, or give "
             "--num-ps to push through ps tasks"))
+    if cluster.num_tasks("ps"):
+        try:
+            check_training_cluster(cluster, training.checkpoint_dir)
+        except ConfigurationError as exc:
+            raise collective(exc) from None
     server = Server(cluster, deadline=config.deadline, fixed_deadline=config.fixed_deadline) \
         if cluster.num_tasks("ps") else None
     if server is not None:
         check_roles(args, server)
     batch = training.batch_size * len(parse_devices(args.devices))
     path = check_inputs(config, world, 0, 1, batch) if server is None else \
-        check_inputs(config, server.comm, chief_rank(server), cluster.num_tasks("worker"), batch)
+        check_inputs(config, server.comm, chief_rank(server), server.num_replicas, batch)
     if server is not None:
         setup_backend(args, server)  # where the session's push/pull buffers live
         if server.job_name == "ps":
             server.join()
             return server.exit_code
+        code = run_side_task(server, config, path, "towers")  # evaluator, other jobs
+        if code is not None:
+            return code
         if args.log_device_placement:
             server.describe()
     backends = [tower_backend(kind, index) for kind, index in parse_devices(args.devices)]
     if server is None or server.is_chief:
         for (kind, index), be in zip(parse_devices(args.devices), backends):
             print(f"tower {kind}:{index}: {describe_backend(be)}", flush=True)
-    workers = cluster.task_indices("worker")
-    shard = workers.index(server.task_index) if server else 0
-    dataset = ShardedDataset(path, "train", shard, len(workers), batch, training.seed)
+    shard, shards = (server.replica_index, server.num_replicas) if server else (0, 1)
+    dataset = ShardedDataset(path, "train", shard, shards, batch, training.seed)
     model = model_from_config(config, dataset.x_dim, dataset.num_classes, dataset.image_shape)
     towers = Towers(model, backends)
     if server is None:
@@ -113,7 +122,7 @@ def _train_with_ps(server, towers, dataset, config, args, path):
     if server.is_chief and not sess.requeue:
         report_final(config, evaluate_session(
             sess, config, path, towers=len(towers.towers), devices=args.devices,
-            workers=server.cluster.num_tasks("worker"), mode=config.training.mode), sess.params)
+            workers=server.num_replicas, mode=config.training.mode), sess.params)
     sess.close()
     return sess.exit_code
 

@@ -42,7 +42,7 @@ class Service:
         self.ps_task = server.task_index
         self.chief = assignment.chief_rank
         # The workers that talk to the ps: all of them, or (in-graph replication) the clients.
-        all_workers = server.ranks_of("worker")
+        all_workers = server.replica_ranks  # the chief task (if any), then the workers
         self.worker_ranks = [all_workers[i] for i in config.clients or range(len(all_workers))]
         self.worker_of = {r: i for i, r in enumerate(self.worker_ranks)}
         self.num_workers = len(self.worker_ranks)
@@ -108,9 +108,7 @@ class Service:
 
     def describe_worker(self, worker, operation):
         """Return keyword arguments naming a worker for a PeerError."""
-        rank = self.worker_ranks[worker]
-        return dict(rank=rank, job="worker", task=worker, host=self.server.host_of(rank),
-                    operation=operation)
+        return self.server.peer(self.worker_ranks[worker], operation)
 
     def note_staleness(self, staleness):
         """Count a gradient of the given staleness (steps behind the ps) in the histogram."""
@@ -354,13 +352,16 @@ def serve(server):
     The chief sends a (:class:`~mpitf.config.TrainingConfig`,
     :class:`~mpitf.config.PsAssignment`) pair to each ps.
     """
+    if not server.replica_ranks:
+        raise ConfigurationError(
+            "a ps serves the chief and worker tasks, but the cluster has none: add a "
+            "'worker' (or 'chief') job to the spec")
     # A checkpoint signal is the chief's to act on; the ps must only survive it.
     CheckpointSignals().install()
-    chief = server.rank_of("worker", min(server.cluster.task_indices("worker")))
+    chief = server.replica_ranks[0]
     config, assignment = P.recv_object(
         server.comm, chief, P.TAG_CONTROL, server.deadline,
-        lambda: dict(rank=chief, job="worker", task=0, host=server.host_of(chief),
-                     operation="configuration of the ps"))
+        lambda: server.peer(chief, "configuration of the ps"))
     service = Service(server, config, assignment)
     code = service.run()
     if config.timeline:  # collective with the workers' end of training

@@ -16,14 +16,20 @@ from ..cluster import ClusterSpec
 from ..config import DEFAULT_DEADLINE, check_deadline
 from ..device import device_name, local_rank
 from ..errors import ConfigurationError
-from ..roles import assign_roles, describe_roles
+from ..roles import assign_roles, describe_roles, training_replicas
 from . import lifeline
 
 _log = logging.getLogger("mpitf")
 
 
 class Server:
-    """An MPI rank acting as one task of a ``ps``/``worker`` cluster.
+    """An MPI rank acting as one task of a cluster: ``ps``, ``chief``, ``worker`` or any job.
+
+    ``job_name`` and ``task_index`` are TensorFlow's names (a chief rank is
+    ``/job:chief/task:0``). The training replicas are the chief task (if any) then the
+    worker tasks by index, as in TensorFlow's ``MultiWorkerMirroredStrategy``:
+    ``replica_ranks``, ``num_replicas``, ``replica_index`` and ``replica_comm`` give that
+    view (the last two are None on a task that does not train).
 
     Args:
         cluster: a :class:`ClusterSpec` or anything it accepts; None means
@@ -65,6 +71,14 @@ class Server:
         self.comm = world.Dup()
         job_ids = {job: i for i, job in enumerate(sorted({j for j, _ in self.roles}))}
         self.job_comm = self.comm.Split(job_ids[self.job_name], self.task_index)
+        replicas = training_replicas(self.cluster)
+        self.replica_ranks = [self.roles.index(role) for role in replicas]
+        self.num_replicas = len(replicas)
+        mine = self.roles[self.rank]
+        self.replica_index = replicas.index(mine) if mine in replicas else None
+        comm = self.comm.Split(MPI.UNDEFINED if self.replica_index is None else 0,
+                               self.replica_index or 0)
+        self.replica_comm = None if comm == MPI.COMM_NULL else comm
         self.local_rank, self.local_size = local_rank(self.comm)
         self.exit_code = 0
         me = self.hosts[self.rank]
@@ -78,11 +92,18 @@ class Server:
         job, task = self.roles[rank]
         return f"rank {rank} (/job:{job}/task:{task} on {self.hosts[rank]})"
 
+    def peer(self, rank, operation):
+        """Return keyword arguments naming ``rank``'s real task for a PeerError."""
+        job, task = self.roles[rank]
+        return dict(rank=rank, job=job, task=task, host=self.hosts[rank], operation=operation)
+
     @property
     def is_chief(self):
-        """Return True on worker task 0, the rank that initialises, logs and checkpoints."""
-        return self.job_name == "worker" and self.task_index == min(
-            self.cluster.task_indices("worker"))
+        """Return True on the chief replica, which initialises, logs and checkpoints.
+
+        It is the chief task if the cluster has one, else the lowest worker task.
+        """
+        return self.replica_index == 0
 
     @property
     def device(self):
@@ -118,13 +139,15 @@ class Server:
         return text
 
     def join(self):
-        """Serve as a parameter server until every worker is done (ps tasks only).
+        """Serve as a parameter server until every replica is done; elsewhere, return.
 
         The ps learns the model's layout, optimizer and consistency mode from the chief,
-        so a ps script needs nothing but this call, as in TensorFlow.
+        so a ps script needs nothing but this call, as in TensorFlow. On a task of any
+        other job it returns at once: under MPI such a task has nothing to serve (in
+        TensorFlow its gRPC server would block forever).
         """
         if self.job_name != "ps":
-            raise RuntimeError("join() is for ps tasks; workers train and then finish")
+            return None
         # The one forward reach of this module: the service builds on server, not the reverse.
         from ..ps.service import serve
 

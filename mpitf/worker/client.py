@@ -113,7 +113,7 @@ class Client:
         self.deadline = deadline
         self.adaptive = adaptive
         self.comm = server.comm
-        self.worker = server.task_index
+        self.worker = server.replica_index  # the chief is replica 0
         self.ps_ranks = server.ranks_of("ps")
         if len(self.ps_ranks) != placement.num_ps:
             raise ConfigurationError(

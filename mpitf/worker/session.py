@@ -1,9 +1,10 @@
-"""``TrainingSession``: the ``MonitoredTrainingSession`` of mpitf, run on every worker.
+"""``TrainingSession``: the ``MonitoredTrainingSession`` of mpitf, run on every replica.
 
 It configures the ps (chief), restores or initialises, runs steps (compute gradients into
 the client's views, push and pull), and calls hooks: stop at a step, metrics (log lines,
 metrics.jsonl, TensorBoard events), checkpoints every N steps or T seconds and at the end,
 and checkpoint-then-exit on SIGTERM/SIGUSR1.
+The replicas are the chief task (if any) and the worker tasks (``server.replica_index``).
 """
 
 import logging
@@ -28,10 +29,10 @@ _log = logging.getLogger("mpitf")
 
 
 class TrainingSession:
-    """Train ``model`` on this worker against the ps tasks of ``server``'s cluster.
+    """Train ``model`` on this replica against the ps tasks of ``server``'s cluster.
 
     Args:
-        server: this rank's :class:`~mpitf.runtime.server.Server` (a worker task).
+        server: this rank's :class:`~mpitf.runtime.server.Server` (a chief or worker task).
         model: an object with ``variables()``, ``init(rng)`` and
             ``loss_and_grads(params, batch, grads)`` (see :mod:`mpitf.models`).
         optimizer: an :class:`~mpitf.ps.optimizers.Optimizer`; it runs on the ps.
@@ -53,15 +54,21 @@ class TrainingSession:
             options["mode"] = mode
         self.config = config = TrainingConfig(**options) if config is None \
             else config.replace(**options)
-        if server.job_name != "worker":
-            raise ConfigurationError("TrainingSession runs on worker tasks; ps tasks join()")
+        if server.replica_index is None:
+            raise ConfigurationError(
+                f"TrainingSession runs on the chief and worker tasks, not on "
+                f"/job:{server.job_name}/task:{server.task_index}: ps tasks join(), an "
+                "evaluator runs mpitf.worker.evaluator.Evaluator, other jobs do their own work"
+                if server.num_replicas else
+                "TrainingSession needs a chief or worker task, but the cluster has none: add "
+                "a 'worker' (or 'chief') job to the spec")
         self.server = server
         self.model = model
         self.dataset = dataset
         self.mode = config.mode
         self.checkpoint_dir = config.checkpoint_dir
-        self.clients = config.clients  # in-graph: the worker tasks that talk to the ps
-        workers = server.ranks_of("worker")
+        self.clients = config.clients  # in-graph: the replicas that talk to the ps
+        workers = server.replica_ranks
         self.client_ranks = [workers[i] for i in self.clients or range(len(workers))]
         self.num_workers = len(self.client_ranks)
         self.batch_size = config.batch_size or getattr(dataset, "batch_size", 1)
@@ -75,6 +82,7 @@ class TrainingSession:
         self.nonfinite_skipped = 0  # gradients this worker dropped for NaN/Inf, in all
         self.skips_in_a_row = 0
         self.loss = None  # no step run yet (e.g. resumed at the last step)
+        self.committed = []  # chief: the steps of the checkpoints committed by this session
         placement = replica_device_setter(server.cluster, ps_strategy=config.ps_strategy,
                                           partitioner=partitioner)
         self.placement = placement.place(model.variables())
@@ -103,7 +111,7 @@ class TrainingSession:
 
     def _start(self, optimizer):
         restore = cut.agree_on_restore(
-            self.server.job_comm, self.checkpoint_dir if self.server.is_chief else None,
+            self.server.replica_comm, self.checkpoint_dir if self.server.is_chief else None,
             self.clients, log=lambda m: _log.warning("%s", m))
         values = None
         if restore is None:
@@ -141,7 +149,7 @@ class TrainingSession:
 
     def _restore_position(self, restore):
         if self.dataset is not None:
-            self.dataset.restore(cut.data_position(restore, self.server.task_index))
+            self.dataset.restore(cut.data_position(restore, self.server.replica_index))
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -257,7 +265,7 @@ class TrainingSession:
                 message = self._collect_checkpoint()
             else:
                 message = cut.wait_for_release(self.server.comm, self.client_ranks[0],
-                                               self.server.deadline, self.server.host_of)
+                                               self.server.deadline, self.server.peer)
         if message.get("stop"):
             self.requeue = True
 
@@ -270,6 +278,7 @@ class TrainingSession:
             layout["tables"] = table_dicts(self.embeddings.specs)
         step = cut.commit(self.checkpoint_dir, reports, self.placement.variables, layout,
                           max_to_keep=self.config.max_to_keep)
+        self.committed.append(step)
         if self.saver is not None:
             self.saver.saved(self)
         stop = self.signals.requested
@@ -311,11 +320,20 @@ class TrainingSession:
                 self.final_checkpoint()
         finally:
             self.client.done(P.FLAG_REQUEUE if self.requeue else 0)
+            if self.server.is_chief:
+                self._end_evaluators()
             for hook in self.hooks:
                 hook.end(self)
             path = self.config.timeline
             if path:  # collective with the ps tasks, which gather after serving
                 self.timeline.gather_and_write(self.server.comm, path)
+
+    def _end_evaluators(self):
+        """Chief: tell every evaluator task that training ended, and its last checkpoint."""
+        message = {"step": self.committed[-1] if self.committed else None,
+                   "committed": list(self.committed), "requeue": self.requeue}
+        for rank in self.server.ranks_of("evaluator"):
+            self.server.comm.send(message, dest=rank, tag=P.TAG_TRAINING_END)
 
     @property
     def exit_code(self):
