@@ -148,3 +148,29 @@ def test_an_out_of_range_id_in_the_data_ends_every_rank(tmp_path):
     assert not run.timed_out and run.returncode != 0
     assert "id 9 of field 1 in split 'test' (example 50) is outside [0, 7)" in run.output
     assert run.seconds < 30
+
+
+def test_the_ctr_job_trains_on_a_chief_and_a_worker_and_lets_other_tasks_go(tmp_path):
+    data = str(tmp_path / "ctr.h5")
+    synthetic_ctr(data, train=2000, test=500, fields=2, rows=30, dense=1, seed=5)
+    spec = "ps|localhost:1,chief|localhost:2,worker|localhost:3,other|localhost:4"
+    run = run_mpi(4, ["-m", "mpitf.jobs.ctr", "--data", data, f"--cluster_spec={spec}",
+                      "--steps", "150", "--batch-size", "64", "--optimizer", "adagrad",
+                      "--lr", "0.1", "--mode", "sync", "--eval-every", "0"],
+                  timeout=120, cwd=str(REPO))
+    assert not run.timed_out and run.returncode == 0, run.output
+    final = json.loads(next(x for x in run.output.splitlines()
+                            if x.startswith("final: "))[len("final: "):])
+    assert final["workers"] == 2 and final["step"] == 150 and 0.6 < final["test_auc"] <= 1
+    assert "ctr: /job:other/task:0 takes no part in training" in run.output
+
+
+def test_the_ctr_job_refuses_an_evaluator_task_on_every_rank(tmp_path):
+    data = str(tmp_path / "ctr.h5")
+    synthetic_ctr(data, train=200, test=50, fields=2, rows=10, dense=0, seed=6)
+    spec = "ps|localhost:1,worker|localhost:2,evaluator|localhost:3"
+    run = run_mpi(3, ["-m", "mpitf.jobs.ctr", "--data", data, f"--cluster_spec={spec}",
+                      "--checkpoint-dir", str(tmp_path / "ck")], timeout=60, cwd=str(REPO))
+    assert not run.timed_out and run.returncode == 2, run.output
+    assert run.output.count("ctr has no evaluator task yet") == 1
+    assert not (tmp_path / "ck").exists()

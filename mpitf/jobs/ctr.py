@@ -21,9 +21,11 @@ from mpitf.cli.flags import (
     session_from_config,
     setup_backend,
 )
+from mpitf.cli.side_tasks import run_side_task
 from mpitf.data.ctr import CtrDataset, auc, load_ctr
 from mpitf.errors import ConfigurationError, MpitfError
 from mpitf.models.ctr import CTR, logistic_loss
+from mpitf.roles import check_training_cluster
 from mpitf.runtime.exits import RankParser, collective, run_job
 
 
@@ -34,6 +36,14 @@ def start(args, config):
     from mpitf.runtime.server import Server
 
     cluster = resolve_cluster(args, MPI.COMM_WORLD.Get_size())
+    try:
+        check_training_cluster(cluster, config.training.checkpoint_dir)
+    except MpitfError as exc:
+        raise collective(exc) from None
+    if "evaluator" in cluster.jobs and cluster.num_tasks("evaluator"):
+        raise collective(ConfigurationError(
+            "ctr has no evaluator task yet: its chief logs test AUC and log loss every "
+            "--eval-every steps; leave the evaluator out of the cluster"))
     if cluster.num_tasks("ps") < 1:
         raise collective(ConfigurationError(
             "ctr keeps its embedding tables on ps tasks: give --num-ps 1 or more"))
@@ -81,9 +91,11 @@ def main(argv=None):
     if server.job_name == "ps":
         server.join()
         return server.exit_code
+    code = run_side_task(server, config, config.data, "ctr")  # other jobs' tasks exit 0
+    if code is not None:
+        return code
     training = config.training
-    workers = server.cluster.task_indices("worker")
-    dataset = CtrDataset(config.data, workers.index(server.task_index), len(workers),
+    dataset = CtrDataset(config.data, server.replica_index, server.num_replicas,
                          training.batch_size, training.seed)
     model = CTR(dataset.table_rows, args.embedding_dim, dataset.dense_dim, (config.hidden,))
     sess = session_from_config(server, model, config, dataset)
@@ -98,7 +110,7 @@ def main(argv=None):
     if server.is_chief and not sess.requeue:
         test_auc, test_logloss = evaluate(sess, model, config.data, dataset.batch_size)
         summary = dict(step=sess.global_step, loss=sess.loss, test_auc=test_auc,
-                       test_logloss=test_logloss, workers=len(workers), mode=training.mode)
+                       test_logloss=test_logloss, workers=server.num_replicas, mode=training.mode)
         report_final(config, summary)
     sess.close()
     return sess.exit_code

@@ -105,8 +105,7 @@ class Evaluator:
         _log.warning("evaluator: skipping the checkpoint at step %d: %s", step, why)
 
     def _write(self, step, metrics):
-        """Record one evaluation: a JSON line in eval/metrics.jsonl, TensorBoard scalars
-        (``loss``, ``accuracy``) in eval/, and one printed line."""
+        """Record one evaluation: eval/metrics.jsonl, TensorBoard scalars in eval/, a line."""
         record = {"step": step, **metrics, "time": time.time()}
         if self.path:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
