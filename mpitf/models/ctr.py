@@ -10,7 +10,7 @@ import numpy
 
 from ..config import check_int
 from .embedding import EmbeddingTable
-from .layers import ReferenceModel, dense, dense_backward, relu, relu_backward
+from .layers import ReferenceModel, dense_stack, dense_stack_backward
 
 __all__ = ["CTR", "logistic_loss"]
 
@@ -61,31 +61,17 @@ class CTR(ReferenceModel):
             parts.append(numpy.asarray(dense_x, self.dtype))
         return numpy.concatenate(parts, axis=1)
 
-    def _forward(self, params, x):
-        caches, h = [], x
-        for k, name in enumerate(self._layers):
-            h, dense_cache = dense(h, params[f"{name}/weights"], params[f"{name}/biases"])
-            relu_cache = None
-            if k < len(self._layers) - 1:
-                h, relu_cache = relu(h)
-            caches.append((dense_cache, relu_cache))
-        return h, caches
-
     def logits(self, params, rows, dense_x):
         """Return the logits ``(N,)`` given each field's rows ``[(N, dim)]`` and dense x."""
-        return self._forward(params, self._inputs(rows, dense_x))[0].reshape(-1)
+        return dense_stack(params, self._layers, self._inputs(rows, dense_x))[0].reshape(-1)
 
     def loss_and_grads(self, params, batch, grads, lookups):
         """Write the dense gradients into ``grads`` and the rows' into ``lookups``."""
         rows = [lookups[t.name].rows for t in self._tables]
         x = self._inputs(rows, batch[1])
-        logits, caches = self._forward(params, x)
+        logits, caches = dense_stack(params, self._layers, x)
         loss, d = logistic_loss(logits, numpy.asarray(batch[2], self.dtype))
-        for name, (dense_cache, relu_cache) in zip(reversed(self._layers), reversed(caches)):
-            if relu_cache is not None:
-                d = relu_backward(d, relu_cache)
-            d = dense_backward(d, dense_cache, params[f"{name}/weights"],
-                               grads[f"{name}/weights"], grads[f"{name}/biases"])
+        d = dense_stack_backward(d, caches, params, self._layers, grads)
         for f, t in enumerate(self._tables):
             lookups[t.name].grad[...] = d[:, f * self.dim:(f + 1) * self.dim]
         return loss

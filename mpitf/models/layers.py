@@ -30,6 +30,8 @@ __all__ = [
     "conv2d_backward",
     "dense",
     "dense_backward",
+    "dense_stack",
+    "dense_stack_backward",
     "evaluate",
     "ReferenceModel",
     "max_pool2x2",
@@ -80,6 +82,31 @@ def dense_backward(dy, cache, w, dw, db):
 
 
 # --- relu ------------------------------------------------------------------
+
+
+def dense_stack(params, names, x):
+    """Run dense layers ``names`` in order, ReLU between them (not after the last).
+
+    Returns the output and the caches :func:`dense_stack_backward` needs.
+    """
+    caches, h = [], x
+    for k, name in enumerate(names):
+        h, dense_cache = dense(h, params[f"{name}/weights"], params[f"{name}/biases"])
+        relu_cache = None
+        if k < len(names) - 1:
+            h, relu_cache = relu(h)
+        caches.append((dense_cache, relu_cache))
+    return h, caches
+
+
+def dense_stack_backward(d, caches, params, names, grads):
+    """Backpropagate ``d`` through :func:`dense_stack`, writing into ``grads``; return d/dx."""
+    for name, (dense_cache, relu_cache) in zip(reversed(names), reversed(caches)):
+        if relu_cache is not None:
+            d = relu_backward(d, relu_cache)
+        d = dense_backward(d, dense_cache, params[f"{name}/weights"],
+                           grads[f"{name}/weights"], grads[f"{name}/biases"])
+    return d
 
 
 def relu(x):

@@ -3,14 +3,7 @@
 import numpy
 
 from ..config import check_int
-from .layers import (
-    ReferenceModel,
-    dense,
-    dense_backward,
-    relu,
-    relu_backward,
-    softmax_cross_entropy,
-)
+from .layers import ReferenceModel, dense_stack, dense_stack_backward, softmax_cross_entropy
 
 __all__ = ["MLP"]
 
@@ -44,31 +37,15 @@ class MLP(ReferenceModel):
         return (f"MLP(input_dim={self.input_dim}, hidden={self.hidden}, "
                 f"num_classes={self.num_classes}, dtype={self.dtype.name})")
 
-    def _forward(self, params, x):
-        """Return the logits and the per-layer caches."""
-        caches = []
-        h = x
-        for k, name in enumerate(self._layers):
-            h, dense_cache = dense(h, params[f"{name}/weights"], params[f"{name}/biases"])
-            relu_cache = None
-            if k < len(self._layers) - 1:
-                h, relu_cache = relu(h)
-            caches.append((dense_cache, relu_cache))
-        return h, caches
-
     def logits(self, params, x):
         """Return the unnormalised class scores for rows ``x``, shape ``(N, num_classes)``."""
         _, x = self._stage(params, x)
-        return self._forward(params, x)[0]
+        return dense_stack(params, self._layers, x)[0]
 
     def loss_and_grads(self, params, batch, grads):
         """Write d(mean loss)/d(param) into ``grads[name]`` in place; return the mean loss."""
         xp, x = self._stage(params, batch[0])
-        logits, caches = self._forward(params, x)
+        logits, caches = dense_stack(params, self._layers, x)
         loss, d = softmax_cross_entropy(logits, xp.asarray(batch[1]))
-        for name, (dense_cache, relu_cache) in zip(reversed(self._layers), reversed(caches)):
-            if relu_cache is not None:
-                d = relu_backward(d, relu_cache)
-            d = dense_backward(d, dense_cache, params[f"{name}/weights"],
-                               grads[f"{name}/weights"], grads[f"{name}/biases"])
+        dense_stack_backward(d, caches, params, self._layers, grads)
         return loss
