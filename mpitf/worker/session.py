@@ -44,8 +44,9 @@ class TrainingSession:
             last_step, checkpoint_dir, save_checkpoint_steps, save_checkpoint_secs,
             replicas_to_aggregate, deterministic, staleness, moving_average_decay,
             skip_nonfinite, ps_strategy, seed, log_every, summary_every, run_dir, max_to_keep,
-            timeline, batch_size, clients) build one or change the given one. A misspelt option is a
-            TypeError that names it; a bad value a ConfigurationError.
+            timeline, bucket_bytes, batch_size, clients) build one or change the given one.
+            A misspelt option is a TypeError that names it; a bad value a
+            ConfigurationError.
     """
 
     def __init__(self, server, model, optimizer, mode=None, dataset=None, *, hooks=(),
@@ -87,7 +88,9 @@ class TrainingSession:
                                           partitioner=partitioner)
         self.placement = placement.place(model.variables())
         self.client = Client(server, self.placement, deadline=server.deadline,
-                             adaptive=not server.fixed_deadline)
+                             adaptive=not server.fixed_deadline,
+                             bucket_bytes=config.bucket_bytes)
+        self.client.timeline = self.timeline
         self.stall = StepClock(server.deadline, adaptive=not server.fixed_deadline)
         tables = model.tables() if hasattr(model, "tables") else ()
         self.embeddings = Embeddings(self.client, tables, self.batch_size) if tables else None
