@@ -47,11 +47,14 @@ class Pipeline:
         return (-1, hi) if bucket == self.last else (lo, hi)
 
     def reply_to(self, bucket):
-        """Return ``(tag, byte span or None)`` of a reply of ``bucket`` (None: the frame)."""
-        if not self.bucketed:
-            return P.TAG_REPLY, None
+        """Return ``(tag, byte span or None, reads)`` of a reply of ``bucket``.
+
+        None (a pull, or no buckets): the whole frame on ``TAG_REPLY``, reading everything.
+        """
+        if bucket is None or not self.bucketed:
+            return P.TAG_REPLY, None, self.WHOLE
         tag = P.TAG_REPLY if bucket == self.last else P.TAG_REPLY_BUCKET
-        return tag, self.spans[bucket]
+        return tag, self.spans[bucket], self.reads_of(bucket)
 
     def add(self, requests, worker, reads):
         """Keep ``requests`` (a reply to ``worker`` reading ``reads``) until finished."""

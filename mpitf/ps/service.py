@@ -75,6 +75,7 @@ class Service:
         self.recv_requests = [frame.recv_init(self.comm, MPI.ANY_SOURCE, P.TAG_REQUEST)
                               for frame in self.pool]
         self.global_step = 0
+        self.next_frame = 0  # with buckets: the pool frame whose receive was posted first
         self.initialized = False
         self.pending_pulls = []
         self.done, self.paused = set(), set()
@@ -133,11 +134,10 @@ class Service:
         self.reply(worker, bucket=bucket)
 
     def apply(self, grad, workers, bucket=0):
-        """Apply a gradient (or the mean of ``workers``' gradients) to one bucket's slice.
+        """Apply a gradient (or ``workers``' mean) to a bucket's slice, after its readers.
 
-        The push's last bucket completes the step: the global step advances and the sparse
-        pushes of ``workers`` (embedding tables) are applied with it, their sum divided by
-        as many. Only the replies that read this slice are waited for first.
+        A push's last bucket completes the step, with the sparse pushes of ``workers``
+        (embedding tables; their sum divided by as many).
         """
         pipe = self.pipeline
         last = bucket == pipe.last
@@ -161,13 +161,8 @@ class Service:
     def reply(self, worker, frame=None, bucket=None):
         """Send the parameters (or ``frame``, or one bucket's) to ``worker``, not blocking."""
         chunk_bytes = self.chunk_bytes if worker in self.chunked_workers else None
-        if frame is None and bucket is not None:
-            tag, span = self.pipeline.reply_to(bucket)
-            reads = self.pipeline.reads_of(bucket)
-            frame = self.shard.reply
-        else:
-            tag, span, reads = P.TAG_REPLY, None, Pipeline.WHOLE
-            frame = frame or self.shard.reply
+        tag, span, reads = self.pipeline.reply_to(bucket if frame is None else None)
+        frame = frame or self.shard.reply
         requests = frame.isend_published(self.comm, self.worker_ranks[worker], tag,
                                          chunk_bytes, span)
         self.pipeline.add(requests, worker, reads)
@@ -180,10 +175,7 @@ class Service:
     # -- internals -----------------------------------------------------------------------
 
     def _write_header(self, hi=None):
-        """Refresh the reply header (no reply reading it is in flight) and publish.
-
-        ``hi``: publish the payload up to ``hi`` only (the last bucket; None: all of it).
-        """
+        """Refresh the reply header (none in flight) and publish the payload (up to ``hi``)."""
         c, reply, average = self.counters, self.shard.reply, self.shard.average_frame
         c["global_step"] = self.global_step
         H.pack_reply(reply.header, self.global_step, self.ps_task,
@@ -359,8 +351,15 @@ class Service:
         for i in range(len(self.pool)):
             self.repost(i)
         status = MPI.Status()
+        # Buckets: wait for the frames in posting order, which is the order messages came.
+        ring = [[r] for r in self.recv_requests] if self.pipeline.bucketed else None
         while len(self.done) < self.num_workers:
-            index = P.wait_any(self.recv_requests, self.check_every, self._timeout, status)
+            if ring is None:
+                index = P.wait_any(self.recv_requests, self.check_every, self._timeout, status)
+            else:
+                index = self.next_frame
+                P.wait_any(ring[index], self.check_every, self._timeout, status)
+                self.next_frame = (index + 1) % len(ring)
             if self._handle(index, status.Get_source()):
                 self.repost(index)
             if self.check_every is not None and self.last_message > self.next_check:
