@@ -130,5 +130,25 @@ def test_timeline_covers_every_rank_and_step(mpirun, tmp_path):
     assert all(e["dur"] >= 0 for e in events)
 
 
+@pytest.mark.mpi
+def test_timeline_shows_push_apply_and_pull_per_bucket(mpirun, tmp_path):
+    trace, steps = tmp_path / "tl.json", 4
+    run = mpirun(3, REPO / "jobs" / "mnist_mlp.py", "--num-ps", 1, "--steps", steps,
+                 "--log-every", 100, "--run-dir", tmp_path / "run", "--timeline", trace,
+                 "--bucket-bytes", 64, timeout=60)  # one ps: four buckets, a variable each
+    assert run.returncode == 0, run.output
+    trace_events = json.loads(trace.read_text())["traceEvents"]
+    events = [e for e in trace_events if e["ph"] == "X"]
+    names = {e["pid"]: e["args"]["name"] for e in trace_events if e["name"] == "process_name"}
+    (ps,) = [r for r, n in names.items() if "/job:ps/" in n]
+    workers = [r for r, n in names.items() if "/job:worker/" in n]
+    every = {(step, k) for step in range(steps) for k in range(4)}
+    for rank, kinds in [(w, ("push", "pull")) for w in workers] + [(ps, ("apply",))]:
+        for kind in kinds:
+            seen = {(e["args"].get("step"), e["args"].get("bucket")) for e in events
+                    if e["pid"] == rank and e["name"] == kind}
+            assert every <= seen, (rank, kind, sorted(seen))
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -115,7 +115,8 @@ class BucketedPush:
             p, k = self.order[i]
             self.sends.extend(self.grad[i].isend(c.comm, c.ps_ranks[p], P.TAG_REQUEST))
             if tl is not None and tl.enabled:
-                tl.add("push", start, time.perf_counter(), bucket=k, ps=p)
+                tl.add("push", start, time.perf_counter(), bucket=k, ps=p,
+                       step=c.ps_steps[p])
 
     def _describe(self, i, operation="push_pull (bucketed)"):
         return dict(self.client._describe_ps(self.order[i][0]), operation=operation)
@@ -132,8 +133,9 @@ class BucketedPush:
             P.wait_all(self.receives[i], c.deadline, lambda _, i=i: self._describe(i))
         self.arrived[i] = True
         if tl is not None and tl.enabled:
-            tl.add("pull", start, time.perf_counter(), bucket=self.order[i][1],
-                   ps=self.order[i][0])
+            p = self.order[i][0]
+            tl.add("pull", start, time.perf_counter(), bucket=self.order[i][1], ps=p,
+                   step=c.ps_steps[p])
 
     def wait_params(self, name):
         """Wait for the buckets holding variable ``name`` (the rest may still travel)."""
