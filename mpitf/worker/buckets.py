@@ -8,6 +8,8 @@ one pushed, which starts the shard and comes back as a frame behind the reply he
 Everything here (frames, persistent requests, counters) is made once; a step reuses it.
 """
 
+import os
+import threading
 import time
 
 import numpy as np
@@ -16,6 +18,9 @@ from mpi4py import MPI
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.frame import Frame
+
+# How often the progress thread probes while buckets travel ($MPITF_PROGRESS_US, 0: never).
+PROGRESS_SECONDS = float(os.environ.get("MPITF_PROGRESS_US", "100")) / 1e6
 
 
 class BucketedPush:
@@ -64,6 +69,18 @@ class BucketedPush:
         self.sends = []
         self.arrived = [False] * len(self.order)
         self.reply_value = None
+        # A thread that drives MPI while backward computes, made once, woken per step.
+        self._busy = threading.Event()
+        self._progress = None
+
+    def _drive(self, comm):
+        # MPI moves a large message only while a rank is inside an MPI call: probe (on a
+        # tag nothing uses) while the main thread computes, so sent buckets keep moving.
+        while True:
+            self._busy.wait()
+            time.sleep(PROGRESS_SECONDS)
+            if self._busy.is_set():
+                comm.Iprobe(MPI.ANY_SOURCE, P.TAG_PROGRESS)
 
     def begin(self, data_position):
         """Pack every bucket's header and post every reply's receive; return self."""
@@ -117,6 +134,14 @@ class BucketedPush:
             if tl is not None and tl.enabled:
                 tl.add("push", start, time.perf_counter(), bucket=k, ps=p,
                        step=c.ps_steps[p])
+        if PROGRESS_SECONDS and not self._busy.is_set():
+            if self._progress is None:
+                if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+                    return
+                self._progress = threading.Thread(target=self._drive, args=(c.comm,),
+                                                  daemon=True, name="mpitf-progress")
+                self._progress.start()
+            self._busy.set()
 
     def _describe(self, i, operation="push_pull (bucketed)"):
         return dict(self.client._describe_ps(self.order[i][0]), operation=operation)
@@ -139,6 +164,7 @@ class BucketedPush:
 
     def wait_params(self, name):
         """Wait for the buckets holding variable ``name`` (the rest may still travel)."""
+        self._busy.clear()
         for i in self.of_variable.get(name, ()):
             self._wait_bucket(i)
 
@@ -153,6 +179,7 @@ class BucketedPush:
         """Push what is left, wait for every bucket's reply; return the :class:`Reply`."""
         if self.reply_value is None:
             self.push_rest()
+            self._busy.clear()
             for i in range(len(self.order)):
                 self._wait_bucket(i)
             P.wait_all(self.sends, self.client.deadline, lambda _: self._describe(0))
