@@ -106,6 +106,23 @@ def test_pushpull_json(mpirun, tmp_path):
 
 
 @pytest.mark.mpi
+def test_overlap_json(mpirun, tmp_path):
+    out = tmp_path / "ov.json"
+    run = mpirun(2, REPO / "benchmarks" / "overlap.py", "--quick", "--json", out, timeout=120)
+    assert run.returncode == 0, run.output
+    row = json.loads(out.read_text())
+    assert row["layers"] == 4 and row["buckets"] == 4  # one bucket per layer
+    assert sorted(row["step_ms"]) == ["1", "4"]
+    for key in ("compute_ms", "comm_ms", "backward_ms"):
+        assert row[key] > 0, row
+    for k in ("1", "4"):
+        assert row["step_ms"][k] > 0 and 0 <= row["hidden"][k] <= 1
+        assert row["exposed_ms"][k] >= 0
+    assert row["ratio"] == pytest.approx(row["step_ms"]["4"] / row["step_ms"]["1"])
+    assert "ratio" in run.stdout
+
+
+@pytest.mark.mpi
 def test_timeline_covers_every_rank_and_step(mpirun, tmp_path):
     trace, steps = tmp_path / "tl.json", 6
     run = mpirun(3, REPO / "jobs" / "mnist_mlp.py", "--num-ps", 1, "--steps", steps,
