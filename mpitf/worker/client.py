@@ -338,6 +338,10 @@ class Client:
             sparse: the embedding tables every ps holds rows of (``Embeddings.assignment``).
         Returns the :class:`Reply` of the first pull (its ``global_step`` is where to start).
         """
+        if config.bucket_bytes != self.bucket_bytes:
+            raise ConfigurationError(
+                f"the client cuts buckets of {self.bucket_bytes} bytes but the config says "
+                f"{config.bucket_bytes}: give both the same bucket_bytes")
         if self.server.is_chief:
             for p, rank in enumerate(self.ps_ranks):
                 assignment = PsAssignment(
