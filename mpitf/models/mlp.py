@@ -61,8 +61,12 @@ class MLP(ReferenceModel):
         _, x = self._stage(params, x)
         return self._forward(params, x)[0]
 
-    def loss_and_grads(self, params, batch, grads):
-        """Write d(mean loss)/d(param) into ``grads[name]`` in place; return the mean loss."""
+    def loss_and_grads(self, params, batch, grads, final=None):
+        """Write d(mean loss)/d(param) into ``grads[name]`` in place; return the mean loss.
+
+        ``final(names)``, if given, is called after each layer's gradients are written
+        (the last layer first), so a bucketed push can send them during backward.
+        """
         xp, x = self._stage(params, batch[0])
         logits, caches = self._forward(params, x)
         loss, d = softmax_cross_entropy(logits, xp.asarray(batch[1]))
@@ -71,4 +75,6 @@ class MLP(ReferenceModel):
                 d = relu_backward(d, relu_cache)
             d = dense_backward(d, dense_cache, params[f"{name}/weights"],
                                grads[f"{name}/weights"], grads[f"{name}/biases"])
+            if final is not None:
+                final((f"{name}/weights", f"{name}/biases"))
         return loss
