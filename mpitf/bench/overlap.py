@@ -12,7 +12,8 @@ over ``--steps`` steps after warm-up:
 
 * compute_ms: forward + backward alone (no communication);
 * comm_ms: the push+pull round trip alone (one bucket, nothing computing);
-* step_ms per bucket count: a whole step (forward, backward with the pushes, the wait);
+* step_ms per bucket count: a whole step (forward, backward with the pushes, the wait;
+  with buckets the forward waits for each layer's bucket as it comes, ``wait_params``);
 * exposed_ms = step_ms - compute_ms; hidden = 1 - exposed_ms / comm_ms (the fraction of
   communication that overlapped compute);
 * ratio: step_ms with buckets / step_ms with one bucket (target <= 0.75).
@@ -77,8 +78,11 @@ class Layers:
         self.tmp = np.zeros(shape, np.float32)
         self.acts[0][...] = np.random.default_rng(1).standard_normal(shape)
 
-    def forward(self, params):
+    def forward(self, params, wait=None):
+        """Forward; ``wait(name)`` first waits for that layer's parameters (its bucket)."""
         for i, name in enumerate(self.names):
+            if wait is not None:
+                wait(name)
             np.matmul(self.acts[i], params[name], out=self.acts[i + 1])
             np.tanh(self.acts[i + 1], out=self.acts[i + 1])
 
@@ -151,13 +155,20 @@ def worker(server, args):
     # 2. one bucket per layer: each pushed as soon as backward has it
     client = _session(server, model, layer_bytes, init)
 
+    pending = []
+
     def buckets():
-        model.forward(client.params)
+        # the forward takes each layer's parameters as its bucket lands, then the Reply
+        handle = pending.pop() if pending else None
+        model.forward(client.params, handle and handle.wait_params)
+        if handle is not None:
+            handle.wait()
         handle = client.start_push()
         model.backward(client.params, client.grads, handle.final)
-        handle.wait()
+        pending.append(handle)
 
     steps[len(client.buckets[0])] = _median_ms(buckets, args.steps)
+    pending.pop().wait()
     client.done()
     row["step_ms"] = steps
     row["exposed_ms"] = {k: max(0.0, v - row["compute_ms"]) for k, v in steps.items()}
