@@ -18,6 +18,7 @@ from .errors import ConfigurationError
 __all__ = [
     "DEFAULT_DEADLINE",
     "DEFAULT_MAX_NONFINITE_SKIPS",
+    "DEFAULT_BUCKET_BYTES",
     "DEFAULT_SUMMARY_EVERY",
     "MODES",
     "SERVER_FIRST",
@@ -56,6 +57,9 @@ SERVER_FIRST = 1.5
 # Consecutive non-finite gradients a worker may skip before the job ends (--max-nonfinite-skips):
 # a few bad batches are noise, a hundred in a row mean the parameters themselves diverged.
 DEFAULT_MAX_NONFINITE_SKIPS = 100
+# Buckets: a push leaves in parts of about this many bytes per ps, so the ps applies one
+# while it receives the next (measured in benchmarks/README.md, "Buckets"); 0: one frame.
+DEFAULT_BUCKET_BYTES = 0
 MODES = ("sync", "async", "ssp")
 # Global steps between TensorBoard histograms (--summary-every); see docs/design.md for the cost.
 DEFAULT_SUMMARY_EVERY = 100
@@ -195,6 +199,8 @@ class TrainingConfig:
             variables every N steps (0: never).
         run_dir: where metrics.jsonl and the TensorBoard event files go (None: nowhere).
         timeline: write a Chrome trace of every rank to this path.
+        bucket_bytes: push gradients in buckets of about this many bytes per ps, last
+            layers first, and pipeline them on the ps (0: one frame per ps).
         clients: in-graph replication: the worker tasks that talk to the ps (None: all).
     """
 
@@ -217,6 +223,7 @@ class TrainingConfig:
     summary_every: int = DEFAULT_SUMMARY_EVERY
     run_dir: str = None
     timeline: str = None
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
     clients: tuple = None
 
     def __post_init__(self):
@@ -245,6 +252,7 @@ class TrainingConfig:
         check_int("seed", self.seed, 0)
         check_int("log_every", self.log_every, 0)
         check_int("summary_every (--summary-every)", self.summary_every, 0)
+        check_int("bucket_bytes (--bucket-bytes; 0 for one frame per ps)", self.bucket_bytes, 0)
         if self.clients is not None:
             object.__setattr__(self, "clients", tuple(
                 check_int("clients", c, 0) for c in self.clients))
@@ -301,7 +309,7 @@ class JobConfig:
             max_nonfinite_skips=args.max_nonfinite_skips,
             moving_average_decay=args.moving_average_decay, ps_strategy=args.ps_strategy,
             seed=args.seed, log_every=args.log_every, summary_every=args.summary_every,
-            run_dir=args.run_dir, timeline=args.timeline)
+            run_dir=args.run_dir, timeline=args.timeline, bucket_bytes=args.bucket_bytes)
         return cls(training=training, model=args.model, hidden=args.hidden,
                    optimizer=args.optimizer, lr=args.lr, lr_decay=args.lr_decay,
                    lr_decay_steps=args.lr_decay_steps,

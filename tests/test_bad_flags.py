@@ -28,6 +28,8 @@ def data(digits_file):
     (["--mode", "ssp", "--staleness", "-1"], "staleness must be >= 0, got -1"),
     (["--checkpoint-every", "0"], "save_checkpoint_steps (--checkpoint-every) must be >= 1"),
     (["--summary-every", "-1"], "summary_every (--summary-every) must be >= 0, got -1"),
+    (["--bucket-bytes", "-1"],
+     "bucket_bytes (--bucket-bytes; 0 for one frame per ps) must be >= 0, got -1"),
 ])
 def test_a_bad_flag_ends_every_rank_with_one_message(data, tmp_path, flags, message):
     ckpt = tmp_path / "ckpt"

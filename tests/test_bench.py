@@ -106,6 +106,23 @@ def test_pushpull_json(mpirun, tmp_path):
 
 
 @pytest.mark.mpi
+def test_overlap_json(mpirun, tmp_path):
+    out = tmp_path / "ov.json"
+    run = mpirun(2, REPO / "benchmarks" / "overlap.py", "--quick", "--json", out, timeout=120)
+    assert run.returncode == 0, run.output
+    row = json.loads(out.read_text())
+    assert row["layers"] == 4 and row["buckets"] == 4  # one bucket per layer
+    assert sorted(row["step_ms"]) == ["1", "4"]
+    for key in ("compute_ms", "comm_ms", "backward_ms"):
+        assert row[key] > 0, row
+    for k in ("1", "4"):
+        assert row["step_ms"][k] > 0 and 0 <= row["hidden"][k] <= 1
+        assert row["exposed_ms"][k] >= 0
+    assert row["ratio"] == pytest.approx(row["step_ms"]["4"] / row["step_ms"]["1"])
+    assert "ratio" in run.stdout
+
+
+@pytest.mark.mpi
 def test_timeline_covers_every_rank_and_step(mpirun, tmp_path):
     trace, steps = tmp_path / "tl.json", 6
     run = mpirun(3, REPO / "jobs" / "mnist_mlp.py", "--num-ps", 1, "--steps", steps,
@@ -128,6 +145,26 @@ def test_timeline_covers_every_rank_and_step(mpirun, tmp_path):
                e["name"] == "apply"}
     assert set(range(steps)) <= applied
     assert all(e["dur"] >= 0 for e in events)
+
+
+@pytest.mark.mpi
+def test_timeline_shows_push_apply_and_pull_per_bucket(mpirun, tmp_path):
+    trace, steps = tmp_path / "tl.json", 4
+    run = mpirun(3, REPO / "jobs" / "mnist_mlp.py", "--num-ps", 1, "--steps", steps,
+                 "--log-every", 100, "--run-dir", tmp_path / "run", "--timeline", trace,
+                 "--bucket-bytes", 64, timeout=60)  # one ps: four buckets, a variable each
+    assert run.returncode == 0, run.output
+    trace_events = json.loads(trace.read_text())["traceEvents"]
+    events = [e for e in trace_events if e["ph"] == "X"]
+    names = {e["pid"]: e["args"]["name"] for e in trace_events if e["name"] == "process_name"}
+    (ps,) = [r for r, n in names.items() if "/job:ps/" in n]
+    workers = [r for r, n in names.items() if "/job:worker/" in n]
+    every = {(step, k) for step in range(steps) for k in range(4)}
+    for rank, kinds in [(w, ("push", "pull")) for w in workers] + [(ps, ("apply",))]:
+        for kind in kinds:
+            seen = {(e["args"].get("step"), e["args"].get("bucket")) for e in events
+                    if e["pid"] == rank and e["name"] == kind}
+            assert every <= seen, (rank, kind, sorted(seen))
 
 
 if __name__ == "__main__":

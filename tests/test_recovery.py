@@ -240,6 +240,30 @@ def test_sigkill_then_resume_gives_the_same_bits(tmp, optimizer):
     assert_bitwise_equal(load_npz(tmp / "out.npz"), load_npz(tmp / "ref.npz"))
 
 
+def test_sigkill_then_resume_with_buckets_gives_the_one_frame_bits(tmp):
+    # The reference trains in one frame per ps; the killed and the resumed run in buckets
+    # (64 bytes: each of the model's variables its own), cut and restored between steps.
+    extra = ["--checkpoint-every", "10", "--optimizer", "adam", "--lr", "0.01"]
+    ref = run_job(tmp, ckpt=tmp / "ref-ckpt", steps=40,
+                  extra=[*extra, "--export", tmp / "ref.npz"])
+    assert ref.returncode == 0, ref.output
+    root, buckets = tmp / "ckpt", ["--bucket-bytes", "64"]
+    job = Background(tmp, ckpt=root, steps=40, step_sleep=0.03, run_dir="killed",
+                     extra=[*extra, *buckets, "--log-every", "1"])
+    job.wait_until(lambda: (latest_step(root) or 0) >= 20, 30, "a checkpoint at step 20")
+    kill_group(job.proc)
+    job.finish()
+    saved = latest_step(root)
+    assert saved is not None and 20 <= saved < 40, job.output
+    resumed = run_job(tmp, ckpt=root, steps=40,
+                      extra=[*extra, *buckets, "--export", tmp / "out.npz"])
+    assert resumed.returncode == 0, resumed.output
+    (_, step), = RESTORED.findall(resumed.stdout)
+    assert int(step) == saved
+    assert final_summary(resumed)["step"] == 40
+    assert_bitwise_equal(load_npz(tmp / "out.npz"), load_npz(tmp / "ref.npz"))
+
+
 # ------------------------------------------------------- 2. a damaged newest checkpoint
 
 

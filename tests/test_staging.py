@@ -30,8 +30,9 @@ def test_chunk_ranges_cover_the_frame_in_order():
     assert chunk_tag(TAG_REPLY, 3) == TAG_REPLY + CHUNK_TAG_OFFSET
 
 
-def _run(kind, out, chunk=1024):
-    res = run_mpi(4, [DRIVER, kind, str(out), str(chunk)], timeout=90, cwd=str(REPO))
+def _run(kind, out, chunk=1024, buckets=0):
+    res = run_mpi(4, [DRIVER, kind, str(out), str(chunk), str(buckets)], timeout=90,
+                  cwd=str(REPO))
     assert res.returncode == 0 and not res.timed_out, res.output
     steps = json.loads(re.search(r"^steps (.*)$", res.stdout, re.M).group(1))
     assert steps == [1, 2, 3, 4, 5], res.output
@@ -63,6 +64,19 @@ def test_device_paths_give_the_numpy_bits(reference, tmp_path, kind, chunk):
     else:
         # CUDA-aware: the device buffers went to MPI as they are, no staging copies.
         assert "to_host_async" not in events and "to_device_async" not in events, events
+
+
+@pytest.mark.parametrize("kind,chunk", [("numpy", 1024), ("fake-aware", 1024),
+                                        ("fake-staged", 64), ("fake-staged", 1 << 20)])
+def test_buckets_on_device_paths_give_the_one_frame_bits(reference, tmp_path, kind, chunk):
+    # 256-byte buckets: every ps's shard in several frames, a partitioned variable included
+    out = tmp_path / f"{kind}-buckets.npz"
+    res = _run(kind, out, chunk, buckets=256)
+    assert json.loads(re.search(r"^buckets (.*)$", res.stdout, re.M).group(1)) == [2, 2], \
+        res.output
+    got = np.load(out)
+    for name in reference.files:
+        assert np.array_equal(got[name], reference[name]), name
 
 
 @pytest.mark.gpu

@@ -9,7 +9,9 @@ The protocol mpitf needs from a model::
 
 A model with embedding tables (sparse variables on the ps, :mod:`.embedding`) adds
 ``tables()`` and ``ids(batch)``, and its ``loss_and_grads`` takes a fourth argument, the
-batch's lookups (rows to read, row gradients to write).
+batch's lookups (rows to read, row gradients to write). A model whose ``loss_and_grads``
+takes a keyword ``final`` calls ``final(names)`` as soon as backward has written those
+variables' gradients, so that with buckets they leave while the layers below compute.
 """
 
 import math

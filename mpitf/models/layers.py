@@ -99,13 +99,19 @@ def dense_stack(params, names, x):
     return h, caches
 
 
-def dense_stack_backward(d, caches, params, names, grads):
-    """Backpropagate ``d`` through :func:`dense_stack`, writing into ``grads``; return d/dx."""
+def dense_stack_backward(d, caches, params, names, grads, final=None):
+    """Backpropagate ``d`` through :func:`dense_stack`, writing into ``grads``; return d/dx.
+
+    ``final(names)``, if given, is called as each layer's gradients are written (the last
+    layer first), so a bucketed push can send them while backward goes on.
+    """
     for name, (dense_cache, relu_cache) in zip(reversed(names), reversed(caches)):
         if relu_cache is not None:
             d = relu_backward(d, relu_cache)
         d = dense_backward(d, dense_cache, params[f"{name}/weights"],
                            grads[f"{name}/weights"], grads[f"{name}/biases"])
+        if final is not None:
+            final((f"{name}/weights", f"{name}/biases"))
     return d
 
 

@@ -42,10 +42,14 @@ class MLP(ReferenceModel):
         _, x = self._stage(params, x)
         return dense_stack(params, self._layers, x)[0]
 
-    def loss_and_grads(self, params, batch, grads):
-        """Write d(mean loss)/d(param) into ``grads[name]`` in place; return the mean loss."""
+    def loss_and_grads(self, params, batch, grads, final=None):
+        """Write d(mean loss)/d(param) into ``grads[name]`` in place; return the mean loss.
+
+        ``final(names)``, if given, is called after each layer's gradients are written
+        (the last layer first), so a bucketed push can send them during backward.
+        """
         xp, x = self._stage(params, batch[0])
         logits, caches = dense_stack(params, self._layers, x)
         loss, d = softmax_cross_entropy(logits, xp.asarray(batch[1]))
-        dense_stack_backward(d, caches, params, self._layers, grads)
+        dense_stack_backward(d, caches, params, self._layers, grads, final)
         return loss

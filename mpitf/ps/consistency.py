@@ -32,80 +32,111 @@ class SyncReplicas:
         self.replicas_to_aggregate = replicas_to_aggregate
         self.total_num_replicas = total_num_replicas
         self.deterministic = deterministic
-        self.waiting = []  # workers whose gradient is in the accumulator, in arrival order
-        self.held = {}  # deterministic: worker -> (frame, pool index), summed in worker order
+        # per bucket (one without buckets): the workers whose gradient is in the
+        # accumulator, in arrival order; deterministic: worker -> (gradient, pool index or
+        # None), summed in worker order
+        self.waiting = {}
+        self.held = {}
         self.accum = None
+        self.copies = {}  # deterministic with buckets: worker -> its gradient, bucket by bucket
 
-    def receive_buffers(self, num_workers):
+    def receive_buffers(self, num_workers, bucketed=False):
         """Return how many receive frames the ps needs (see :meth:`Async.receive_buffers`).
 
         Deterministic mode holds early gradients until their turn: one frame per worker,
-        and one more for the messages that keep coming meanwhile.
+        and one more for the messages that keep coming meanwhile. With buckets it copies
+        them aside instead (a worker may be many buckets ahead) and receives into two.
         """
-        return num_workers + 1 if self.deterministic else 1
+        if self.deterministic and not bucketed:
+            return num_workers + 1
+        return 2 if bucketed else 1
 
     def needed(self, svc):
         """Return how many gradients complete a step now (fewer once workers have left)."""
         return min(self.replicas_to_aggregate, svc.num_active)
 
-    def on_push(self, svc, worker, step, frame, index):
-        """Handle one pushed gradient; return True when its frame may be reused at once."""
-        g = svc.global_step
+    def on_push(self, svc, worker, step, frame, index, bucket=0):
+        """Handle one pushed gradient (bucket); return True when its frame may be reused now.
+
+        Each bucket is aggregated and applied on its own, as TF aggregates each variable;
+        a bucket's step is how often it was applied, and the step completes with the last.
+        """
+        pipe = svc.pipeline
+        g = pipe.steps[bucket]
         if step < g:
-            svc.drop(worker, g - step)
+            svc.drop(worker, g - step, bucket)
             return True
         if step > g:
             raise PeerError(f"push for step {step} but the ps is at step {g}",
                             **svc.describe_worker(worker, "push"))
-        svc.note_staleness(0)
+        if bucket == pipe.last:
+            svc.note_staleness(0)
+        lo, hi = pipe.ranges[bucket]
+        grad = frame.payload[:hi - lo]
+        waiting = self.waiting.setdefault(bucket, [])
         if self.deterministic:
-            self.held[worker] = (frame, index)
-            self.waiting.append(worker)
-            self.maybe_step(svc)
-            return False
-        if not self.waiting and self.needed(svc) == 1:
-            svc.apply(frame.payload, (worker,))  # one gradient: no need to copy it first
-            svc.reply(worker)
+            held = self.held.setdefault(bucket, {})
+            if pipe.bucketed:
+                copy = self.copies.get(worker)
+                if copy is None:
+                    copy = self.copies[worker] = svc.xp.empty_like(svc.shard.params)
+                copy[lo:hi] = grad
+                held[worker] = (copy[lo:hi], None)
+            else:
+                held[worker] = (grad, index)
+            waiting.append(worker)
+            self.maybe_step(svc, bucket)
+            return pipe.bucketed
+        if not waiting and self.needed(svc) == 1:
+            svc.apply(grad, (worker,), bucket)  # one gradient: no need to copy it first
+            svc.reply(worker, bucket=bucket)
             return True
         if self.accum is None:
-            self.accum = svc.xp.empty_like(frame.payload)
-        if not self.waiting:
-            self.accum[...] = frame.payload
+            self.accum = svc.xp.empty_like(svc.shard.params)
+        accum = self.accum[lo:hi]
+        if not waiting:
+            accum[...] = grad
         else:
-            svc.xp.add(self.accum, frame.payload, out=self.accum)
-        self.waiting.append(worker)
-        self.maybe_step(svc)
+            svc.xp.add(accum, grad, out=accum)
+        waiting.append(worker)
+        self.maybe_step(svc, bucket)
         return True
 
-    def maybe_step(self, svc):
-        """Apply the mean and answer the waiting workers once enough gradients are in."""
-        count = len(self.waiting)
+    def maybe_step(self, svc, bucket=0):
+        """Apply the bucket's mean and answer its waiting workers once enough are in."""
+        waiting = self.waiting.get(bucket)
+        count = len(waiting) if waiting else 0
         if count == 0 or count < self.needed(svc):
             return
+        lo, hi = svc.pipeline.ranges[bucket]
+        if self.accum is None:
+            self.accum = svc.xp.empty_like(svc.shard.params)
+        accum = self.accum[lo:hi]
         if self.deterministic:
-            order = sorted(self.held)
-            if self.accum is None:
-                self.accum = svc.xp.empty_like(self.held[order[0]][0].payload)
-            self.accum[...] = self.held[order[0]][0].payload
+            held = self.held[bucket]
+            order = sorted(held)
+            accum[...] = held[order[0]][0]
             for w in order[1:]:
-                svc.xp.add(self.accum, self.held[w][0].payload, out=self.accum)
+                svc.xp.add(accum, held[w][0], out=accum)
             for w in order:
-                svc.repost(self.held[w][1])
-            self.held.clear()
+                if held[w][1] is not None:
+                    svc.repost(held[w][1])
+            held.clear()
         if count > 1:
-            svc.xp.divide(self.accum, count, out=self.accum)
-        svc.apply(self.accum, self.waiting)
-        waiting, self.waiting = self.waiting, []
+            svc.xp.divide(accum, count, out=accum)
+        self.waiting[bucket] = []
+        svc.apply(accum, waiting, bucket)
         for w in waiting:
-            svc.reply(w)
+            svc.reply(w, bucket=bucket)
 
     def on_worker_gone(self, svc, worker):
         """A worker finished or paused: a step may now complete with fewer gradients."""
-        self.maybe_step(svc)
+        for bucket in range(svc.pipeline.count):
+            self.maybe_step(svc, bucket)
 
     def is_waiting(self, worker):
         """Return True if ``worker`` waits for this ps to finish a step."""
-        return worker in self.waiting
+        return any(worker in w for w in self.waiting.values())
 
 
 class Async:
@@ -113,26 +144,30 @@ class Async:
 
     name = "async"
 
-    def receive_buffers(self, num_workers):
-        """Return how many receive frames the ps needs: one.
+    def receive_buffers(self, num_workers, bucketed=False):
+        """Return how many receive frames the ps needs: one (two with buckets).
 
         Every gradient is used and its frame posted again before the next is waited for,
         so one frame is enough; a second one only takes turns with it and makes every
         large message land in memory that has gone cold in the cache (measured: 16 MiB
-        round trips 10-15 % slower with two).
+        round trips 10-15 % slower with two). With buckets the second one receives bucket
+        k+1 while bucket k is applied.
         """
-        return 1
+        return 2 if bucketed else 1
 
-    def on_push(self, svc, worker, step, frame, index):
-        """Apply the gradient now; return True (the frame is free again)."""
-        svc.note_staleness(svc.global_step - step)
-        svc.apply(frame.payload, (worker,))
-        self.after_apply(svc, worker)
+    def on_push(self, svc, worker, step, frame, index, bucket=0):
+        """Apply the gradient (bucket) now; return True (the frame is free again)."""
+        pipe = svc.pipeline
+        if bucket == pipe.last:
+            svc.note_staleness(svc.global_step - step)
+        lo, hi = pipe.ranges[bucket]
+        svc.apply(frame.payload[:hi - lo], (worker,), bucket)
+        self.after_apply(svc, worker, bucket)
         return True
 
-    def after_apply(self, svc, worker):
+    def after_apply(self, svc, worker, bucket):
         """Answer the worker at once."""
-        svc.reply(worker)
+        svc.reply(worker, bucket=bucket)
 
     def on_worker_gone(self, svc, worker):
         """Nothing waits on other workers in async mode."""
@@ -161,15 +196,21 @@ class BoundedStaleness(Async):
         active = [self.clock.get(w, 0) for w in svc.unblocked_workers()]
         return min(active) if active else None
 
-    def on_push(self, svc, worker, step, frame, index):
+    def on_push(self, svc, worker, step, frame, index, bucket=0):
         """Record the worker's lead over the slowest, then apply as async does."""
-        slowest = self._slowest(svc)
+        slowest = self._slowest(svc) if bucket == svc.pipeline.last else None
         if slowest is not None:
             svc.note_lead(self.clock.get(worker, 0) - slowest)
-        return super().on_push(svc, worker, step, frame, index)
+        return super().on_push(svc, worker, step, frame, index, bucket)
 
-    def after_apply(self, svc, worker):
-        """Advance the worker's clock; answer it unless it is now too far ahead."""
+    def after_apply(self, svc, worker, bucket):
+        """Advance the worker's clock after its last bucket; answer it unless too far ahead.
+
+        Earlier buckets are answered at once: the worker waits for the last one.
+        """
+        if bucket != svc.pipeline.last:
+            svc.reply(worker, bucket=bucket)
+            return
         self.clock[worker] = self.clock.get(worker, 0) + 1
         self.held.append(worker)
         self.release(svc)
@@ -180,7 +221,7 @@ class BoundedStaleness(Async):
         still = []
         for w in self.held:
             if slowest is None or self.clock[w] - slowest <= self.staleness:
-                svc.reply(w)
+                svc.reply(w, bucket=svc.pipeline.last)
             else:
                 still.append(w)
         self.held = still

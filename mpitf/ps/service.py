@@ -24,6 +24,7 @@ from ..wire import protocol as P
 from ..wire.frame import Frame
 from .consistency import make_policy
 from .optimizers import ExponentialMovingAverage, make_optimizer
+from .pipeline import Pipeline
 from .shard import Shard
 from .sparse import SparseTables
 
@@ -55,6 +56,7 @@ class Service:
         self.shard = Shard(assignment.slices, size, dtype, optimizer, self.backend,
                            ExponentialMovingAverage(ema) if ema else None)
         self.policy = make_policy(config, self.num_workers, assignment.total_num_replicas)
+        self.pipeline = Pipeline(assignment.slices, size, config.bucket_bytes, dtype.itemsize)
         self.tables = None  # embedding tables (ps/sparse.py): rows pulled and pushed by id
         if assignment.sparse:
             if self.backend.name != "numpy":
@@ -66,14 +68,14 @@ class Service:
         self.chunk_bytes = assignment.chunk_bytes
         self.chunked_workers = set()  # workers that stage through host memory, in chunks
         capacity = self.tables.capacity if self.tables else None
-        self.pool = [Frame.allocate(self.backend, size, dtype, capacity)
-                     for _ in range(self.policy.receive_buffers(self.num_workers))]
+        # Buckets: a second frame receives bucket k+1 while bucket k is applied.
+        frames = self.policy.receive_buffers(self.num_workers, self.pipeline.bucketed)
+        self.pool = [Frame.allocate(self.backend, size, dtype, capacity) for _ in range(frames)]
         # Each pool frame has one persistent receive, built once and restarted after use.
         self.recv_requests = [frame.recv_init(self.comm, MPI.ANY_SOURCE, P.TAG_REQUEST)
                               for frame in self.pool]
-        self.reply_requests = []
-        self.reply_workers = []  # the worker of each outstanding reply request, to name it
         self.global_step = 0
+        self.next_frame = 0  # with buckets: the pool frame whose receive was posted first
         self.initialized = False
         self.pending_pulls = []
         self.done, self.paused = set(), set()
@@ -122,40 +124,49 @@ class Service:
         if lead > self.counters["max_lead"]:
             self.counters["max_lead"] = lead
 
-    def drop(self, worker, staleness):
-        """Drop a stale gradient, count it, and send its worker the current parameters."""
-        self.counters["stale_dropped"] += 1
-        self.note_staleness(staleness)
-        if self.tables:
-            self.tables.discard(worker)
-        self.reply(worker)
+    def drop(self, worker, staleness, bucket=0):
+        """Drop a stale gradient (a bucket of it), count it, and answer with the parameters."""
+        if bucket == self.pipeline.last:
+            self.counters["stale_dropped"] += 1
+            self.note_staleness(staleness)
+            if self.tables:
+                self.tables.discard(worker)
+        self.reply(worker, bucket=bucket)
 
-    def apply(self, grad, workers):
-        """Apply a gradient (or the mean of ``workers``' gradients); advance the global step.
+    def apply(self, grad, workers, bucket=0):
+        """Apply a gradient (or ``workers``' mean) to a bucket's slice, after its readers.
 
-        The sparse pushes of ``workers`` (embedding tables) are applied with it, their sum
-        divided by as many.
+        A push's last bucket completes the step, with the sparse pushes of ``workers``
+        (embedding tables; their sum divided by as many).
         """
-        self._finish_replies()
+        pipe = self.pipeline
+        last = bucket == pipe.last
+        pipe.finish(self.stall.steady, self._describe_reply, bucket)
         start = time.perf_counter()
-        self.shard.apply(grad, self.global_step)
-        if self.tables:
+        lo, hi = pipe.ranges[bucket]
+        self.shard.apply(grad, self.global_step, lo, hi)
+        if self.tables and last:
             self.tables.apply(workers, len(workers), self.global_step)
         if self.timeline.enabled:
-            self.timeline.add("apply", start, time.perf_counter(), step=self.global_step)
-        self.global_step += 1
-        self.counters["pushes_applied"] += 1
-        self._write_header()
+            self.timeline.add("apply", start, time.perf_counter(), step=self.global_step,
+                              bucket=bucket)
+        pipe.steps[bucket] += 1
+        if last:
+            self.global_step += 1
+            self.counters["pushes_applied"] += 1
+            self._write_header(hi if pipe.bucketed else None)
+        else:
+            self.shard.publish(lo, hi)
 
-    def reply(self, worker, frame=None):
-        """Send the parameters (or ``frame``) to ``worker`` without blocking."""
-        frame = frame or self.shard.reply
+    def reply(self, worker, frame=None, bucket=None):
+        """Send the parameters (or ``frame``, or one bucket's) to ``worker``, not blocking."""
         chunk_bytes = self.chunk_bytes if worker in self.chunked_workers else None
-        for request in frame.isend_published(self.comm, self.worker_ranks[worker],
-                                             P.TAG_REPLY, chunk_bytes):
-            self.reply_requests.append(request)
-            self.reply_workers.append(worker)
-        self.counters["bytes_out"] += frame.bytes.nbytes
+        tag, span, reads = self.pipeline.reply_to(bucket if frame is None else None)
+        frame = frame or self.shard.reply
+        requests = frame.isend_published(self.comm, self.worker_ranks[worker], tag,
+                                         chunk_bytes, span)
+        self.pipeline.add(requests, worker, reads)
+        self.counters["bytes_out"] += frame.bytes.nbytes if span is None else span[1] - span[0]
 
     def repost(self, index):
         """Post the receive of pool frame ``index`` again (a persistent request, restarted)."""
@@ -163,24 +174,23 @@ class Service:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _write_header(self):
-        """Refresh the reply header; only called when no reply is in flight."""
+    def _write_header(self, hi=None):
+        """Refresh the reply header (none in flight) and publish the payload (up to ``hi``)."""
         c, reply, average = self.counters, self.shard.reply, self.shard.average_frame
         c["global_step"] = self.global_step
         H.pack_reply(reply.header, self.global_step, self.ps_task,
                      P.FLAG_PAUSE if self.pausing else 0, c["pushes_applied"],
                      c["stale_dropped"], c["max_staleness"], c["max_lead"])
-        reply.publish()
+        reply.publish(0, hi)
         if average is not None:
             average.header[...] = reply.header
-            average.publish()
+            average.publish(0, hi)
+
+    def _describe_reply(self, worker):
+        return self.describe_worker(worker, "reply (the worker stopped receiving)")
 
     def _finish_replies(self):
-        if self.reply_requests:
-            requests, workers = self.reply_requests, self.reply_workers
-            P.wait_all(requests, self.stall.steady, lambda i: self.describe_worker(
-                workers[i], "reply (the worker stopped receiving)"))
-            self.reply_requests, self.reply_workers = [], []
+        self.pipeline.finish(self.stall.steady, self._describe_reply)
 
     def _stepped(self, worker, now):
         """Count the gap since ``worker``'s previous push as one of its steps."""
@@ -218,6 +228,7 @@ class Service:
         if restored["missing_average"]:
             shard.start_average()
         self.global_step = restored["global_step"]
+        self.pipeline.at_step(self.global_step)
         self.positions = restored["positions"]
         self.initialized = True
         self._write_header()
@@ -248,18 +259,27 @@ class Service:
         if worker is None:
             raise PeerError(f"request from rank {source}, which is not a worker")
         now = self.last_seen[worker] = self.last_message = time.monotonic()
+        nbytes = H.HEADER_BYTES + request.count * frame.itemsize
         if flags & P.FLAG_CHUNKED:
             self.chunked_workers.add(worker)
             if kind in (P.PUSH, P.INIT) and self.chunk_bytes:
                 frame.receive_rest(self.comm, source, P.TAG_REQUEST, self.chunk_bytes,
                                    self.deadline,
-                                   lambda i: self.describe_worker(worker, "push (chunked)"))
+                                   lambda i: self.describe_worker(worker, "push (chunked)"),
+                                   nbytes if kind == P.PUSH else None)
         if kind == P.PUSH:
-            self._stepped(worker, now)
-            frame.received()
-            self.counters["bytes_in"] += H.HEADER_BYTES + request.count * frame.itemsize
+            bucket = request.bucket_index
+            if request.bucket_count != self.pipeline.count:
+                raise PeerError(
+                    f"a push in {request.bucket_count} buckets, but this ps cuts its shard "
+                    f"in {self.pipeline.count}: every task needs the same --bucket-bytes",
+                    **self.describe_worker(worker, "push"))
+            if bucket == 0:
+                self._stepped(worker, now)
+            frame.received(request.count)
+            self.counters["bytes_in"] += nbytes
             self.positions[worker] = (request.epoch, request.cursor)
-            return self.policy.on_push(self, worker, request.step, frame, index)
+            return self.policy.on_push(self, worker, request.step, frame, index, bucket)
         if kind == P.SPARSE_PULL or kind == P.SPARSE_PUSH:  # within a step: not a pause
             return self._sparse(worker, kind, frame)
         if kind != P.SKIP:  # pull, pause, counters: not a step (start-up, evaluation,
@@ -275,6 +295,7 @@ class Service:
             self.shard.params[...] = frame.payload
             self.shard.start_average()
             self.initialized = True
+            self.pipeline.at_step(self.global_step)
             self._write_header()
             for w, k in self.pending_pulls:
                 self._answer_pull(w, k)
@@ -314,9 +335,8 @@ class Service:
         self.counters["bytes_in"] += self.tables.layout.ids_end(
             self.tables.layout.counts(frame.bytes).tolist())
         view = self.tables.pull(worker, frame.bytes, self.global_step, describe)
-        self.reply_requests.append(P.frame_op(self.comm.Isend, view, self.worker_ranks[worker],
-                                              P.TAG_SPARSE_REPLY))
-        self.reply_workers.append(worker)
+        self.pipeline.add([P.frame_op(self.comm.Isend, view, self.worker_ranks[worker],
+                                      P.TAG_SPARSE_REPLY)], worker, Pipeline.WHOLE)
         self.counters["bytes_out"] += view.nbytes
         return True
 
@@ -331,8 +351,15 @@ class Service:
         for i in range(len(self.pool)):
             self.repost(i)
         status = MPI.Status()
+        # Buckets: wait for the frames in posting order, which is the order messages came.
+        ring = [[r] for r in self.recv_requests] if self.pipeline.bucketed else None
         while len(self.done) < self.num_workers:
-            index = P.wait_any(self.recv_requests, self.check_every, self._timeout, status)
+            if ring is None:
+                index = P.wait_any(self.recv_requests, self.check_every, self._timeout, status)
+            else:
+                index = self.next_frame
+                P.wait_any(ring[index], self.check_every, self._timeout, status)
+                self.next_frame = (index + 1) % len(ring)
             if self._handle(index, status.Get_source()):
                 self.repost(index)
             if self.check_every is not None and self.last_message > self.next_check:

@@ -29,12 +29,37 @@ class Shard:
                       for k, v in optimizer.make_slots(size, self.xp, dtype).items()}
         self.average = average  # an ExponentialMovingAverage or None
         self.average_frame = Frame.allocate(backend, size, dtype) if average is not None else None
+        self._views = {}  # (lo, hi) -> (params, slots, average) views of one bucket, made once
 
-    def apply(self, grad, step):
-        """Update the parameters with ``grad`` at global step ``step`` (before the update)."""
-        self.optimizer.apply(self.params, grad, self.slots, step)
-        if self.average is not None:
-            self.average.apply(self.average_frame.payload, self.params, step)
+    def apply(self, grad, step, lo=0, hi=None):
+        """Update the parameters with ``grad`` at global step ``step`` (before the update).
+
+        ``lo``, ``hi``: update elements ``[lo, hi)`` only (a bucket), ``grad`` being theirs.
+        The optimizers work element by element, so a slice's update is the same arithmetic
+        as the whole shard's on those elements (bit for bit).
+        """
+        if hi is None or (lo == 0 and hi == self.size):
+            params, slots = self.params, self.slots
+            average = self.average_frame.payload if self.average is not None else None
+        else:
+            views = self._views.get((lo, hi))
+            if views is None:
+                views = self._views[(lo, hi)] = (
+                    self.params[lo:hi], {k: v[lo:hi] for k, v in self.slots.items()},
+                    self.average_frame.payload[lo:hi] if self.average is not None else None)
+            params, slots, average = views
+        self.optimizer.apply(params, grad, slots, step)
+        if average is not None:
+            self.average.apply(average, params, step)
+
+    def publish(self, lo, hi):
+        """Make elements ``[lo, hi)`` as updated visible to MPI (the header untouched)."""
+        if self.reply.staged:
+            for frame in (self.reply, self.average_frame):
+                if frame is not None:
+                    frame.publish(lo, hi)
+        else:
+            self.backend.synchronize()
 
     def start_average(self):
         """Begin the moving average at the current parameters."""

@@ -145,25 +145,30 @@ class Frame:
             requests.append(P.frame_op(comm.Isend, self.bytes[lo:hi], peer, chunk_tag(tag, k)))
         return requests
 
-    def publish(self):
-        """Make the header and payload as they are now visible to MPI; return when they are."""
+    def publish(self, lo=0, hi=None):
+        """Make the header and payload elements ``[lo, hi)`` (default: all) visible to MPI."""
         if self._device_header is not None:
             self.commit()
             self.backend.synchronize()
         elif self.staged:
-            self.buffer.to_mpi(slice(self.segment[1], self.segment[2]))
+            b = self.segment[1]
+            self.buffer.to_mpi(slice(b + lo, self.segment[2] if hi is None else b + hi))
 
-    def isend_published(self, comm, peer, tag, chunk_bytes=None):
+    def isend_published(self, comm, peer, tag, chunk_bytes=None, span=None):
         """Start sending the frame as last published, whole or in chunks; return the requests.
 
-        ``chunk_bytes`` is the peer's chunk size when the peer stages, else None.
+        ``chunk_bytes`` is the peer's chunk size when the peer stages, else None. ``span``
+        (a byte range of the frame) sends that part only: a bucket's parameters, or the
+        header with the bucket behind it.
         """
+        data = self.bytes if span is None else self.bytes[span[0]:span[1]]
         if not chunk_bytes:
-            return [P.frame_op(comm.Isend, self.bytes, peer, tag)]
-        ranges = self._chunks_for.get(chunk_bytes)
+            return [P.frame_op(comm.Isend, data, peer, tag)]
+        key = (chunk_bytes, span)
+        ranges = self._chunks_for.get(key)
         if ranges is None:
-            ranges = self._chunks_for[chunk_bytes] = chunk_ranges(self.bytes.nbytes, chunk_bytes)
-        return [P.frame_op(comm.Isend, self.bytes[lo:hi], peer, chunk_tag(tag, k))
+            ranges = self._chunks_for[key] = chunk_ranges(data.nbytes, chunk_bytes)
+        return [P.frame_op(comm.Isend, data[lo:hi], peer, chunk_tag(tag, k))
                 for k, (lo, hi) in enumerate(ranges)]
 
     # -- in ----------------------------------------------------------------------------
@@ -190,9 +195,12 @@ class Frame:
         """Return a persistent receive of the whole frame (``source`` may be ANY_SOURCE)."""
         return P.frame_op(comm.Recv_init, self.bytes, source, tag)
 
-    def receive_rest(self, comm, source, tag, chunk_bytes, deadline, describe):
-        """Receive chunks 1.. of a frame ``source`` stages in chunks (chunk 0 has arrived)."""
-        ranges = chunk_ranges(self.bytes.nbytes, chunk_bytes)
+    def receive_rest(self, comm, source, tag, chunk_bytes, deadline, describe, nbytes=None):
+        """Receive chunks 1.. of a frame ``source`` stages in chunks (chunk 0 has arrived).
+
+        ``nbytes``: the message's size, header included (default: the whole frame).
+        """
+        ranges = chunk_ranges(self.bytes.nbytes if nbytes is None else nbytes, chunk_bytes)
         requests = [P.frame_op(comm.Irecv, self.bytes[lo:hi], source, chunk_tag(tag, k))
                     for k, (lo, hi) in enumerate(ranges) if k]
         P.wait_all(requests, deadline, describe)
@@ -203,10 +211,14 @@ class Frame:
             self.backend.to_host(self._device_header, out=self.header)
         return self.header
 
-    def received(self):
-        """Make a frame received whole readable on the device (a staged payload is copied)."""
+    def received(self, count=None):
+        """Make a received frame readable on the device (a staged payload is copied).
+
+        ``count``: the payload elements the message had (default: the whole payload).
+        """
         if self.staged:
-            self.buffer.from_mpi(slice(self.segment[1], self.segment[2]))
+            b = self.segment[1]
+            self.buffer.from_mpi(slice(b, self.segment[2] if count is None else b + count))
 
     # -- internals ---------------------------------------------------------------------
 

@@ -16,8 +16,9 @@ word  request (push, pull, init, done, ...)        reply
 5     epoch: the worker's data position after      stale_dropped: stale gradients dropped
       this batch (push)
 6     cursor: the same, within the epoch (push)    max_staleness: largest staleness seen
-7     0                                            max_lead: largest lead over the slowest
-                                                   worker (``ssp``; 0 in other modes)
+7     bucket (push): index << 32 | count of the     max_lead: largest lead over the slowest
+      buckets of this push, in push order (0: the  worker (``ssp``; 0 in other modes)
+      whole frame, one bucket)
 ====  ===========================================  =========================================
 
 A sparse reply (``SPARSE_REPLY``, the rows a sparse pull asked for) has the reply's words.
@@ -45,7 +46,17 @@ class RequestHeader(NamedTuple):
     flags: int
     epoch: int
     cursor: int
-    unused: int
+    bucket: int
+
+    @property
+    def bucket_index(self):
+        """Return this push's bucket, in push order (0 for a whole frame)."""
+        return self.bucket >> 32
+
+    @property
+    def bucket_count(self):
+        """Return how many buckets the push has (1 for a whole frame)."""
+        return (self.bucket & 0xFFFFFFFF) or 1
 
 
 class ReplyHeader(NamedTuple):
@@ -61,8 +72,12 @@ class ReplyHeader(NamedTuple):
     max_lead: int
 
 
-def pack_request(words, kind, step, worker, count=0, flags=0, epoch=0, cursor=0):
-    """Write a request header into the int64 array ``words`` (in place)."""
+def pack_request(words, kind, step, worker, count=0, flags=0, epoch=0, cursor=0, bucket=0,
+                 buckets=0):
+    """Write a request header into the int64 array ``words`` (in place).
+
+    ``bucket`` of ``buckets`` names a bucketed push's part (``buckets`` 0: a whole frame).
+    """
     words[0] = kind
     words[1] = step
     words[2] = worker
@@ -70,7 +85,7 @@ def pack_request(words, kind, step, worker, count=0, flags=0, epoch=0, cursor=0)
     words[4] = flags
     words[5] = epoch
     words[6] = cursor
-    words[7] = 0
+    words[7] = (bucket << 32) | buckets
 
 
 def pack_reply(words, step, ps, flags, pushes_applied, stale_dropped, max_staleness, max_lead,

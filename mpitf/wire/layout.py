@@ -29,9 +29,11 @@ class VariableViews:
             for s, piece in parts:
                 whole[s.start:s.stop] = piece
 
-    def scatter(self):
-        """Copy partitioned variables into their slices in the flat buffer."""
+    def scatter(self, names=None):
+        """Copy partitioned variables (or those of ``names``) into their slices."""
         for name, parts in self.split:
+            if names is not None and name not in names:
+                continue
             whole = self.arrays[name].reshape(-1)
             for s, piece in parts:
                 piece[...] = whole[s.start:s.stop]
@@ -54,20 +56,67 @@ def frame_segments(sizes, dtype):
     return segments
 
 
-class FlatLayout:
-    """Where each ps's frame and each variable sit in a worker's flat buffer (in elements)."""
+def bucket_ranges(slices, size, bucket_bytes, itemsize):
+    """Return a shard's buckets as element ranges ``(lo, hi)`` in push order.
 
-    def __init__(self, placement):
+    ``slices`` (with ``offset`` and ``size``) cover a shard of ``size`` elements. Buckets
+    are cut between slices (a slice is never split, so every variable stays contiguous)
+    once they reach ``bucket_bytes`` (0 or None: one bucket). Memory order follows the
+    variables; backward produces the last layers' gradients first, so buckets are pushed
+    from the end of the shard: the last one pushed starts the shard, right behind the
+    header slot, and carries the reply header back.
+    """
+    if not bucket_bytes or size * itemsize <= bucket_bytes:
+        return [(0, size)]
+    ranges, lo = [], 0
+    for s in sorted(slices, key=lambda s: s.offset):
+        end = s.offset + s.size
+        if (end - lo) * itemsize >= bucket_bytes:
+            ranges.append((lo, end))
+            lo = end
+    if lo < size:
+        ranges.append((lo, size))
+    return ranges[::-1]
+
+
+class FlatLayout:
+    """Where each ps's frame and each variable sit in a worker's flat buffer (in elements).
+
+    With ``buckets`` (per ps, the element ranges of :func:`bucket_ranges` in push order)
+    every bucket gets a header slot of its own, so each goes out as one frame; without,
+    each ps's part is one frame. ``frames`` lists ``(ps, bucket, segment)`` in memory order.
+    """
+
+    def __init__(self, placement, buckets=None):
         self.placement = placement
         self.dtype = placement.dtype
-        # (start of header, start of payload, end) per ps
-        self.segments = frame_segments(placement.shard_sizes, self.dtype)
-        self.size = self.segments[-1][2] if self.segments else 0
+        if buckets is None:
+            buckets = [[(0, n)] for n in placement.shard_sizes]
+        self.buckets = buckets
+        cuts = [(p, k, hi - lo) for p, ranges in enumerate(buckets)
+                for k, (lo, hi) in reversed(list(enumerate(ranges)))]
+        segments = frame_segments([n for _, _, n in cuts], self.dtype)
+        self.frames = [(p, k, seg) for (p, k, _), seg in zip(cuts, segments)]
+        self._at = {(p, k): seg[1] for p, k, seg in self.frames}
+        # (start of header, start of payload, end) per ps: its first frame's header and the
+        # end of its last frame (the ps's whole part when there is one bucket per ps)
+        self.segments = []
+        for p in range(len(buckets)):
+            mine = [seg for q, _, seg in self.frames if q == p]
+            self.segments.append((mine[0][0], mine[0][1], mine[-1][2]))
+        self.size = segments[-1][2] if segments else 0
+
+    def at(self, ps, offset):
+        """Return where element ``offset`` of ps ``ps``'s shard lies in the flat buffer."""
+        for k, (lo, hi) in enumerate(self.buckets[ps]):
+            if lo <= offset < hi or (offset == lo == hi):
+                return self._at[(ps, k)] + offset - lo
+        raise ValueError(f"offset {offset} is outside the shard of ps {ps}")
 
     @property
     def num_elements(self):
         """Return the number of parameter elements (headers excluded)."""
-        return sum(c - b for _, b, c in self.segments)
+        return sum(c - b for _, _, (_, b, c) in self.frames)
 
     def payloads(self, flat):
         """Return the payload view of every ps's part of ``flat``."""
@@ -82,7 +131,7 @@ class FlatLayout:
         for name, shape, dtype in self.placement.variables:
             parts = []
             for s in self.placement.owner(name):
-                at = self.segments[s.ps_task][1] + s.offset
+                at = self.at(s.ps_task, s.offset)
                 parts.append((s, flat[at:at + s.size]))
             if len(parts) == 1:
                 arrays[name] = parts[0][1].reshape(shape)

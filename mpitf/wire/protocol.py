@@ -29,6 +29,9 @@ TAG_REPLY = 12  # ps -> worker frames
 TAG_CONTROL = 13  # pickled control objects (config, save, counters): rare, so objects are fine
 TAG_SPARSE_REPLY = 14  # ps -> worker rows of an embedding table (answers SPARSE_PULL)
 TAG_TRAINING_END = 15  # chief -> evaluator: training ended; the last committed checkpoint
+TAG_PROGRESS = 17  # never sent: a worker probes it to drive MPI while backward computes
+TAG_REPLY_BUCKET = 16  # ps -> worker: a bucket's parameters without a header (buckets in
+#   push order; the last one, which starts the shard, comes as a frame on TAG_REPLY)
 CHUNK_TAG_OFFSET = 100  # continuation chunks of a staged frame: TAG_REQUEST/TAG_REPLY + 100
 DEFAULT_CHUNK_BYTES = 4 << 20  # chunk size of frames staged through pinned host memory
 

@@ -17,7 +17,8 @@ from ..runtime.backend import get_backend, numpy_backend
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.frame import Frame, frames_over
-from ..wire.layout import FlatLayout
+from ..wire.layout import FlatLayout, bucket_ranges
+from .buckets import BucketedPush
 
 
 class Reply:
@@ -103,10 +104,12 @@ class Client:
             The session lowers it as steps run unless ``adaptive`` is False.
         adaptive: tell every ps to adapt its waits to the step time (see ``start``).
         chunk_bytes: chunk size when device buffers are staged through host memory.
+        bucket_bytes: push in buckets of about this many bytes per ps (0: one frame per
+            ps); see :mod:`mpitf.worker.buckets`.
     """
 
     def __init__(self, server, placement, backend=None, deadline=DEFAULT_DEADLINE,
-                 chunk_bytes=P.DEFAULT_CHUNK_BYTES, adaptive=False):
+                 chunk_bytes=P.DEFAULT_CHUNK_BYTES, adaptive=False, bucket_bytes=0):
         self.server = server
         self.placement = placement
         self.backend = backend or get_backend()
@@ -121,17 +124,25 @@ class Client:
                 f"{len(self.ps_ranks)}")
         self.layout = FlatLayout(placement)
         self.segments = self.layout.segments
-        dtype, pos = placement.dtype, self.layout.size
+        itemsize = placement.dtype.itemsize
+        self.bucket_bytes = bucket_bytes
+        self.buckets = [bucket_ranges(placement.slices_for_ps(p), n, bucket_bytes, itemsize)
+                        for p, n in enumerate(placement.shard_sizes)]
+        self.bucketed = any(len(b) > 1 for b in self.buckets)
+        # Gradients: one frame per bucket (a header slot each); parameters: one per ps.
+        self.grad_layout = FlatLayout(placement, self.buckets) if self.bucketed else self.layout
+        dtype = placement.dtype
         if chunk_bytes is not None:
             check_multiple("chunk_bytes", chunk_bytes, H.HEADER_BYTES)
-        self.params_flat = self.backend.zeros(pos, dtype)
-        self.grads_flat = self.backend.zeros(pos, dtype)
+        self.params_flat = self.backend.zeros(self.layout.size, dtype)
+        self.grads_flat = self.backend.zeros(self.grad_layout.size, dtype)
         self.chunk_bytes = chunk_bytes
         # One frame per ps in each buffer: sent as they are, or staged through pinned
         # host memory in chunks (and then the ps is told so, to answer in chunks).
         self.param_frames = frames_over(self.backend, self.params_flat, self.segments,
                                         chunk_bytes)
-        self.grad_frames = frames_over(self.backend, self.grads_flat, self.segments,
+        self.grad_frames = frames_over(self.backend, self.grads_flat,
+                                       [seg for _, _, seg in self.grad_layout.frames],
                                        chunk_bytes)
         self.chunked = self.param_frames[0].staged
         self.request_flags = P.FLAG_CHUNKED if self.chunked else 0
@@ -140,9 +151,11 @@ class Client:
                                for _ in self.segments]
         self.ps_steps = [0] * len(self.segments)
         self.param_views = self.layout.views(self.params_flat, self.backend)
-        self.grad_views = self.layout.views(self.grads_flat, self.backend)
+        self.grad_views = self.grad_layout.views(self.grads_flat, self.backend)
         self.params = self.param_views.arrays
         self.grads = self.grad_views.arrays
+        self.timeline = None  # the session's Timeline: bucketed pushes record per bucket
+        self.bucketed_push = BucketedPush(self) if self.bucketed else None
 
     def _describe_ps(self, p):
         rank = self.ps_ranks[p]
@@ -155,8 +168,11 @@ class Client:
 
         Returns a :class:`PushPullHandle`; parameters must not be read until it is waited.
         ``data_position`` (epoch, cursor after this batch) travels in the header so each ps
-        can save it with the checkpoint that includes this gradient.
+        can save it with the checkpoint that includes this gradient. With buckets every
+        bucket goes, last layers first (:meth:`start_push` pushes them one by one).
         """
+        if self.bucketed:
+            return self.start_push(data_position).push_rest()
         self.grad_views.scatter()
         epoch, cursor = data_position
         for p, frame in enumerate(self.grad_frames):
@@ -170,6 +186,18 @@ class Client:
             receives.append(self.param_frames[p].irecv(self.comm, rank, P.TAG_REPLY))
             sends.extend(self.grad_frames[p].isend(self.comm, rank, P.TAG_REQUEST))
         return PushPullHandle(self, receives, sends, "push_pull")
+
+    def start_push(self, data_position=(0, 0)):
+        """Begin a bucketed push: post every reply's receive; return the :class:`BucketedPush`.
+
+        Then ``final(names)`` as backward finishes variables (each bucket leaves once all
+        its variables are final), ``push_rest()``, and ``wait()`` (or ``wait_params(name)``
+        for one variable's bucket first). Needs ``bucket_bytes`` that cut some shard.
+        """
+        if self.bucketed_push is None:
+            raise ConfigurationError("start_push needs buckets: give the client a "
+                                     "bucket_bytes smaller than a ps's shard")
+        return self.bucketed_push.begin(data_position)
 
     def _request(self, kind, want_reply, flags=0, operation="pull"):
         receives, sends = [], []
@@ -189,7 +217,7 @@ class Client:
         Checking here, on every worker in parallel, keeps the ps's path free of it.
         """
         xp = self.backend.xp
-        for _, b, c in self.segments:
+        for _, _, (_, b, c) in self.grad_layout.frames:
             if not np.isfinite(float(xp.add.reduce(self.grads_flat[b:c]))):
                 break
         else:
@@ -310,6 +338,10 @@ class Client:
             sparse: the embedding tables every ps holds rows of (``Embeddings.assignment``).
         Returns the :class:`Reply` of the first pull (its ``global_step`` is where to start).
         """
+        if config.bucket_bytes != self.bucket_bytes:
+            raise ConfigurationError(
+                f"the client cuts buckets of {self.bucket_bytes} bytes but the config says "
+                f"{config.bucket_bytes}: give both the same bucket_bytes")
         if self.server.is_chief:
             for p, rank in enumerate(self.ps_ranks):
                 assignment = PsAssignment(

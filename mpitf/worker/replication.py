@@ -106,6 +106,9 @@ class InGraphReplica(ModelWrapper):
 
     def attach(self, client):
         """Use ``client``'s flat buffers: broadcast its parameters, gather into its layout."""
+        if client.bucketed:
+            raise ConfigurationError("in-graph replication gathers into one frame per ps: "
+                                     "leave bucket_bytes (--bucket-bytes) at 0")
         self.client = client
         n = client.params_flat.shape[0]
         xp = self.backend.xp

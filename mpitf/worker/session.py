@@ -7,6 +7,7 @@ and checkpoint-then-exit on SIGTERM/SIGUSR1.
 The replicas are the chief task (if any) and the worker tasks (``server.replica_index``).
 """
 
+import inspect
 import logging
 import time
 
@@ -44,8 +45,9 @@ class TrainingSession:
             last_step, checkpoint_dir, save_checkpoint_steps, save_checkpoint_secs,
             replicas_to_aggregate, deterministic, staleness, moving_average_decay,
             skip_nonfinite, ps_strategy, seed, log_every, summary_every, run_dir, max_to_keep,
-            timeline, batch_size, clients) build one or change the given one. A misspelt option is a
-            TypeError that names it; a bad value a ConfigurationError.
+            timeline, bucket_bytes, batch_size, clients) build one or change the given one.
+            A misspelt option is a TypeError that names it; a bad value a
+            ConfigurationError.
     """
 
     def __init__(self, server, model, optimizer, mode=None, dataset=None, *, hooks=(),
@@ -87,9 +89,15 @@ class TrainingSession:
                                           partitioner=partitioner)
         self.placement = placement.place(model.variables())
         self.client = Client(server, self.placement, deadline=server.deadline,
-                             adaptive=not server.fixed_deadline)
+                             adaptive=not server.fixed_deadline,
+                             bucket_bytes=config.bucket_bytes)
+        self.client.timeline = self.timeline
         self.stall = StepClock(server.deadline, adaptive=not server.fixed_deadline)
+        # With buckets, a model that reports finished layers (``final``) pushes them during
+        # backward; a NaN/Inf found after that still ends the job, but cannot be skipped.
         tables = model.tables() if hasattr(model, "tables") else ()
+        self.layerwise = self.client.bucketed and not config.skip_nonfinite and not tables \
+            and "final" in inspect.signature(model.loss_and_grads).parameters
         self.embeddings = Embeddings(self.client, tables, self.batch_size) if tables else None
         self.hooks = []
         if config.last_step is not None:
@@ -179,6 +187,8 @@ class TrainingSession:
     def run(self, batch=None):
         """Run one step: gradients on ``batch`` (or the dataset's next), push, pull, hooks."""
         tl = self.timeline
+        if self.layerwise:
+            return self._run_layerwise(batch)
         with tl.span("compute", step=self.global_step):
             if batch is None:
                 batch = self.dataset.next_batch()
@@ -202,6 +212,9 @@ class TrainingSession:
             if self.embeddings is not None:
                 self.embeddings.push()  # before the dense push: the ps applies both at once
             reply = self.client.push_pull((state["epoch"], state["cursor"])).wait()
+        return self._finish_step(reply)
+
+    def _finish_step(self, reply):
         self.last_reply = reply
         self.global_step = reply.global_step
         self.steps_run += 1
@@ -212,6 +225,25 @@ class TrainingSession:
         self.stall.tick(time.monotonic())
         self.client.deadline = self.stall.allowance
         return self.loss
+
+    def _run_layerwise(self, batch):
+        """One step whose buckets leave as backward finishes them (see ``layerwise``)."""
+        tl = self.timeline
+        with tl.span("compute", step=self.global_step):
+            if batch is None:
+                batch = self.dataset.next_batch()
+            state = self.dataset.state() if self.dataset is not None else \
+                {"epoch": 0, "cursor": 0}
+            if self.server.is_chief and self._cut_due():
+                self._send_save(self.global_step + 1)
+            handle = self.client.start_push((state["epoch"], state["cursor"]))
+            self.loss = self.model.loss_and_grads(self.client.params, batch,
+                                                  self.client.grads, final=handle.final)
+        bad = self.client.nonfinite_gradient()
+        if bad is not None:
+            return self._skip(bad)  # raises: without skip_nonfinite
+        with tl.span("push_pull", step=self.global_step):
+            return self._finish_step(handle.wait())
 
     def _skip(self, variable):
         """Drop a gradient holding NaN/Inf in ``variable`` (with skip_nonfinite), or raise.

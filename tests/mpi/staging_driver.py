@@ -1,6 +1,6 @@
 """Train a few sync steps with every rank on a given backend; the chief saves the params.
 
-Run: mpiexec -n 4 python tests/mpi/staging_driver.py BACKEND OUT.npz [CHUNK_BYTES]
+Run: mpiexec -n 4 python tests/mpi/staging_driver.py BACKEND OUT.npz [CHUNK_BYTES [BUCKET_BYTES]]
 BACKEND is numpy, fake-aware (fake device arrays handed to MPI as they are),
 fake-staged (fake device arrays staged through host buffers in chunks), or gpu (CuPy on
 a real GPU per local rank, CUDA-aware or staged as the MPI library allows).
@@ -27,6 +27,7 @@ VARIABLES = [("dense/weights", (300, 4), "f4"), ("dense/biases", (4,), "f4"),
 def main():
     kind, out = sys.argv[1], sys.argv[2]
     chunk = int(sys.argv[3]) if len(sys.argv) > 3 else 1024
+    buckets = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     if kind == "gpu":
         from mpitf.device import local_rank
 
@@ -40,10 +41,10 @@ def main():
         return
     part = min_max_variable_partitioner(2, min_slice_size=1024)
     placement = replica_device_setter(server.cluster, partitioner=part).place(VARIABLES)
-    client = Client(server, placement, be, deadline=30, chunk_bytes=chunk)
+    client = Client(server, placement, be, deadline=30, chunk_bytes=chunk, bucket_bytes=buckets)
     rng = np.random.default_rng(0)
     init = {n: rng.standard_normal(s).astype(t) for n, s, t in VARIABLES}
-    client.start(TrainingConfig(deterministic=True),
+    client.start(TrainingConfig(deterministic=True, bucket_bytes=buckets),
                  {"name": "momentum", "learning_rate": 0.05}, init)
     steps = []
     for step in range(5):
@@ -58,6 +59,7 @@ def main():
     if server.is_chief:
         np.savez(out, **{k: be.to_host(v) for k, v in client.params.items()})
         sys.stdout.write("steps " + json.dumps(steps) + "\n")
+        sys.stdout.write(f"buckets {json.dumps([len(b) for b in client.buckets])}\n")
         if kind.startswith("fake"):
             events = be.events
             sys.stdout.write(f"events {json.dumps(sorted(set(events)))} "

@@ -1,0 +1,86 @@
+"""A ps's buckets and its replies in flight, by range: apply bucket k while k-1 travels.
+
+A worker cuts its gradient for this ps into buckets (:func:`mpitf.wire.layout.
+bucket_ranges`, the same cut on both sides) and pushes them last layers first. The ps
+keeps receives posted ahead, applies each bucket to its slice of the shard as it lands and
+answers it at once. MPI forbids changing memory a send still reads, so before a bucket's
+slice changes only the replies that read that slice are waited for; the others keep going
+while the next bucket is received and applied. The last bucket of a push starts the shard
+and travels behind the reply header, so a step's header goes out with its last bucket.
+"""
+
+from ..wire import header as H
+from ..wire import protocol as P
+from ..wire.layout import bucket_ranges
+
+
+class Pipeline:
+    """The buckets of one shard and the replies in flight (with the range each reads).
+
+    Args:
+        slices: the shard's variable slices (``offset``, ``size``).
+        size: the shard's elements.
+        bucket_bytes: the bucket size the workers cut with (0: one bucket).
+        itemsize: bytes per element.
+    """
+
+    WHOLE = (-1, None)  # a reply that reads the header and every element
+
+    def __init__(self, slices, size, bucket_bytes, itemsize):
+        self.ranges = bucket_ranges(slices, size, bucket_bytes, itemsize)
+        self.count = len(self.ranges)
+        self.last = self.count - 1  # pushed last: starts the shard, carries the header
+        self.bucketed = self.count > 1
+        self.steps = [0] * self.count  # per bucket: how often it was applied
+        hdr = H.HEADER_BYTES
+        self.spans = [(hdr + lo * itemsize, hdr + hi * itemsize) for lo, hi in self.ranges]
+        self.spans[self.last] = (0, self.spans[self.last][1])
+        self.requests, self.workers, self.reads = [], [], []
+
+    def at_step(self, step):
+        """Set every bucket to ``step`` (initial values, a restore)."""
+        self.steps = [step] * self.count
+
+    def reads_of(self, bucket):
+        """Return the element range a reply of ``bucket`` reads (-1: the header too)."""
+        lo, hi = self.ranges[bucket]
+        return (-1, hi) if bucket == self.last else (lo, hi)
+
+    def reply_to(self, bucket):
+        """Return ``(tag, byte span or None, reads)`` of a reply of ``bucket``.
+
+        None (a pull, or no buckets): the whole frame on ``TAG_REPLY``, reading everything.
+        """
+        if bucket is None or not self.bucketed:
+            return P.TAG_REPLY, None, self.WHOLE
+        tag = P.TAG_REPLY if bucket == self.last else P.TAG_REPLY_BUCKET
+        return tag, self.spans[bucket], self.reads_of(bucket)
+
+    def add(self, requests, worker, reads):
+        """Keep ``requests`` (a reply to ``worker`` reading ``reads``) until finished."""
+        for request in requests:
+            self.requests.append(request)
+            self.workers.append(worker)
+            self.reads.append(reads)
+
+    def finish(self, deadline, describe, bucket=None):
+        """Wait for the replies that read ``bucket``'s slice or the header (None: all)."""
+        if not self.requests:
+            return
+        if bucket is None or not self.bucketed:
+            requests, workers = self.requests, self.workers
+            self.requests, self.workers, self.reads = [], [], []
+        else:
+            lo, hi = self.reads_of(bucket)
+            requests, workers, keep = [], [], []
+            for r, w, (a, b) in zip(self.requests, self.workers, self.reads):
+                if b is None or (a < hi and lo < b):
+                    requests.append(r)
+                    workers.append(w)
+                else:
+                    keep.append((r, w, (a, b)))
+            self.requests = [r for r, _, _ in keep]
+            self.workers = [w for _, w, _ in keep]
+            self.reads = [x for _, _, x in keep]
+        if requests:
+            P.wait_all(requests, deadline, lambda i: describe(workers[i]))

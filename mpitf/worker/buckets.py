@@ -1,0 +1,193 @@
+"""A bucketed push: gradients leave in buckets as backward finishes them, replies per bucket.
+
+Each ps's part of the gradient buffer is cut into buckets (:func:`mpitf.wire.layout.
+bucket_ranges`), each a frame with its own header, pushed in the order backward produces
+them (the last layers first). The ps applies each as it lands and answers it at once: a
+bucket's parameters come back on ``TAG_REPLY_BUCKET`` without a header, except the last
+one pushed, which starts the shard and comes back as a frame behind the reply header.
+Everything here (frames, persistent requests, counters) is made once; a step reuses it.
+"""
+
+import os
+import threading
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from ..wire import header as H
+from ..wire import protocol as P
+from ..wire.frame import Frame
+
+# How often a progress thread probes while buckets travel ($MPITF_PROGRESS_US; 0, the
+# default: no thread. Measured on 2 shared cores it slowed steps: it needs a spare core).
+PROGRESS_SECONDS = float(os.environ.get("MPITF_PROGRESS_US", "0")) / 1e6
+
+
+class BucketedPush:
+    """One step's bucketed push and per-bucket pull, reused step after step.
+
+    ``frames`` lists ``(ps, bucket)`` in push order, interleaving the ps (bucket 0 of
+    every ps, then bucket 1, ...); each ps's buckets leave in their order, which is the
+    order the ps applies and answers them.
+    """
+
+    def __init__(self, client):
+        self.client = client
+        c = client
+        nmax = max(len(b) for b in c.buckets)
+        self.order = [(p, k) for k in range(nmax) for p in range(len(c.buckets))
+                      if k < len(c.buckets[p])]
+        self.index = index = {pk: i for i, pk in enumerate(self.order)}
+        # gradient frames (one per bucket, in the gradient layout's memory order)
+        self.grad = [None] * len(self.order)
+        for (p, k, _), frame in zip(c.grad_layout.frames, c.grad_frames):
+            self.grad[index[(p, k)]] = frame
+        # reply frames over the parameter buffer: the last bucket behind the ps's header
+        buffer = c.param_frames[0].buffer
+        self.reply, self.tags = [], []
+        for p, k in self.order:
+            a, b, _ = c.segments[p]
+            lo, hi = c.buckets[p][k]
+            last = k == len(c.buckets[p]) - 1
+            segment = (a, b, b + hi) if last else (b + lo, b + lo, b + hi)
+            self.reply.append(Frame(buffer, segment, c.chunk_bytes))
+            self.tags.append(P.TAG_REPLY if last else P.TAG_REPLY_BUCKET)
+        # per variable, the buckets it lies in; per bucket, how many of its slices are left
+        self.of_variable = {}
+        slices_left = np.zeros(len(self.order), np.int64)
+        for s in c.placement.slices:
+            for k, (lo, hi) in enumerate(c.buckets[s.ps_task]):
+                if lo <= s.offset < hi:
+                    i = index[(s.ps_task, k)]
+                    slices_left[i] += 1
+                    self.of_variable.setdefault(s.name, []).append(i)
+        self.template = slices_left
+        self.left = slices_left.copy()
+        self.split = {name for name, _ in c.grad_views.split}
+        self.next = [0] * len(c.buckets)  # per ps, its next bucket to push
+        self.receives = [None] * len(self.order)
+        self.sends = []
+        self.arrived = [False] * len(self.order)
+        self.reply_value = None
+        # A thread that drives MPI while backward computes, made once, woken per step.
+        self._busy = threading.Event()
+        self._progress = None
+
+    def _drive(self, comm):
+        # MPI moves a large message only while a rank is inside an MPI call: probe (on a
+        # tag nothing uses) while the main thread computes, so sent buckets keep moving.
+        while True:
+            self._busy.wait()
+            time.sleep(PROGRESS_SECONDS)
+            if self._busy.is_set():
+                comm.Iprobe(MPI.ANY_SOURCE, P.TAG_PROGRESS)
+
+    def begin(self, data_position):
+        """Pack every bucket's header and post every reply's receive; return self."""
+        c = self.client
+        epoch, cursor = data_position
+        for i, (p, k) in enumerate(self.order):
+            lo, hi = c.buckets[p][k]
+            H.pack_request(self.grad[i].header, P.PUSH, c.ps_steps[p], c.worker, hi - lo,
+                           c.request_flags, epoch, cursor, k, len(c.buckets[p]))
+            self.receives[i] = self.reply[i].irecv(c.comm, c.ps_ranks[p], self.tags[i])
+            self.arrived[i] = False
+        np.copyto(self.left, self.template)
+        self.next = [0] * len(c.buckets)
+        self.sends = []
+        self.reply_value = None
+        return self
+
+    def final(self, names):
+        """Mark the gradients of ``names`` final; push every bucket that now is, in order."""
+        for name in names:
+            if name in self.split:
+                self.client.grad_views.scatter((name,))
+            for i in self.of_variable.get(name, ()):
+                self.left[i] -= 1
+        self._push(lambda i: self.left[i] <= 0)
+        return self
+
+    def push_rest(self):
+        """Push every bucket not pushed yet; return self (wait on it)."""
+        if self.split:
+            self.client.grad_views.scatter()
+        self._push(lambda i: True)
+        return self
+
+    def _push(self, ready):
+        c, tl = self.client, self.client.timeline
+        start = time.perf_counter()
+        go = []
+        for p, n in enumerate(c.buckets):
+            while self.next[p] < len(n) and ready(self.index[(p, self.next[p])]):
+                go.append(self.index[(p, self.next[p])])
+                self.next[p] += 1
+        if not go:
+            return
+        for i in go:
+            self.grad[i].commit()
+        c.backend.synchronize()  # MPI must see the finished gradient
+        for i in go:
+            p, k = self.order[i]
+            self.sends.extend(self.grad[i].isend(c.comm, c.ps_ranks[p], P.TAG_REQUEST))
+            if tl is not None and tl.enabled:
+                tl.add("push", start, time.perf_counter(), bucket=k, ps=p,
+                       step=c.ps_steps[p])
+        if PROGRESS_SECONDS and not self._busy.is_set():
+            if self._progress is None:
+                if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+                    return
+                self._progress = threading.Thread(target=self._drive, args=(c.comm,),
+                                                  daemon=True, name="mpitf-progress")
+                self._progress.start()
+            self._busy.set()
+
+    def _describe(self, i, operation="push_pull (bucketed)"):
+        return dict(self.client._describe_ps(self.order[i][0]), operation=operation)
+
+    def _wait_bucket(self, i):
+        if self.arrived[i]:
+            return
+        c, tl = self.client, self.client.timeline
+        start = time.perf_counter()
+        if c.chunked:
+            self.reply[i].receive_chunks(self.receives[i], c.deadline,
+                                         lambda _, i=i: self._describe(i))
+        else:
+            P.wait_all(self.receives[i], c.deadline, lambda _, i=i: self._describe(i))
+        self.arrived[i] = True
+        if tl is not None and tl.enabled:
+            p = self.order[i][0]
+            tl.add("pull", start, time.perf_counter(), bucket=self.order[i][1], ps=p,
+                   step=c.ps_steps[p])
+
+    def wait_params(self, name):
+        """Wait for the buckets holding variable ``name`` (the rest may still travel)."""
+        self._busy.clear()
+        for i in self.of_variable.get(name, ()):
+            self._wait_bucket(i)
+
+    def done(self):
+        """Return True when every bucket was pushed and answered (without blocking)."""
+        return self.reply_value is not None or (
+            all(self.next[p] == len(b) for p, b in enumerate(self.client.buckets)) and
+            all(self.arrived[i] or _test_all(self.receives[i]) for i in range(len(self.order)))
+            and _test_all(self.sends))
+
+    def wait(self):
+        """Push what is left, wait for every bucket's reply; return the :class:`Reply`."""
+        if self.reply_value is None:
+            self.push_rest()
+            self._busy.clear()
+            for i in range(len(self.order)):
+                self._wait_bucket(i)
+            P.wait_all(self.sends, self.client.deadline, lambda _: self._describe(0))
+            self.reply_value = self.client._finish()
+        return self.reply_value
+
+
+def _test_all(requests):
+    """Return True when every request in ``requests`` has completed."""
+    return MPI.Request.Testall(requests)
