@@ -59,6 +59,8 @@ DEFAULT_MAX_NONFINITE_SKIPS = 100
 MODES = ("sync", "async", "ssp")
 # Global steps between TensorBoard histograms (--summary-every); see docs/design.md for the cost.
 DEFAULT_SUMMARY_EVERY = 100
+# The most kernel threads a ps may be given (--ps-threads): a bound that catches typos.
+MAX_PS_THREADS = 1024
 
 
 # -- the checks ----------------------------------------------------------------------------
@@ -196,6 +198,8 @@ class TrainingConfig:
         run_dir: where metrics.jsonl and the TensorBoard event files go (None: nowhere).
         timeline: write a Chrome trace of every rank to this path.
         clients: in-graph replication: the worker tasks that talk to the ps (None: all).
+        ps_threads: threads each ps applies the optimizer with (None: the cores the ps
+            rank may use, shared among the ps ranks on its node; see ps/threads.py).
     """
 
     mode: str = "sync"
@@ -218,6 +222,7 @@ class TrainingConfig:
     run_dir: str = None
     timeline: str = None
     clients: tuple = None
+    ps_threads: int = None
 
     def __post_init__(self):
         check_choice("mode", self.mode, MODES)
@@ -245,6 +250,12 @@ class TrainingConfig:
         check_int("seed", self.seed, 0)
         check_int("log_every", self.log_every, 0)
         check_int("summary_every (--summary-every)", self.summary_every, 0)
+        if self.ps_threads is not None:
+            check_int("ps_threads (--ps-threads)", self.ps_threads, 1)
+            if self.ps_threads > MAX_PS_THREADS:
+                raise ConfigurationError(
+                    f"ps_threads (--ps-threads) must be at most {MAX_PS_THREADS}, got "
+                    f"{self.ps_threads}; leave it out for the cores the ps may use")
         if self.clients is not None:
             object.__setattr__(self, "clients", tuple(
                 check_int("clients", c, 0) for c in self.clients))
@@ -301,7 +312,7 @@ class JobConfig:
             max_nonfinite_skips=args.max_nonfinite_skips,
             moving_average_decay=args.moving_average_decay, ps_strategy=args.ps_strategy,
             seed=args.seed, log_every=args.log_every, summary_every=args.summary_every,
-            run_dir=args.run_dir, timeline=args.timeline)
+            run_dir=args.run_dir, timeline=args.timeline, ps_threads=args.ps_threads)
         return cls(training=training, model=args.model, hidden=args.hidden,
                    optimizer=args.optimizer, lr=args.lr, lr_decay=args.lr_decay,
                    lr_decay_steps=args.lr_decay_steps,

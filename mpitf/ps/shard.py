@@ -14,7 +14,7 @@ from ..wire.frame import Frame
 class Shard:
     """The variables one ps owns, as flat buffers, with the optimizer that updates them."""
 
-    def __init__(self, slices, size, dtype, optimizer, backend, average=None):
+    def __init__(self, slices, size, dtype, optimizer, backend, average=None, pool=None):
         self.slices = slices
         self.size = size
         self.dtype = np.dtype(dtype)
@@ -27,12 +27,13 @@ class Shard:
         # no-op for numpy and CuPy; it matters for backends whose module is numpy).
         self.slots = {k: backend.to_device(v)
                       for k, v in optimizer.make_slots(size, self.xp, dtype).items()}
+        self.pool = pool  # the KernelPool whose threads run the fused kernel (None: one)
         self.average = average  # an ExponentialMovingAverage or None
         self.average_frame = Frame.allocate(backend, size, dtype) if average is not None else None
 
     def apply(self, grad, step):
         """Update the parameters with ``grad`` at global step ``step`` (before the update)."""
-        self.optimizer.apply(self.params, grad, self.slots, step)
+        self.optimizer.apply(self.params, grad, self.slots, step, self.pool)
         if self.average is not None:
             self.average.apply(self.average_frame.payload, self.params, step)
 
