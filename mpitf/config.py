@@ -199,7 +199,7 @@ class TrainingConfig:
         timeline: write a Chrome trace of every rank to this path.
         clients: in-graph replication: the worker tasks that talk to the ps (None: all).
         ps_threads: threads each ps applies the optimizer with (None: the cores the ps
-            rank may use, shared among the ps ranks on its node; see ps/threads.py).
+            rank may use, shared among the ranks on its node; see ps/threads.py).
     """
 
     mode: str = "sync"

@@ -137,15 +137,14 @@ def test_an_error_in_a_kernel_thread_reaches_the_caller():
     assert sorted(seen) == [(0, 32), (0, 32), (32, 64), (32, 64)]
 
 
-def test_default_threads_share_the_cores_among_the_ps_ranks_of_a_node():
+def test_default_threads_share_the_cores_among_the_ranks_of_a_node():
     import os
 
     cores = len(os.sched_getaffinity(0))
     assert default_threads() == cores
     hosts = ["a", "a", "a", "b"]
-    roles = [("ps", 0), ("ps", 1), ("worker", 0), ("ps", 2)]
-    assert default_threads(hosts, roles, 0) == max(1, cores // 2)
-    assert default_threads(hosts, roles, 3) == cores
+    assert default_threads(hosts, 0) == max(1, cores // 3)
+    assert default_threads(hosts, 3) == cores
 
 
 @pytest.mark.parametrize("value, message", [

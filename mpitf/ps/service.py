@@ -55,7 +55,7 @@ class Service:
         ema = config.moving_average_decay
         optimizer = make_optimizer(**assignment.optimizer)
         # The kernel threads and the kernel's compilation (or numba's cache) at start-up.
-        threads = config.ps_threads or default_threads(server.hosts, server.roles, server.rank)
+        threads = config.ps_threads or default_threads(server.hosts, server.rank)
         self.kernel_pool = KernelPool(threads)
         if self.backend.name == "numpy":
             warm_up(optimizer, dtype)

@@ -13,26 +13,30 @@ import threading
 __all__ = ["KernelPool", "default_threads"]
 
 _ALIGN = 16  # elements: a 64-byte cache line of float32, so no two threads share a line
-MIN_CHUNK = 1 << 15  # elements per thread below which one thread does the whole buffer
+MIN_CHUNK = 1 << 18  # elements (1 MiB of float32) per thread below which fewer threads help
 
 
-def default_threads(hosts=None, roles=None, rank=None):
-    """Return the cores this ps rank may use, shared among the ps ranks on its node.
+def default_threads(hosts=None, rank=None):
+    """Return the cores this ps rank may use, shared among the ranks on its node.
 
-    ``len(os.sched_getaffinity(0))`` divided by the number of ps ranks on this rank's host
-    (from ``hosts`` and ``roles``, a server's lists per rank, when given), at least 1.
+    ``len(os.sched_getaffinity(0))`` divided by the number of ranks on this rank's host
+    (from ``hosts``, a server's host per rank, when given), at least 1. Every rank counts,
+    workers too: a worker waiting on its ps spins in MPI, so kernel threads beyond the
+    node's share only take turns with it (on 2 cores, 1 ps + 2 workers, 2 kernel threads
+    made small async steps slower and staler).
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
         os.cpu_count() or 1)
-    if hosts is not None and roles is not None and rank is not None:
-        here = hosts[rank]
-        sharing = sum(1 for h, (job, _) in zip(hosts, roles) if h == here and job == "ps")
-        cores //= max(1, sharing)
+    if hosts is not None and rank is not None:
+        cores //= max(1, hosts.count(hosts[rank]))
     return max(1, cores)
 
 
 class KernelPool:
     """Run a chunked kernel over ``threads`` threads; ``run`` returns when every chunk is done.
+
+    Each thread waits on a lock of its own (a C lock, released from the caller's thread), so
+    starting and joining a chunk is two lock hand-offs, not Python-level conditions.
 
     Args:
         threads: the threads that update a buffer, the caller's included (1: no threads).
@@ -45,16 +49,15 @@ class KernelPool:
         self._bounds = {}  # buffer size -> chunk boundaries
         self._job = None
         self._errors = [None] * self.threads
-        self._closed = False
         self._workers = []
-        if self.threads > 1:
-            self._start = threading.Barrier(self.threads)
-            self._end = threading.Barrier(self.threads)
-            for index in range(1, self.threads):
-                t = threading.Thread(target=self._serve, args=(index,), daemon=True,
-                                     name=f"mpitf-kernel-{index}")
-                t.start()
-                self._workers.append(t)
+        for index in range(1, self.threads):
+            go, done = threading.Lock(), threading.Lock()
+            go.acquire()
+            done.acquire()
+            t = threading.Thread(target=self._serve, args=(index, go, done), daemon=True,
+                                 name=f"mpitf-kernel-{index}")
+            t.start()
+            self._workers.append((t, go, done))
 
     def bounds(self, n):
         """Return the chunk boundaries of a buffer of ``n`` elements (made once per ``n``)."""
@@ -72,36 +75,38 @@ class KernelPool:
             kernel(0, n, *args)
             return
         b = self.bounds(n)
+        helpers = self._workers[:len(b) - 2]  # the caller takes chunk 0
         self._job = (kernel, b, args)
-        self._start.wait()
+        for _, go, _ in helpers:
+            go.release()
         try:
             kernel(b[0], b[1], *args)
         finally:
-            self._end.wait()
+            for _, _, done in helpers:
+                done.acquire()
             self._job = None
         for i, err in enumerate(self._errors):
             if err is not None:
                 self._errors[i] = None
                 raise err
 
-    def _serve(self, index):
+    def _serve(self, index, go, done):
         while True:
-            self._start.wait()
-            if self._closed:
+            go.acquire()
+            if self._job is None:  # close()
                 return
             kernel, b, args = self._job
             try:
-                if index + 1 < len(b):
-                    kernel(b[index], b[index + 1], *args)
+                kernel(b[index], b[index + 1], *args)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller, raised there
                 self._errors[index] = exc
-            self._end.wait()
+            done.release()
 
     def close(self):
         """Stop the threads (the pool runs everything on the caller afterwards)."""
-        if self.threads > 1 and not self._closed:
-            self._closed = True
-            self._start.wait()
-            for t in self._workers:
-                t.join()
-            self.threads = 1
+        workers, self._workers, self.threads = self._workers, [], 1
+        self._job = None
+        for _, go, _ in workers:
+            go.release()
+        for t, _, _ in workers:
+            t.join()
