@@ -5,6 +5,7 @@ before the fused kernels, and what a CuPy ps still runs). Hypothesis draws the s
 values (zeros, subnormals, huge and tiny magnitudes included) and the hyper-parameters.
 """
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -77,9 +78,64 @@ def test_every_fused_optimizer_runs_its_kernel_on_host_buffers(name):
     p, g = np.ones(8, F32), np.ones(8, F32)
     assert kernels.fused_apply(opt, p, g, opt.make_slots(8, np, F32), 0)
     assert not (p == 1).all()  # it updated them
-    # another dtype for the gradient, or a strided view: the reference passes instead
-    assert not kernels.fused_apply(opt, p, g.astype(np.float16), opt.make_slots(8, np, F32), 0)
+    # a gradient of another dtype than the wire's, or a strided view: the reference passes
+    assert not kernels.fused_apply(opt, p, g.astype(np.float64), opt.make_slots(8, np, F32), 0)
     assert not kernels.fused_apply(opt, p[::2], g[::2], opt.make_slots(4, np, F32), 0)
+    assert not kernels.fused_apply(opt, p, g, opt.make_slots(8, np, F32), 0,
+                                   reply=np.empty(8, np.int16))
+
+
+WIRE = [ml_dtypes.bfloat16, np.float16]
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(opt=_optimizers(), data=st.data(), n=st.integers(0, 300),
+       wire=st.sampled_from(WIRE), reply=st.sampled_from([None, "wire", "float32"]))
+def test_a_wire_dtype_gradient_is_widened_and_the_reply_rounded_in_the_kernel(
+        opt, data, n, wire, reply):
+    """As the reference on the float32 gradient, then the parameters cast to the reply's."""
+    params = data.draw(arrays(F32, n, elements=_values))
+    with np.errstate(over="ignore"):  # beyond float16's range: inf, as on the wire
+        grads = [data.draw(arrays(F32, n, elements=_values)).astype(wire) for _ in range(2)]
+    out_dtype = None if reply is None else (wire if reply == "wire" else F32)
+    want_slots = opt.make_slots(n, np, F32)
+    got_slots = opt.make_slots(n, np, F32)
+    want, got = params.copy(), params.copy()
+    out = None if out_dtype is None else np.empty(n, out_dtype)
+    with np.errstate(all="ignore"):
+        for step, g in enumerate(grads):
+            opt._update(np, want, g.astype(F32), want_slots, step)
+            assert kernels.fused_apply(opt, got, g, got_slots, step, reply=out)
+            assert _same_bits(got, want)
+            if out is not None:
+                assert _same_bits(out, want.astype(out_dtype))
+    for k in opt.slot_names:
+        assert _same_bits(got_slots[k], want_slots[k]), k
+
+
+def test_wire_conversions_are_exact_at_the_edges():
+    x = np.array([0.0, -0.0, 1.0, -2.5, np.inf, -np.inf, np.nan, -np.nan, 1e-40, 3.4e38,
+                  65504.0, 65520.0, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, 6e-8], F32)
+    opt = make_optimizer("sgd", 1.0)
+    for wire in WIRE:
+        for reply in (wire, F32):
+            p, out = np.zeros_like(x), np.empty(x.size, reply)
+            with np.errstate(all="ignore"):
+                g = (-x).astype(wire)
+                assert kernels.fused_apply(opt, p, g, {}, 0, reply=out)
+                assert _same_bits(p, F32(0) - g.astype(F32) * F32(1.0))  # widened exactly
+                assert _same_bits(out, p.astype(reply)), (wire, reply)
+
+
+def test_optimizer_apply_takes_a_wire_gradient_and_a_reply_on_the_reference_path_too():
+    opt = make_optimizer("ftrl", 0.1, learning_rate_power=-0.7)  # no fused kernel
+    g = np.linspace(-1, 1, 16, dtype=F32)
+    want, got = np.ones(16, F32), np.ones(16, F32)
+    s1, s2 = opt.make_slots(16, np, F32), opt.make_slots(16, np, F32)
+    opt._update(np, want, g.astype(ml_dtypes.bfloat16).astype(F32), s1, 0)
+    out = np.empty(16, ml_dtypes.bfloat16)
+    opt.apply(got, g.astype(ml_dtypes.bfloat16), s2, 0, reply=out)
+    assert _same_bits(got, want) and _same_bits(out, want.astype(ml_dtypes.bfloat16))
 
 
 def test_ftrl_with_another_power_keeps_the_reference_passes():

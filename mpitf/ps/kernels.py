@@ -7,16 +7,20 @@ several threads at once). The arithmetic is the reference ufunc passes of
 hyper-parameters rounded to that dtype as numpy rounds a Python float: the results are the
 same bits (no ``fastmath``: no reassociation, no fused multiply-add).
 
-A kernel is ``kernel(lo, hi, params, grad, *slots, *scalars)``; :data:`FUSED` maps an
-optimizer's name to ``(slot names, scalars(optimizer, step) -> (kernel, scalars))``. A new
-optimizer (AdamW, RMSprop, weight decay) is one kernel and one entry; a gradient that
-arrives in another dtype (bfloat16, float16) is a kernel whose ``grad`` loads convert.
+A kernel is ``kernel(lo, hi, params, grad, reply, *slots, *scalars)``; :data:`FUSED` maps
+an optimizer's name to ``(slot names, scalars(optimizer, step) -> (kernel, scalars))``. A
+new optimizer (AdamW, RMSprop, weight decay) is one kernel and one entry. The gradient may
+arrive in a wire dtype (bfloat16, float16: converted to float32 as it is read), and the
+kernel may write the new parameters, rounded, into ``reply`` in a wire dtype as well
+(:mod:`mpitf.ps.convert`); with a float32 gradient and no reply it is the same arithmetic.
 """
 
 import math
 
 import numpy as np
 from numba import njit
+
+from .convert import WIRE_DTYPES, part, store, widen, wire_view
 
 __all__ = ["FUSED", "fused_apply", "warm_up"]
 
@@ -25,58 +29,69 @@ _jit = njit(nogil=True, cache=True, fastmath=False, parallel=False, error_model=
 
 
 @_jit
-def _sgd(lo, hi, p, g, lr):
-    p, g = p[lo:hi], g[lo:hi]  # slices: the loop runs from 0 and vectorizes
+def _sgd(lo, hi, p, g, r, lr):
+    p, g, r = p[lo:hi], g[lo:hi], part(r, lo, hi)  # slices: the loop runs from 0, vectorized
     for i in range(p.shape[0]):
-        p[i] = p[i] - g[i] * lr
+        x = p[i] - widen(g[i]) * lr
+        p[i] = x
+        store(r, i, x)
 
 
 @_jit
-def _momentum(lo, hi, p, g, a, lr, mu):
-    p, g, a = p[lo:hi], g[lo:hi], a[lo:hi]
+def _momentum(lo, hi, p, g, r, a, lr, mu):
+    p, g, r, a = p[lo:hi], g[lo:hi], part(r, lo, hi), a[lo:hi]
     for i in range(p.shape[0]):
-        ai = a[i] * mu + g[i]
+        ai = a[i] * mu + widen(g[i])
         a[i] = ai
-        p[i] = p[i] - ai * lr
+        x = p[i] - ai * lr
+        p[i] = x
+        store(r, i, x)
 
 
 @_jit
-def _nesterov(lo, hi, p, g, a, lr, mu):
-    p, g, a = p[lo:hi], g[lo:hi], a[lo:hi]
+def _nesterov(lo, hi, p, g, r, a, lr, mu):
+    p, g, r, a = p[lo:hi], g[lo:hi], part(r, lo, hi), a[lo:hi]
     for i in range(p.shape[0]):
-        gi = g[i]
+        gi = widen(g[i])
         ai = a[i] * mu + gi
         a[i] = ai
-        p[i] = p[i] - (ai * mu + gi) * lr
+        x = p[i] - (ai * mu + gi) * lr
+        p[i] = x
+        store(r, i, x)
 
 
 @_jit
-def _adam(lo, hi, p, g, m, v, c1, c2, eps, lr_t):
-    p, g, m, v = p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi]
+def _adam(lo, hi, p, g, r, m, v, c1, c2, eps, lr_t):
+    p, g, r, m, v = p[lo:hi], g[lo:hi], part(r, lo, hi), m[lo:hi], v[lo:hi]
     for i in range(p.shape[0]):
-        gi, mi, vi = g[i], m[i], v[i]
+        gi, mi, vi = widen(g[i]), m[i], v[i]
         mi = mi + (gi - mi) * c1
         vi = vi + (gi * gi - vi) * c2
         m[i] = mi
         v[i] = vi
-        p[i] = p[i] - (mi / (np.sqrt(vi) + eps)) * lr_t
+        x = p[i] - (mi / (np.sqrt(vi) + eps)) * lr_t
+        p[i] = x
+        store(r, i, x)
 
 
 @_jit
-def _adagrad(lo, hi, p, g, a, lr):
-    p, g, a = p[lo:hi], g[lo:hi], a[lo:hi]
+def _adagrad(lo, hi, p, g, r, a, lr):
+    p, g, r, a = p[lo:hi], g[lo:hi], part(r, lo, hi), a[lo:hi]
     for i in range(p.shape[0]):
-        gi = g[i]
+        gi = widen(g[i])
         ai = a[i] + gi * gi
         a[i] = ai
-        p[i] = p[i] - (gi / np.sqrt(ai)) * lr
+        x = p[i] - (gi / np.sqrt(ai)) * lr
+        p[i] = x
+        store(r, i, x)
 
 
 @_jit
-def _ftrl(lo, hi, p, g, accum, linear, lr, l2x2, l1):
-    p, g, accum, linear = p[lo:hi], g[lo:hi], accum[lo:hi], linear[lo:hi]
+def _ftrl(lo, hi, p, g, r, accum, linear, lr, l2x2, l1):
+    p, g, r = p[lo:hi], g[lo:hi], part(r, lo, hi)
+    accum, linear = accum[lo:hi], linear[lo:hi]
     for i in range(p.shape[0]):
-        gi, a_old = g[i], accum[i]
+        gi, a_old = widen(g[i]), accum[i]
         a_new = gi * gi + a_old
         lin = linear[i] + gi
         old_pow, new_pow = np.sqrt(a_old), np.sqrt(a_new)  # accum ** -learning_rate_power
@@ -88,8 +103,10 @@ def _ftrl(lo, hi, p, g, accum, linear, lr, l2x2, l1):
         elif c > l1:
             c = l1
         linear[i] = lin
-        p[i] = (c - lin) / quadratic
+        x = (c - lin) / quadratic
+        p[i] = x
         accum[i] = a_new
+        store(r, i, x)
 
 
 def _sgd_scalars(opt, step, t):
@@ -131,29 +148,39 @@ FUSED = {
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def fused_apply(optimizer, params, grad, slots, step, pool=None):
+def fused_apply(optimizer, params, grad, slots, step, pool=None, reply=None):
     """Run ``optimizer``'s fused kernel if it has one for these buffers; return whether it ran.
 
-    It runs on C-contiguous numpy buffers of float32 or float64 (the gradient in the same
-    dtype), over ``pool``'s threads, or on this thread when ``pool`` is None.
+    It runs on C-contiguous numpy buffers of float32 or float64, over ``pool``'s threads, or
+    on this thread when ``pool`` is None. ``grad`` is in the parameters' dtype, or (float32
+    parameters) bfloat16 or float16, widened as it is read; ``reply`` (None: none) receives
+    the new parameters in its own dtype: the parameters', bfloat16 or float16.
     """
     entry = FUSED.get(optimizer.name)
-    if entry is None or type(params) is not np.ndarray or type(grad) is not np.ndarray:
-        return False
-    dtype = params.dtype
-    if dtype not in _DTYPES or grad.dtype != dtype or not (
-            params.flags.c_contiguous and grad.flags.c_contiguous):
+    if entry is None or not _takes(params, grad, reply):
         return False
     names, scalars = entry
-    kernel, args = scalars(optimizer, step, dtype.type)
+    kernel, args = scalars(optimizer, step, params.dtype.type)
     if kernel is None:
         return False
-    arrays = (params, grad, *(slots[k] for k in names))
+    arrays = (params, wire_view(grad), None if reply is None else wire_view(reply),
+              *(slots[k] for k in names))
     if pool is None:
         kernel(0, params.shape[0], *arrays, *args)
     else:
         pool.run(kernel, params.shape[0], arrays + args)
     return True
+
+
+def _takes(params, grad, reply):
+    """Whether the kernels take these buffers (else the reference passes run)."""
+    dtype = params.dtype
+    if type(params) is not np.ndarray or dtype not in _DTYPES:
+        return False
+    wire = (dtype,) + (tuple(WIRE_DTYPES) if dtype == np.float32 else ())
+    return all(type(a) is np.ndarray and a.dtype in wire and a.flags.c_contiguous
+               and a.shape == params.shape for a in (params, grad) + (
+                   () if reply is None else (reply,)))
 
 
 def warm_up(optimizer, dtype):

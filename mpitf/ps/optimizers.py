@@ -151,20 +151,24 @@ class Optimizer(abc.ABC):
             slots[_SCRATCH] = xp.empty(size, dtype=dtype)
         return slots
 
-    def apply(self, params, grad, slots, step, pool=None):
+    def apply(self, params, grad, slots, step, pool=None, reply=None):
         """Update ``params`` in place from ``grad``; ``step`` is the global step before it.
 
         Host buffers take the fused kernel of :mod:`mpitf.ps.kernels` (one pass, over
         ``pool``'s threads: a :class:`~mpitf.ps.threads.KernelPool`, or None for this
         thread); others (CuPy) take the ufunc passes of ``_update``, the reference. ``grad``
-        may be overwritten: on the ps it is a receive buffer or the accumulator, used once.
+        may be a wire dtype (bfloat16, float16) and is then widened; ``reply`` (or None)
+        gets the new parameters in its dtype. ``grad`` may be overwritten.
         """
         if params.shape != grad.shape:
             raise ValueError(
                 f"expecting grad of shape {params.shape}, got {grad.shape} ({self.name})"
             )
-        if not fused_apply(self, params, grad, slots, int(step), pool):
-            self._update(array_module(params), params, grad, slots, int(step))
+        if not fused_apply(self, params, grad, slots, int(step), pool, reply):
+            g = grad if grad.dtype == params.dtype else grad.astype(params.dtype)
+            self._update(array_module(params), params, g, slots, int(step))
+            if reply is not None:
+                reply[...] = params
 
     @abc.abstractmethod
     def _update(self, xp, params, grad, slots, step):
