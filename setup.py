@@ -12,7 +12,10 @@ setup(
     python_requires=">=3.9",
     packages=find_packages(include=["mpitf", "mpitf.*"]),
     # tensorboardX writes the TensorBoard event files every training job leaves in --run-dir.
-    install_requires=["mpi4py>=4", "numpy", "h5py", "tensorboardX>=2.6"],
+    # numba compiles the ps's fused optimizer kernels (ps/kernels.py; chosen over numexpr
+    # by measurement, see benchmarks/README.md); ml_dtypes is bfloat16 for their wire dtypes.
+    install_requires=["mpi4py>=4", "numpy", "h5py", "tensorboardX>=2.6", "numba>=0.59",
+                      "ml_dtypes"],
     extras_require={
         # The MPICH wheel, for machines with no MPI of their own; on a cluster leave it
         # out so mpi4py loads the site MPI library.

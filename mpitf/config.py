@@ -63,6 +63,8 @@ DEFAULT_BUCKET_BYTES = 0
 MODES = ("sync", "async", "ssp")
 # Global steps between TensorBoard histograms (--summary-every); see docs/design.md for the cost.
 DEFAULT_SUMMARY_EVERY = 100
+# The most kernel threads a ps may be given (--ps-threads): a bound that catches typos.
+MAX_PS_THREADS = 1024
 
 
 # -- the checks ----------------------------------------------------------------------------
@@ -202,6 +204,8 @@ class TrainingConfig:
         bucket_bytes: push gradients in buckets of about this many bytes per ps, last
             layers first, and pipeline them on the ps (0: one frame per ps).
         clients: in-graph replication: the worker tasks that talk to the ps (None: all).
+        ps_threads: threads each ps applies the optimizer with (None: the cores the ps
+            rank may use, shared among the ranks on its node; see ps/threads.py).
     """
 
     mode: str = "sync"
@@ -225,6 +229,7 @@ class TrainingConfig:
     timeline: str = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     clients: tuple = None
+    ps_threads: int = None
 
     def __post_init__(self):
         check_choice("mode", self.mode, MODES)
@@ -253,6 +258,12 @@ class TrainingConfig:
         check_int("log_every", self.log_every, 0)
         check_int("summary_every (--summary-every)", self.summary_every, 0)
         check_int("bucket_bytes (--bucket-bytes; 0 for one frame per ps)", self.bucket_bytes, 0)
+        if self.ps_threads is not None:
+            check_int("ps_threads (--ps-threads)", self.ps_threads, 1)
+            if self.ps_threads > MAX_PS_THREADS:
+                raise ConfigurationError(
+                    f"ps_threads (--ps-threads) must be at most {MAX_PS_THREADS}, got "
+                    f"{self.ps_threads}; leave it out for the cores the ps may use")
         if self.clients is not None:
             object.__setattr__(self, "clients", tuple(
                 check_int("clients", c, 0) for c in self.clients))
@@ -309,7 +320,8 @@ class JobConfig:
             max_nonfinite_skips=args.max_nonfinite_skips,
             moving_average_decay=args.moving_average_decay, ps_strategy=args.ps_strategy,
             seed=args.seed, log_every=args.log_every, summary_every=args.summary_every,
-            run_dir=args.run_dir, timeline=args.timeline, bucket_bytes=args.bucket_bytes)
+            run_dir=args.run_dir, timeline=args.timeline, bucket_bytes=args.bucket_bytes,
+            ps_threads=args.ps_threads)
         return cls(training=training, model=args.model, hidden=args.hidden,
                    optimizer=args.optimizer, lr=args.lr, lr_decay=args.lr_decay,
                    lr_decay_steps=args.lr_decay_steps,

@@ -60,6 +60,8 @@ def parse_args(argv=None):
                    help="interleaved rounds per size (default: 2, quick: 1)")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per block")
     p.add_argument("--deadline", type=float, default=300.0, help="seconds before giving up")
+    p.add_argument("--ps-threads", type=int, default=None,
+                   help="kernel threads of each ps (default: the ps's own default)")
     args = p.parse_args(argv)
     if args.sizes:
         args.sizes = [int(s) for s in args.sizes.split(",")]
@@ -161,7 +163,8 @@ class Bench:
             self.rss_peak = max(self.rss_peak, _peak_rss())
             return []
         config = make_optimizer(optimizer, LR).config()
-        client.start(TrainingConfig(mode=self.args.mode), config, initial_values=client.params)
+        client.start(TrainingConfig(mode=self.args.mode, ps_threads=self.args.ps_threads),
+                     config, initial_values=client.params)
         times = []
         for i in range(WARMUP + reps):
             t0 = time.perf_counter()

@@ -169,6 +169,16 @@ def write_report(results, out):
                            r["loss_at_wall"], r["final_loss"], r["test_accuracy"],
                            r["stale_dropped"], r["max_staleness"]] for r in md["results"]]),
                   ""]
+    kn = results.get("kernels")
+    if kn:
+        parts += ["## ps optimizer kernels", "",
+                  f"{kn['mib']} MiB of float32 parameters; memcpy of the same traffic on the "
+                  "same threads, same run.", "",
+                  _table(["optimizer", "threads", "params GB/s", "traffic GB/s",
+                          "memcpy GB/s", "ratio to memcpy", "numpy passes GB/s"],
+                         [[r["optimizer"], r["threads"], r["params_gbps"], r["traffic_gbps"],
+                           r["copy_gbps"], r["ratio_to_copy"], r["reference_params_gbps"]]
+                          for r in kn["results"]]), ""]
     if fit and sc:
         parts += _projection_section(results, fit, sc)
     plots = plot_all(results, out)

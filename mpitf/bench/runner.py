@@ -21,7 +21,7 @@ from . import costmodel as cm
 from .report import write_report
 from .scaling import default_launcher
 
-SUITES = ("pushpull", "scaling", "modes")
+SUITES = ("pushpull", "scaling", "modes", "kernels")
 
 
 def require_matplotlib():
@@ -93,6 +93,10 @@ def run_suites(args, out, log):
         if step("modes", [py, "-m", "mpitf.bench.modes", "--json", path, *common,
                           *workers]):
             res["modes"] = _load(path)
+    if "kernels" in suites:
+        path = os.path.join(out, "kernels.json")
+        if step("kernels", [py, "-m", "mpitf.bench.kernels", "--json", path, *quick]):
+            res["kernels"] = _load(path)
     trace = os.path.join(out, "timeline.json")
     if step("timeline", [*launch, "-n", "3", py, "-m", "mpitf.jobs.mnist_mlp",
                          "--num-ps", "1", "--steps", "20",

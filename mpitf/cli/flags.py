@@ -51,6 +51,9 @@ def add_training_arguments(parser, steps=300, batch_size=32, lr=_JOB["lr"]):
                    help="sync: gradients per step (default: all workers; fewer gives backups)")
     g.add_argument("--staleness", type=int, default=_TRAINING["staleness"],
                    help="ssp: largest lead over the slowest")
+    g.add_argument("--ps-threads", type=int, default=None,
+                   help="threads each ps applies the optimizer with (default: the cores the "
+                        "ps rank may use, shared among the ranks on its node)")
     g.add_argument("--deterministic", action="store_true",
                    help="sync: sum gradients in worker order so runs are bit-for-bit equal")
     g.add_argument("--skip-nonfinite", action="store_true",

@@ -307,7 +307,8 @@ def build_parser():
                        epilog="needs matplotlib for the plots: pip install 'mpitf[bench]'")
     p.add_argument("--quick", action="store_true", help="short runs, for a smoke test")
     p.add_argument("--out", default="benchmarks", help="report directory (default: benchmarks)")
-    p.add_argument("--suite", choices=("pushpull", "scaling", "modes", "all"), default="all",
+    p.add_argument("--suite", choices=("pushpull", "scaling", "modes", "kernels", "all"),
+                   default="all",
                    help="which benchmarks (default: all)")
     p.add_argument("-n", type=int, default=None, help="MPI ranks (default: the suite's own)")
     p.set_defaults(handler=cmd_bench)

@@ -23,6 +23,8 @@ from mpitf.config import check_learning_rate, check_moving_average_decay, check_
 from mpitf.errors import ConfigurationError
 from mpitf.runtime.backend import array_module
 
+from .kernels import fused_apply
+
 __all__ = [
     "Adagrad",
     "Adam",
@@ -149,17 +151,24 @@ class Optimizer(abc.ABC):
             slots[_SCRATCH] = xp.empty(size, dtype=dtype)
         return slots
 
-    def apply(self, params, grad, slots, step):
+    def apply(self, params, grad, slots, step, pool=None, reply=None):
         """Update ``params`` in place from ``grad``; ``step`` is the global step before it.
 
-        ``grad`` may be overwritten: on the ps it is a receive buffer or the accumulator,
-        used once, and working in it touches less memory than a scratch buffer would.
+        Host buffers take the fused kernel of :mod:`mpitf.ps.kernels` (one pass, over
+        ``pool``'s threads: a :class:`~mpitf.ps.threads.KernelPool`, or None for this
+        thread); others (CuPy) take the ufunc passes of ``_update``, the reference. ``grad``
+        may be a wire dtype (bfloat16, float16) and is then widened; ``reply`` (or None)
+        gets the new parameters in its dtype. ``grad`` may be overwritten.
         """
         if params.shape != grad.shape:
             raise ValueError(
                 f"expecting grad of shape {params.shape}, got {grad.shape} ({self.name})"
             )
-        self._update(array_module(params), params, grad, slots, int(step))
+        if not fused_apply(self, params, grad, slots, int(step), pool, reply):
+            g = grad if grad.dtype == params.dtype else grad.astype(params.dtype)
+            self._update(array_module(params), params, g, slots, int(step))
+            if reply is not None:
+                reply[...] = params
 
     @abc.abstractmethod
     def _update(self, xp, params, grad, slots, step):

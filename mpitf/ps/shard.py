@@ -14,7 +14,7 @@ from ..wire.frame import Frame
 class Shard:
     """The variables one ps owns, as flat buffers, with the optimizer that updates them."""
 
-    def __init__(self, slices, size, dtype, optimizer, backend, average=None):
+    def __init__(self, slices, size, dtype, optimizer, backend, average=None, pool=None):
         self.slices = slices
         self.size = size
         self.dtype = np.dtype(dtype)
@@ -27,6 +27,7 @@ class Shard:
         # no-op for numpy and CuPy; it matters for backends whose module is numpy).
         self.slots = {k: backend.to_device(v)
                       for k, v in optimizer.make_slots(size, self.xp, dtype).items()}
+        self.pool = pool  # the KernelPool whose threads run the fused kernel (None: one)
         self.average = average  # an ExponentialMovingAverage or None
         self.average_frame = Frame.allocate(backend, size, dtype) if average is not None else None
         self._views = {}  # (lo, hi) -> (params, slots, average) views of one bucket, made once
@@ -48,7 +49,7 @@ class Shard:
                     self.params[lo:hi], {k: v[lo:hi] for k, v in self.slots.items()},
                     self.average_frame.payload[lo:hi] if self.average is not None else None)
             params, slots, average = views
-        self.optimizer.apply(params, grad, slots, step)
+        self.optimizer.apply(params, grad, slots, step, self.pool)
         if average is not None:
             self.average.apply(average, params, step)
 

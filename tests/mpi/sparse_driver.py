@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 import mpitf.ps.service as service_module
 from mpitf.models.embedding import EmbeddingTable
+from mpitf.ps.kernels import warm_up
 from mpitf.ps.optimizers import make_optimizer
 from mpitf.runtime.exits import abort_on_error
 from mpitf.runtime.server import Server
@@ -116,6 +117,10 @@ def main():
                         deadline=60)
         if server.job_name == "ps":
             if args.ps_memory_mb:
+                # numba's compiler cannot run in the 64 MiB this leaves: compile the kernel
+                # first, as a ps does at start-up (ps/kernels.py warm_up), then limit.
+                warm_up(make_optimizer(args.optimizer, LEARNING_RATES[args.optimizer]),
+                        np.float32)
                 with open("/proc/self/statm") as f:
                     now = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
                 hard = resource.getrlimit(resource.RLIMIT_AS)[1]
