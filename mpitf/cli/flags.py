@@ -97,9 +97,8 @@ def add_training_arguments(parser, steps=300, batch_size=32, lr=_JOB["lr"]):
                         f"may take up to $MPITF_DEADLINE, else {DEFAULT_DEADLINE:g} s")
     g.add_argument("--timeline", default=None, help="write a Chrome trace of every rank here")
     g.add_argument("--bucket-bytes", type=int, default=_TRAINING["bucket_bytes"],
-                   help="push gradients in buckets of about this many bytes per ps, last "
-                        "layers first, while the ps applies the one before (0: one frame "
-                        "per ps)")
+                   help="push gradients per ps in buckets of about this many bytes, last "
+                        "layers first, pipelined on the ps (0: one frame per ps)")
     g.add_argument("--log-device-placement", action="store_true",
                    help="print which rank runs which task, and (the chief) which ps task "
                         "holds each variable and slice")

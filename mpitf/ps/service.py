@@ -23,12 +23,11 @@ from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.frame import Frame
 from .consistency import make_policy
-from .kernels import warm_up
 from .optimizers import ExponentialMovingAverage, make_optimizer
 from .pipeline import Pipeline
 from .shard import Shard
 from .sparse import SparseTables
-from .threads import KernelPool, default_threads
+from .threads import default_threads
 
 _log = logging.getLogger("mpitf")
 
@@ -55,13 +54,9 @@ class Service:
         size = assignment.shard_size
         ema = config.moving_average_decay
         optimizer = make_optimizer(**assignment.optimizer)
-        # The kernel threads and the kernel's compilation (or numba's cache) at start-up.
         threads = config.ps_threads or default_threads(server.hosts, server.rank)
-        self.kernel_pool = KernelPool(threads)
-        if self.backend.name == "numpy":
-            warm_up(optimizer, dtype)
         self.shard = Shard(assignment.slices, size, dtype, optimizer, self.backend,
-                           ExponentialMovingAverage(ema) if ema else None, self.kernel_pool)
+                           ExponentialMovingAverage(ema) if ema else None, threads)
         self.policy = make_policy(config, self.num_workers, assignment.total_num_replicas)
         self.pipeline = Pipeline(assignment.slices, size, config.bucket_bytes, dtype.itemsize)
         self.tables = None  # embedding tables (ps/sparse.py): rows pulled and pushed by id
@@ -377,7 +372,7 @@ class Service:
                 req.Cancel()
                 req.Wait()
             req.Free()
-        self.kernel_pool.close()
+        self.shard.close()
         return EXIT_REQUEUE if self.requeue else 0
 
 

@@ -9,12 +9,14 @@ them in place. A ps on a GPU keeps its shard on the device; how its frames reach
 import numpy as np
 
 from ..wire.frame import Frame
+from .kernels import warm_up
+from .threads import KernelPool
 
 
 class Shard:
     """The variables one ps owns, as flat buffers, with the optimizer that updates them."""
 
-    def __init__(self, slices, size, dtype, optimizer, backend, average=None, pool=None):
+    def __init__(self, slices, size, dtype, optimizer, backend, average=None, threads=1):
         self.slices = slices
         self.size = size
         self.dtype = np.dtype(dtype)
@@ -27,7 +29,11 @@ class Shard:
         # no-op for numpy and CuPy; it matters for backends whose module is numpy).
         self.slots = {k: backend.to_device(v)
                       for k, v in optimizer.make_slots(size, self.xp, dtype).items()}
-        self.pool = pool  # the KernelPool whose threads run the fused kernel (None: one)
+        # The kernel threads, and the kernel compiled (or loaded from numba's cache) now,
+        # at start-up, not in the first step. A device shard runs the ufunc passes.
+        self.pool = KernelPool(threads) if backend.name == "numpy" else None
+        if self.pool is not None:
+            warm_up(optimizer, self.dtype)
         self.average = average  # an ExponentialMovingAverage or None
         self.average_frame = Frame.allocate(backend, size, dtype) if average is not None else None
         self._views = {}  # (lo, hi) -> (params, slots, average) views of one bucket, made once
@@ -61,6 +67,11 @@ class Shard:
                     frame.publish(lo, hi)
         else:
             self.backend.synchronize()
+
+    def close(self):
+        """Stop the kernel threads."""
+        if self.pool is not None:
+            self.pool.close()
 
     def start_average(self):
         """Begin the moving average at the current parameters."""
