@@ -58,15 +58,20 @@ def test_mod_and_range_place_as_documented():
 
 
 @pytest.mark.parametrize("kind", ["mod", "range"])
-def test_route_groups_unique_ids_by_owner(kind):
+def test_keys_group_ids_by_owner_so_one_sort_routes_them(kind):
     pl = RowPlacement(50, 3, kind)
-    uids = np.array([0, 2, 3, 7, 8, 20, 33, 49], np.int64)
-    order, offsets = pl.route(uids)
-    routed = uids[order]
+    ids = np.array([49, 0, 2, 3, 7, 8, 20, 33, 2, 49], np.int64)
+    keys, inverse = unique_inverse(pl.keys(ids))
+    offsets = np.searchsorted(keys, pl.starts)
+    routed = []
     for p in range(3):
-        part = routed[offsets[p]:offsets[p + 1]]
-        assert (pl.owner(part) == p).all() and (np.diff(part) > 0).all()
-    assert offsets[-1] == len(uids)
+        part = keys[offsets[p]:offsets[p + 1]]
+        mine = pl.ids_of_keys(part, p, np.empty(len(part), np.int64))
+        assert (pl.owner(mine) == p).all() and (np.diff(mine) > 0).all()
+        assert (pl.local(mine, p) == part - pl.starts[p]).all()
+        routed.append(mine)
+    assert np.array_equal(np.concatenate(routed)[inverse], ids)
+    assert sorted(pl.keys(np.arange(50)).tolist()) == list(range(50))
 
 
 # -- initial values ----------------------------------------------------------------------
@@ -114,7 +119,8 @@ def test_messages_hold_counts_ids_and_rows_where_both_sides_read_them():
     assert lay.capacity == lay.end([5, 4]) and len(buf) >= lay.capacity
 
 
-@pytest.mark.parametrize("n,high", [(0, 5), (1, 5), (50, 7), (5000, 10**9)])
+@pytest.mark.parametrize("n,high", [(0, 5), (1, 5), (50, 7), (70000, 70000), (5000, 10**9),
+                                    (5000, 2**40)])
 def test_unique_inverse_is_numpys(n, high):
     ids = np.random.default_rng(n).integers(0, high, n)
     u, inv = unique_inverse(ids)
@@ -231,17 +237,14 @@ def reference(optimizer, num_workers, steps):
             lookups, uniq = {}, {}
             for n, ids in b.items():
                 uids, inv = np.unique(ids.reshape(-1), return_inverse=True)
-                rows = full[n][uids][inv].reshape(ids.shape + (specs[n].dim,))
-                lookups[n] = Lookup(ids, rows, np.zeros_like(rows))
-                uniq[n] = (uids, inv)
+                lookups[n] = Lookup(ids, full[n][uids], inv)
+                uniq[n] = uids
             grads = {k: np.zeros_like(v) for k, v in params.items()}
             model.loss_and_grads(params, b, grads, lookups)
             dense.append(grads)
             summed = {}
-            for n, (uids, inv) in uniq.items():
-                out = np.zeros((len(uids), specs[n].dim), np.float32)
-                segment_sum(lookups[n].grad.reshape(-1, specs[n].dim), inv, out)
-                summed[n] = (uids, out)
+            for n, uids in uniq.items():
+                summed[n] = (uids, lookups[n].summed(n))
             sparse.append(summed)
         for k, v in params.items():
             acc = dense[0][k].reshape(-1).copy()
