@@ -7,6 +7,7 @@ the chief's dense parameters, with the same arithmetic done here in one process.
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -462,3 +463,37 @@ def test_a_table_larger_than_a_ps_memory_limit_trains_split_over_more_ps(tmp_pat
     assert counters["pushes_applied"] == 2
     with np.load(tmp_path / "ps0.npz") as f:
         assert f["users/rows"].shape == (37 * 100000 // 2, 4)
+
+
+def test_ckpt_show_lists_the_tables_and_export_assembles_them_from_every_shard(
+        tmp_path, capsys):
+    from mpitf.ckpt.commands import cmd_export, cmd_show
+    ckpt = tmp_path / "ckpt"
+    run_driver(tmp_path, 2, 1, "--steps", 2, "--checkpoint-dir", ckpt)
+    assert cmd_show(str(ckpt)) == 0
+    shown = capsys.readouterr().out
+    assert "tables (2):" in shown
+    assert re.search(r"^  users +37 x 4 +float32 +rows ps0:19 ps1:18$", shown, re.M), shown
+    out = tmp_path / "export.npz"
+    assert cmd_export(str(ckpt), str(out)) == 0
+    assert "and 2 tables of ckpt-00000002" in capsys.readouterr().out
+    got, _ = tables_of(tmp_path, 2)
+    with np.load(out) as f:
+        for t in driver.tables():
+            assert f[t.name].shape == (t.rows, t.dim) and f[t.name].dtype == np.float32
+            assert np.array_equal(f[t.name], got[t.name]), t.name
+        assert "w_users" in f.files  # the dense variables are there too
+
+
+def test_a_restart_passes_over_a_checkpoint_whose_table_is_damaged(tmp_path):
+    import h5py
+    ckpt = tmp_path / "ckpt"
+    common = ["--mode", "sync", "--deterministic", "--optimizer", "adagrad",
+              "--checkpoint-dir", ckpt, "--save-steps", 2]
+    run_driver(tmp_path, 2, 2, *common, "--steps", 4)  # ckpt-2, ckpt-4
+    with h5py.File(ckpt / "ckpt-00000004" / "shard-00001-of-00002.h5", "r+") as f:
+        f["tables/items/rows"][0, 0] += 1
+    run = run_driver(tmp_path, 2, 2, *common, "--steps", 6)
+    assert re.search(r"skipping ckpt-00000004: .*checksum mismatch in tables/items/rows.*; "
+                     r"using ckpt-00000002", run.output), run.output
+    _assert_reference(tmp_path, 2, "adagrad", 2, 6)  # resumed from step 2, bit for bit
