@@ -54,6 +54,8 @@ class RowPlacement:
 
     def local(self, ids, ps):
         """Return the local row index on ps ``ps`` of each of its ``ids``."""
+        if self.num_ps == 1:
+            return ids
         if self.kind == "mod":
             return ids // self.num_ps
         return ids - self.starts[ps]

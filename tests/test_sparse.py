@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpitf.errors import ConfigurationError, PeerError
+from mpitf.errors import ConfigurationError, DataError, PeerError
 from mpitf.models.embedding import EmbeddingTable, initial_rows
 from mpitf.ps.optimizers import make_optimizer
 from mpitf.ps.sparse import SparseTables
@@ -135,6 +135,20 @@ def test_segment_sum_adds_every_occurrence():
     out = np.full((3, 2), 99, np.float32)
     segment_sum(values, np.array([2, 0, 2, 1, 0, 2]), out)
     assert out.tolist() == [[10, 12], [6, 7], [14, 17]]
+
+
+def test_a_lookup_takes_gradients_per_occurrence_or_per_pulled_row_alike():
+    ids = np.array([[3, 1], [3, 3], [0, 1]])
+    uids, inv = np.unique(ids, return_inverse=True)
+    pulled = np.arange(len(uids) * 2, dtype=np.float32).reshape(-1, 2)
+    per_occurrence = Lookup(ids, pulled, inv)
+    assert np.array_equal(per_occurrence.rows, pulled[inv.reshape(ids.shape)])
+    per_occurrence.grad[...] = per_occurrence.rows
+    per_row = Lookup(ids, pulled, inv)
+    per_row.unique_grad[...] = pulled * np.bincount(inv.reshape(-1))[:, None]
+    assert np.array_equal(per_occurrence.summed(), per_row.summed())
+    with pytest.raises(DataError, match="the model wrote no gradient for table 'users'"):
+        Lookup(ids, pulled, inv).summed("users")
 
 
 # -- the ps's sparse apply ---------------------------------------------------------------
