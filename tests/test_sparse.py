@@ -497,6 +497,12 @@ def test_ckpt_show_lists_the_tables_and_export_assembles_them_from_every_shard(
             assert f[t.name].shape == (t.rows, t.dim) and f[t.name].dtype == np.float32
             assert np.array_equal(f[t.name], got[t.name]), t.name
         assert "w_users" in f.files  # the dense variables are there too
+    import h5py
+    with h5py.File(ckpt / "ckpt-00000002" / "shard-00000-of-00002.h5", "r+") as f:
+        f["tables/users/rows"][0, 0] += 1
+    assert cmd_export(str(ckpt), str(tmp_path / "bad.npz")) == 1
+    assert "tables/users/rows" in capsys.readouterr().out
+    assert not (tmp_path / "bad.npz").exists()
 
 
 def test_a_restart_passes_over_a_checkpoint_whose_table_is_damaged(tmp_path):
