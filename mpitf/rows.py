@@ -54,6 +54,8 @@ class RowPlacement:
 
     def local(self, ids, ps):
         """Return the local row index on ps ``ps`` of each of its ``ids``."""
+        if self.num_ps == 1:
+            return ids
         if self.kind == "mod":
             return ids // self.num_ps
         return ids - self.starts[ps]
@@ -64,20 +66,35 @@ class RowPlacement:
             return np.arange(ps, self.rows, self.num_ps, dtype=np.int64)
         return np.arange(self.starts[ps], self.starts[ps + 1], dtype=np.int64)
 
-    def route(self, unique_ids):
-        """Group sorted unique ids by owner; return (order, offsets).
+    def keys(self, ids):
+        """Return each id's key: ps ``p``'s rows are keys ``[starts[p], starts[p + 1])``.
 
-        ``unique_ids[order]`` lists ps 0's ids, then ps 1's, ...; ps ``p``'s are
-        ``[offsets[p], offsets[p + 1])`` of it, still ascending.
+        A bijection of ``[0, rows)`` onto itself that numbers ps 0's rows first, then ps
+        1's, ... (local order within each), so sorting keys groups ids by owner: one sort
+        both deduplicates and routes. For ``"range"`` (or one ps) the key is the id.
         """
         if self.num_ps == 1 or self.kind == "range":
-            # Sorted ids are grouped already (ps 0's range first, ...).
-            order = np.arange(len(unique_ids), dtype=np.int64)
-            return order, np.searchsorted(unique_ids, self.starts).astype(np.int64)
-        owner = unique_ids % self.num_ps
-        order = np.argsort(owner, kind="stable")
-        counts = np.bincount(owner, minlength=self.num_ps)
-        return order, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            return ids
+        owner = ids % self.num_ps
+        return self.starts[owner] + ids // self.num_ps
+
+    def ids_of_keys(self, keys, ps, out):
+        """Write the ids of ps ``ps``'s ``keys`` into ``out``; return ``out``."""
+        if self.num_ps == 1 or self.kind == "range":
+            out[...] = keys
+            return out
+        np.subtract(keys, self.starts[ps], out=out)
+        np.multiply(out, self.num_ps, out=out)
+        return np.add(out, ps, out=out)
+
+
+def row_view(a):
+    """Return a 2-D C-contiguous array as 1-D, one opaque item per row (a view).
+
+    ``np.put`` and ``np.take`` move such rows as one memcpy each: measured 10x faster
+    than ``a[ids] = rows`` for 20k rows of 16 float32.
+    """
+    return a.view(np.dtype((np.void, a.shape[1] * a.itemsize))).reshape(-1)
 
 
 def segment_sum(values, segments, out):
@@ -95,18 +112,60 @@ def segment_sum(values, segments, out):
     return out
 
 
-def unique_inverse(ids):
-    """Return ``(unique ids, inverse)`` of 1-D ints, as ``np.unique`` gives them.
+class Dedup:
+    """Deduplicate up to ``capacity`` non-negative ints: sorted unique values and inverse.
 
-    The same as ``np.unique(ids, return_inverse=True)``: a sort, the places where the value
-    changes and a ``searchsorted`` of every id, measured 1.7x faster than ``np.unique``
-    (whose inverse needs an argsort) on a 4096 x 26 batch.
+    One stable sort of the ids with numpy's radix sort (16-bit digits: one pass for ids
+    below 2**16, two below 2**32, numpy's merge sort above), then the places where the
+    value changes and a running count scattered back to each id's position. Scratch is
+    made once; the returned arrays are views of it, valid until the next call. Measured
+    (4096 x 26 Zipf(1.2) ids below 10**6): 2.4 ms against 16 ms for ``np.sort`` and a
+    ``searchsorted`` of every id, and 6.7 ms for ``np.unique(return_inverse=True)``.
     """
-    if len(ids) == 0:
-        return ids[:0].copy(), np.zeros(0, np.intp)
-    s = np.sort(ids)
-    keep = np.empty(len(s), bool)
-    keep[0] = True
-    np.not_equal(s[1:], s[:-1], out=keep[1:])
-    uids = s[keep]
-    return uids, np.searchsorted(uids, ids)
+
+    def __init__(self, capacity):
+        n = int(capacity)
+        self.low, self.high = np.empty(n, np.uint16), np.empty(n, np.uint16)
+        self.sorted, self.unique = np.empty(n, np.int64), np.empty(n, np.int64)
+        self.keep, self.count = np.empty(n, bool), np.empty(n, np.intp)
+        self.inverse = np.empty(n, np.intp)
+
+    def __call__(self, ids, bound=None):
+        """Return ``(unique ids, inverse)`` of 1-D ``ids`` in ``[0, bound)`` as ``np.unique``.
+
+        ``bound`` (one more than the largest id) picks the passes; None: ``ids.max() + 1``.
+        """
+        n = len(ids)
+        if n == 0:
+            return self.unique[:0], self.inverse[:0]
+        bound = int(ids.max()) + 1 if bound is None else int(bound)
+        order = self._order(ids, n, bound)
+        s, keep, count = self.sorted[:n], self.keep[:n], self.count[:n]
+        np.take(ids, order, out=s)
+        keep[0] = True
+        np.not_equal(s[1:], s[:-1], out=keep[1:])
+        np.cumsum(keep, out=count)
+        np.subtract(count, 1, out=count)
+        inverse = self.inverse[:n]
+        inverse[order] = count
+        u = int(count[-1]) + 1
+        return np.compress(keep, s, out=self.unique[:u]), inverse
+
+    def _order(self, ids, n, bound):
+        if bound > 1 << 32:
+            return np.argsort(ids, kind="stable")
+        low = self.low[:n]
+        np.bitwise_and(ids, 0xFFFF, out=low, casting="unsafe")
+        order = np.argsort(low, kind="stable")  # radix sort for 16-bit ints
+        if bound <= 1 << 16:
+            return order
+        high = self.high[:n]
+        np.right_shift(ids, 16, out=low, casting="unsafe")
+        np.take(low, order, out=high)
+        return order[np.argsort(high, kind="stable")]
+
+
+def unique_inverse(ids):
+    """Return ``(unique ids, inverse)`` of 1-D non-negative ints, as ``np.unique`` gives them."""
+    ids = np.asarray(ids)
+    return Dedup(len(ids))(ids)

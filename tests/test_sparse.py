@@ -7,12 +7,13 @@ the chief's dense parameters, with the same arithmetic done here in one process.
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from mpitf.errors import ConfigurationError, PeerError
+from mpitf.errors import ConfigurationError, DataError, PeerError
 from mpitf.models.embedding import EmbeddingTable, initial_rows
 from mpitf.ps.optimizers import make_optimizer
 from mpitf.ps.sparse import SparseTables
@@ -58,15 +59,20 @@ def test_mod_and_range_place_as_documented():
 
 
 @pytest.mark.parametrize("kind", ["mod", "range"])
-def test_route_groups_unique_ids_by_owner(kind):
+def test_keys_group_ids_by_owner_so_one_sort_routes_them(kind):
     pl = RowPlacement(50, 3, kind)
-    uids = np.array([0, 2, 3, 7, 8, 20, 33, 49], np.int64)
-    order, offsets = pl.route(uids)
-    routed = uids[order]
+    ids = np.array([49, 0, 2, 3, 7, 8, 20, 33, 2, 49], np.int64)
+    keys, inverse = unique_inverse(pl.keys(ids))
+    offsets = np.searchsorted(keys, pl.starts)
+    routed = []
     for p in range(3):
-        part = routed[offsets[p]:offsets[p + 1]]
-        assert (pl.owner(part) == p).all() and (np.diff(part) > 0).all()
-    assert offsets[-1] == len(uids)
+        part = keys[offsets[p]:offsets[p + 1]]
+        mine = pl.ids_of_keys(part, p, np.empty(len(part), np.int64))
+        assert (pl.owner(mine) == p).all() and (np.diff(mine) > 0).all()
+        assert (pl.local(mine, p) == part - pl.starts[p]).all()
+        routed.append(mine)
+    assert np.array_equal(np.concatenate(routed)[inverse], ids)
+    assert sorted(pl.keys(np.arange(50)).tolist()) == list(range(50))
 
 
 # -- initial values ----------------------------------------------------------------------
@@ -114,7 +120,8 @@ def test_messages_hold_counts_ids_and_rows_where_both_sides_read_them():
     assert lay.capacity == lay.end([5, 4]) and len(buf) >= lay.capacity
 
 
-@pytest.mark.parametrize("n,high", [(0, 5), (1, 5), (50, 7), (5000, 10**9)])
+@pytest.mark.parametrize("n,high", [(0, 5), (1, 5), (50, 7), (70000, 70000), (5000, 10**9),
+                                    (5000, 2**40)])
 def test_unique_inverse_is_numpys(n, high):
     ids = np.random.default_rng(n).integers(0, high, n)
     u, inv = unique_inverse(ids)
@@ -128,6 +135,20 @@ def test_segment_sum_adds_every_occurrence():
     out = np.full((3, 2), 99, np.float32)
     segment_sum(values, np.array([2, 0, 2, 1, 0, 2]), out)
     assert out.tolist() == [[10, 12], [6, 7], [14, 17]]
+
+
+def test_a_lookup_takes_gradients_per_occurrence_or_per_pulled_row_alike():
+    ids = np.array([[3, 1], [3, 3], [0, 1]])
+    uids, inv = np.unique(ids, return_inverse=True)
+    pulled = np.arange(len(uids) * 2, dtype=np.float32).reshape(-1, 2)
+    per_occurrence = Lookup(ids, pulled, inv)
+    assert np.array_equal(per_occurrence.rows, pulled[inv.reshape(ids.shape)])
+    per_occurrence.grad[...] = per_occurrence.rows
+    per_row = Lookup(ids, pulled, inv)
+    per_row.unique_grad[...] = pulled * np.bincount(inv.reshape(-1))[:, None]
+    assert np.array_equal(per_occurrence.summed(), per_row.summed())
+    with pytest.raises(DataError, match="the model wrote no gradient for table 'users'"):
+        Lookup(ids, pulled, inv).summed("users")
 
 
 # -- the ps's sparse apply ---------------------------------------------------------------
@@ -231,17 +252,14 @@ def reference(optimizer, num_workers, steps):
             lookups, uniq = {}, {}
             for n, ids in b.items():
                 uids, inv = np.unique(ids.reshape(-1), return_inverse=True)
-                rows = full[n][uids][inv].reshape(ids.shape + (specs[n].dim,))
-                lookups[n] = Lookup(ids, rows, np.zeros_like(rows))
-                uniq[n] = (uids, inv)
+                lookups[n] = Lookup(ids, full[n][uids], inv)
+                uniq[n] = uids
             grads = {k: np.zeros_like(v) for k, v in params.items()}
             model.loss_and_grads(params, b, grads, lookups)
             dense.append(grads)
             summed = {}
-            for n, (uids, inv) in uniq.items():
-                out = np.zeros((len(uids), specs[n].dim), np.float32)
-                segment_sum(lookups[n].grad.reshape(-1, specs[n].dim), inv, out)
-                summed[n] = (uids, out)
+            for n, uids in uniq.items():
+                summed[n] = (uids, lookups[n].summed(n))
             sparse.append(summed)
         for k, v in params.items():
             acc = dense[0][k].reshape(-1).copy()
@@ -459,3 +477,43 @@ def test_a_table_larger_than_a_ps_memory_limit_trains_split_over_more_ps(tmp_pat
     assert counters["pushes_applied"] == 2
     with np.load(tmp_path / "ps0.npz") as f:
         assert f["users/rows"].shape == (37 * 100000 // 2, 4)
+
+
+def test_ckpt_show_lists_the_tables_and_export_assembles_them_from_every_shard(
+        tmp_path, capsys):
+    from mpitf.ckpt.commands import cmd_export, cmd_show
+    ckpt = tmp_path / "ckpt"
+    run_driver(tmp_path, 2, 1, "--steps", 2, "--checkpoint-dir", ckpt)
+    assert cmd_show(str(ckpt)) == 0
+    shown = capsys.readouterr().out
+    assert "tables (2):" in shown
+    assert re.search(r"^  users +37 x 4 +float32 +rows ps0:19 ps1:18$", shown, re.M), shown
+    out = tmp_path / "export.npz"
+    assert cmd_export(str(ckpt), str(out)) == 0
+    assert "and 2 tables of ckpt-00000002" in capsys.readouterr().out
+    got, _ = tables_of(tmp_path, 2)
+    with np.load(out) as f:
+        for t in driver.tables():
+            assert f[t.name].shape == (t.rows, t.dim) and f[t.name].dtype == np.float32
+            assert np.array_equal(f[t.name], got[t.name]), t.name
+        assert "w_users" in f.files  # the dense variables are there too
+    import h5py
+    with h5py.File(ckpt / "ckpt-00000002" / "shard-00000-of-00002.h5", "r+") as f:
+        f["tables/users/rows"][0, 0] += 1
+    assert cmd_export(str(ckpt), str(tmp_path / "bad.npz")) == 1
+    assert "tables/users/rows" in capsys.readouterr().out
+    assert not (tmp_path / "bad.npz").exists()
+
+
+def test_a_restart_passes_over_a_checkpoint_whose_table_is_damaged(tmp_path):
+    import h5py
+    ckpt = tmp_path / "ckpt"
+    common = ["--mode", "sync", "--deterministic", "--optimizer", "adagrad",
+              "--checkpoint-dir", ckpt, "--save-steps", 2]
+    run_driver(tmp_path, 2, 2, *common, "--steps", 4)  # ckpt-2, ckpt-4
+    with h5py.File(ckpt / "ckpt-00000004" / "shard-00001-of-00002.h5", "r+") as f:
+        f["tables/items/rows"][0, 0] += 1
+    run = run_driver(tmp_path, 2, 2, *common, "--steps", 6)
+    assert re.search(r"skipping ckpt-00000004: .*checksum mismatch in tables/items/rows.*; "
+                     r"using ckpt-00000002", run.output), run.output
+    _assert_reference(tmp_path, 2, "adagrad", 2, 6)  # resumed from step 2, bit for bit

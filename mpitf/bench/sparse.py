@@ -7,14 +7,19 @@ One table of R x D float32 on P ps tasks (rows i mod P); batches of B x F ids dr
 Zipf(A) with a fixed seed (``(zipf - 1) % R``). Measured in one run, on the worker:
 
 * step_us: ``TrainingSession.run``: deduplication, routing, the sparse pull, the
-  gradient of the pulled rows (the rows themselves: d(sum(r^2)/2)), the sum per id, the
-  sparse push and the ps's SGD apply (answered with the one-float dense push the step
-  carries). Median over ``--steps`` steps after warm-up.
+  gradient of the pulled rows (the rows themselves: d(sum(r^2)/2), written per pulled row
+  into ``Lookup.unique_grad``), the sparse push and the ps's SGD apply (answered with the
+  one-float dense push the step carries). Median over ``--steps`` steps after warm-up.
+* step_occurrences_us: the same step with the model reading each occurrence's row and
+  writing each occurrence's gradient (``Lookup.rows``/``.grad``: B x F rows gathered,
+  then summed per id), as a model whose layers take one row per id looked up does.
+* dedup_us: :class:`mpitf.rows.Dedup` of one batch's B x F ids (the worker's sort).
 * raw_us: a raw MPI exchange of the same bytes with every ps, in the same two round
   trips (pull request -> rows; push + dense push -> dense reply).
 * dense_us: ``Client.push_pull`` of the whole table as one dense variable (SGD).
 * gather_scatter_us: numpy's gather of the step's unique rows and SGD scatter into a
-  table of R x D (on ps task 0), the memory work a step cannot avoid.
+  table of R x D (on ps task 0; ``np.take``/``np.put`` of whole rows, the fastest numpy
+  way measured), the memory work a step cannot avoid.
 * segment_sum_us: summing B x F row gradients per unique id, ``np.add.at`` and a
   ``np.bincount`` per column (:func:`mpitf.rows.segment_sum`, the one used).
 
@@ -33,7 +38,7 @@ from mpitf.models.embedding import EmbeddingTable
 from mpitf.placement import Placement
 from mpitf.ps.optimizers import make_optimizer
 from mpitf.ps.service import serve
-from mpitf.rows import segment_sum
+from mpitf.rows import Dedup, row_view, segment_sum
 from mpitf.runtime.exits import run_job
 from mpitf.runtime.server import Server
 from mpitf.worker.client import Client
@@ -66,6 +71,7 @@ class TableModel:
 
     def __init__(self, rows, dim, fields):
         self.table = EmbeddingTable("table", rows, dim, lookups=fields)
+        self.per_occurrence = False
 
     def variables(self):
         return [("bias", (1,), "float32")]
@@ -81,7 +87,10 @@ class TableModel:
 
     def loss_and_grads(self, params, batch, grads, lookups):
         lookup = lookups["table"]
-        lookup.grad[...] = lookup.rows  # d(sum(rows^2)/2)
+        if self.per_occurrence:
+            lookup.grad[...] = lookup.rows  # d(sum(rows^2)/2), per id looked up
+        else:
+            lookup.unique_grad[...] = lookup.unique_rows  # the same, per pulled row
         grads["bias"][...] = 0
         return 0.0
 
@@ -144,10 +153,15 @@ def main(argv=None):
         row["step_us"] = _median_us(times)
         row["bytes_per_step"] = (emb.bytes_sent - b0 + emb.bytes_received - r0) / steps \
             + dense_bytes
+        model.per_occurrence = True
+        row["step_occurrences_us"] = _median_us(
+            _timed(lambda: session.run(batches[next(k) % BATCHES]), args.steps))
         uniques = [len(np.unique(b)) for b in batches]
         row["unique_ids"] = float(np.mean(uniques))
         table = emb.tables[0]
         n = table.offsets[-1]
+        dedup, flat = Dedup(batches[0].size), batches[0].reshape(-1)
+        row["dedup_us"] = _median_us(_timed(lambda: dedup(flat, args.rows), args.steps))
         row["segment_sum_us"] = _segment_sums(table.occ_grads[:len(table.inverse)],
                                               table.inverse, n)
         # per ps, the sizes of the last step's messages, for the raw exchange
@@ -183,10 +197,12 @@ def main(argv=None):
     if is_ps and server.task_index == 0:
         full = np.zeros((args.rows, args.dim), np.float32)
         grad = np.ones((len(ids), args.dim), np.float32)
+        rows = np.empty_like(grad)
 
         def gather_scatter():
-            rows = np.take(full, ids, axis=0)
-            full[ids] = rows - LR * grad
+            np.take(full, ids, axis=0, out=rows)
+            np.subtract(rows, LR * grad, out=rows)
+            np.put(row_view(full), ids, row_view(rows))
 
         gs = _median_us(_timed(gather_scatter, args.steps))
         del full

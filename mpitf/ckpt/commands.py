@@ -24,6 +24,7 @@ from .names import (
 )
 from .pieces import index_pieces
 from .restore import read_variables
+from .tables import read_tables, table_shards
 from .verify import verify_checkpoint
 
 
@@ -33,6 +34,7 @@ def describe_checkpoint(ckpt_dir):
     groups = index_pieces(ckpt_dir, m)
     layout = dict(m["layout"])
     optimizer = layout.pop("optimizer", None)
+    tables = layout.pop("tables", [])
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(m.get("time", 0)))
     lines = [f"{os.path.basename(os.path.normpath(ckpt_dir))}: global step {m['global_step']}, "
              f"written {when}", f"path: {os.path.abspath(ckpt_dir)}",
@@ -47,6 +49,14 @@ def describe_checkpoint(ckpt_dir):
                                 key=lambda p: p.start))
         lines.append(f"  {v['name']:<{width}}  {str(tuple(v['shape'])):<16} "
                      f"{np.dtype(v['dtype']).name:<8} {where}")
+    if tables:
+        shards = table_shards(ckpt_dir, m)
+        lines.append(f"tables ({len(tables)}):")
+        width = max([len(t["name"]) for t in tables] + [8])
+        for t in tables:
+            where = " ".join(f"ps{p}:{n}" for p, n in sorted(shards[t["name"]]))
+            lines.append(f"  {t['name']:<{width}}  {t['rows']} x {t['dim']:<10} "
+                         f"{t['dtype']:<8} rows {where}")
     slots = sorted({slot for kind, slot, _ in groups if kind == "slots"})
     lines.append(f"slots: {', '.join(slots) or 'none'}")
     lines.append(f"average: {'yes' if any(k == 'average' for k, _, _ in groups) else 'no'}")
@@ -160,21 +170,31 @@ def cmd_verify(root_or_ckpt_dir):
 
 
 def cmd_export(root, out_npz, step=None):
-    """Write every variable of a checkpoint to ``out_npz`` by name; return the exit code."""
+    """Write every variable and table of a checkpoint to ``out_npz`` by name.
+
+    A table is one entry ``<table>`` of rows x dim, assembled from every ps's shard.
+    Returns the exit code.
+    """
     try:
         path = _choose(root, step)
         variables = read_variables(path)
+        tables = read_tables(path, read_manifest(path))
     except CheckpointError as e:
         return _fail(e)
+    clash = sorted(set(variables) & set(tables))
+    if clash:
+        return _fail(f"{path}: {clash} name both a variable and a table; an npz entry "
+                     "holds one of them")
     tmp = out_npz + ".tmp"
     try:
         # np.savez(**variables) would clash with a variable named "file".
         with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
-            for name, value in variables.items():
+            for name, value in {**variables, **tables}.items():
                 with z.open(name + ".npy", "w", force_zip64=True) as f:
                     np.lib.format.write_array(f, value)
         commit_file(tmp, out_npz)
     except OSError as e:
         return _fail(f"cannot write {out_npz} ({e})")
-    print(f"wrote {len(variables)} variables of {os.path.basename(path)} to {out_npz}")
+    what = f" and {len(tables)} tables" if tables else ""
+    print(f"wrote {len(variables)} variables{what} of {os.path.basename(path)} to {out_npz}")
     return 0

@@ -97,6 +97,62 @@ def check_model(ckpt_dir, manifest, specs):
                 "the model that saved it, or start from another checkpoint directory")
 
 
+def table_shards(ckpt_dir, manifest):
+    """Return {table: [(ps_task, rows saved)]} from every shard (shapes only, no data)."""
+    import h5py
+
+    out = {t["name"]: [] for t in manifest["layout"].get("tables", [])}
+    for entry in manifest["shards"]:
+        path = os.path.join(ckpt_dir, entry["file"])
+        try:
+            with h5py.File(path, "r") as f:
+                for name, where in out.items():
+                    g = f.get(f"{GROUP}/{name}/ids")
+                    where.append((entry["ps_task"], 0 if g is None else len(g)))
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read ({e})") from e
+    return out
+
+
+def read_tables(ckpt_dir, manifest):
+    """Return {table: rows x dim array} of every table, assembled from every shard.
+
+    Each shard's ids and rows are checked against their crc32; every row must be saved
+    exactly once. The whole table is in memory (it is for export, not for a ps).
+    """
+    import h5py
+
+    out = {}
+    for t in manifest["layout"].get("tables", []):
+        table = np.zeros((t["rows"], t["dim"]), t["dtype"])
+        seen = np.zeros(t["rows"], bool)
+        for entry in manifest["shards"]:
+            path = os.path.join(ckpt_dir, entry["file"])
+            where = f"{path}: {GROUP}/{t['name']}"
+            try:
+                with h5py.File(path, "r") as f:
+                    g = f.get(f"{GROUP}/{t['name']}")
+                    if g is None:
+                        continue
+                    ids = _read(g["ids"], f"{where}/ids")
+                    rows = _read(g["rows"], f"{where}/rows")
+            except OSError as e:
+                raise CheckpointError(f"{path}: cannot read ({e})") from e
+            if len(ids) and (ids.min() < 0 or ids.max() >= t["rows"] or seen[ids].any()
+                             or len(np.unique(ids)) != len(ids)):
+                raise CheckpointError(f"{where}/ids: a row out of range or saved twice")
+            if rows.shape != (len(ids), t["dim"]):
+                raise CheckpointError(f"{where}/rows: shape {rows.shape}, expecting "
+                                      f"({len(ids)}, {t['dim']})")
+            seen[ids] = True
+            table[ids] = rows
+        if not seen.all():
+            raise CheckpointError(f"{ckpt_dir}: table {t['name']!r} lacks "
+                                  f"{int((~seen).sum())} rows; the checkpoint is damaged")
+        out[t["name"]] = table
+    return out
+
+
 def load_tables(ckpt_dir, manifest, tables):
     """Fill ``tables`` (``[{"spec", "placement", "ps", "rows", "slots"}]``) from every shard.
 

@@ -270,7 +270,7 @@ def build_parser():
     d = data.add_parser("synthetic-ctr", help="power-law click-through data from a planted "
                         "model (prints the planted model's test AUC: the ceiling)")
     d.add_argument("--out", required=True, help="output file")
-    d.add_argument("--train", type=int, default=20000, help="training examples")
+    d.add_argument("--train", type=int, default=200000, help="training examples")
     d.add_argument("--test", type=int, default=5000, help="test examples")
     d.add_argument("--fields", type=int, default=8, help="categorical fields")
     d.add_argument("--rows", type=int, default=1000, help="rows of each field's table")

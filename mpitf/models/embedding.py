@@ -4,7 +4,11 @@ A model with tables adds two methods to the protocol (see :mod:`mpitf.models`)::
 
     tables() -> [EmbeddingTable]                     # the sparse variables
     ids(batch) -> {table name: int64 array}          # the rows this batch looks up
-    loss_and_grads(params, batch, grads, lookups)    # lookups[name].rows / .grad
+    loss_and_grads(params, batch, grads, lookups)    # lookups[name]: worker.embedding.Lookup
+
+A :class:`~mpitf.worker.embedding.Lookup` gives each occurrence's row (``.rows``, the
+model writes ``.grad``) or the pulled rows (``.unique_rows``, ``.inverse``; the model
+writes ``.unique_grad``), whichever the model's layers need.
 
 A worker never holds a whole table: it pulls the rows a batch uses. Row ``i``'s initial
 value is a function of (seed, table name, i) alone: rows are drawn in blocks of

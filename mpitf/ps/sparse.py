@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import PeerError
 from ..models.embedding import initial_rows
-from ..rows import RowPlacement, segment_sum, unique_inverse
+from ..rows import Dedup, RowPlacement, row_view, segment_sum
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.sparse import SparseLayout
@@ -57,11 +57,13 @@ class _Table:
                          for k, v in optimizer.make_slots(rows * dim, np, dtype).items()}
         self.rows_buf = np.empty((rows, dim), dtype)
         self.grad_buf = np.empty((rows, dim), dtype)
+        self.views = {k: row_view(v) for k, v in self.slots.items()}
+        self.views[None] = row_view(self.params)
 
     def check(self, ids, worker_desc):
         """Refuse ids this ps does not hold (a worker routing bug, never user data)."""
-        if len(ids) and (ids.min() < 0 or ids.max() >= self.spec.rows or
-                         (self.placement.owner(ids) != self.ps).any()):
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.spec.rows or (
+                self.placement.num_ps > 1 and (self.placement.owner(ids) != self.ps).any())):
             raise PeerError(f"sparse message for table {self.spec.name!r} names rows this ps "
                             f"does not hold", **worker_desc)
 
@@ -76,9 +78,9 @@ class _Table:
                 np.take(self.slots[k], local, axis=0, out=buf[:u])
             slots[k] = buf[:u].reshape(-1)
         optimizer.apply(p.reshape(-1), grads.reshape(-1), slots, step)
-        self.params[local] = p
+        np.put(self.views[None], local, row_view(p))
         for k in self.slots:
-            self.slots[k][local] = self.gathered[k][:u]
+            np.put(self.views[k], local, row_view(self.gathered[k][:u]))
 
 
 class SparseTables:
@@ -105,6 +107,7 @@ class SparseTables:
         self.replies = [self.layout.allocate(reply=True) for _ in range(num_workers)]
         total = [n * num_workers for n in self.layout.max_ids]
         self.cat_ids = [np.empty(n, np.int64) for n in total]
+        self.dedup = [Dedup(n) for n in total]
         self.cat_grads = [np.empty((n, t.dim), t.dtype) for n, t in zip(total, self.specs)]
 
     def saved(self):
@@ -183,7 +186,7 @@ class SparseTables:
             cat_ids[n:n + len(ids)] = ids
             cat_grads[n:n + len(ids)] = grads
             n += len(ids)
-        uids, inverse = unique_inverse(cat_ids[:n])
+        uids, inverse = self.dedup[t](cat_ids[:n], table.spec.rows)
         return uids, segment_sum(cat_grads[:n], inverse, table.grad_buf[:len(uids)])
 
     def _check_counts(self, counts, describe):

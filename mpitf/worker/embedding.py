@@ -1,38 +1,89 @@
 """A worker's embedding lookups: pull the rows a batch uses, push their summed gradients.
 
-Per step and table: the batch's ids are deduplicated once
-(:func:`~mpitf.rows.unique_inverse`), grouped by the ps that holds them
-(:class:`~mpitf.rows.RowPlacement`), and each ps gets one sparse pull with its ids in
-every table and answers their rows, all ps at once, nonblocking. The model runs forward
-and backward on the rows of each
-occurrence (:class:`Lookup`); the row gradients are summed per unique id and pushed with
-their ids, one message per ps, just before the dense push (same tag, so MPI keeps them in
-order and the ps applies both under one policy decision). Buffers are made once for the
-largest batch (``batch_size * lookups`` ids per table); messages are views of them. A
-worker never holds more of a table than one batch's rows.
+Per step and table: the batch's ids are mapped to keys that number each ps's rows
+together (:meth:`~mpitf.rows.RowPlacement.keys`) and deduplicated with one sort
+(:class:`~mpitf.rows.Dedup`), which also groups them by the ps that holds them; each ps
+gets one sparse pull with its ids in every table and answers their rows, all ps at once,
+nonblocking. The model runs forward and backward on the pulled rows (:class:`Lookup`):
+per occurrence (``rows``, ``grad``: gathered and summed per id by the worker) or per
+pulled row (``unique_rows``, ``inverse``, ``unique_grad``). The summed row gradients are
+pushed with their ids, one message per ps, just before the dense push (same tag, so MPI
+keeps them in order and the ps applies both under one policy decision). Buffers are made
+once for the largest batch (``batch_size * lookups`` ids per table); messages are views
+of them. A worker never holds more of a table than one batch's rows.
 """
 
 import numpy as np
 
 from ..errors import DataError, PeerError
 from ..models.embedding import check_tables
-from ..rows import RowPlacement, segment_sum, unique_inverse
+from ..rows import Dedup, RowPlacement, segment_sum
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.sparse import SparseLayout
 
 
 class Lookup:
-    """One table's lookups in a batch: ``rows`` (ids.shape + (dim,)) to read, ``grad`` to fill.
+    """One table's lookups in a batch, and where the model writes its gradient.
 
-    The model writes d(loss)/d(row) of every occurrence into ``grad`` (every element);
-    the worker sums them per unique id.
+    ``unique_rows`` (u x dim) are the pulled rows, ``inverse`` (the shape of ``ids``) the
+    index of each id's row among them. The model writes d(loss)/d(row) in one of two ways
+    (every element): per occurrence into ``grad`` (ids.shape + (dim,)), summed per id by
+    :meth:`summed`; or per pulled row into ``unique_grad``, which saves the gather of
+    ``rows`` and the sum when the model can work on the pulled rows themselves. ``rows``
+    (each occurrence's row) is gathered the first time it is read.
     """
 
-    __slots__ = ("ids", "rows", "grad")
+    __slots__ = ("ids", "unique_rows", "inverse", "_unique_grad", "_rows_buf", "_grad_buf",
+                 "_rows", "_grad", "_wrote_unique")
 
-    def __init__(self, ids, rows, grad):
-        self.ids, self.rows, self.grad = ids, rows, grad
+    def __init__(self, ids, unique_rows, inverse, unique_grad=None, rows_buf=None,
+                 grad_buf=None):
+        self.ids, self.unique_rows = ids, unique_rows
+        self.inverse = inverse.reshape(np.shape(ids))
+        self._unique_grad = np.zeros_like(unique_rows) if unique_grad is None else unique_grad
+        self._rows_buf, self._grad_buf = rows_buf, grad_buf
+        self._rows = self._grad = None
+        self._wrote_unique = False
+
+    def _occurrences(self, buf):
+        shape = (self.inverse.size, self.unique_rows.shape[1])
+        buf = np.empty(shape, self.unique_rows.dtype) if buf is None else buf[:shape[0]]
+        return buf.reshape(self.inverse.shape + shape[1:])
+
+    @property
+    def rows(self):
+        """Return each occurrence's row (ids.shape + (dim,)), gathered on first use."""
+        if self._rows is None:
+            out = self._occurrences(self._rows_buf)
+            np.take(self.unique_rows, self.inverse.reshape(-1), axis=0,
+                    out=out.reshape(-1, out.shape[-1]))
+            self._rows = out
+        return self._rows
+
+    @property
+    def grad(self):
+        """Return the buffer for each occurrence's row gradient (the model fills it)."""
+        if self._grad is None:
+            self._grad = self._occurrences(self._grad_buf)
+        return self._grad
+
+    @property
+    def unique_grad(self):
+        """Return the buffer for each pulled row's gradient (the model fills it)."""
+        self._wrote_unique = True
+        return self._unique_grad
+
+    def summed(self, name="table"):
+        """Return the row gradients summed per pulled row (u x dim)."""
+        if self._grad is not None:
+            return segment_sum(self._grad.reshape(-1, self._grad.shape[-1]),
+                               self.inverse.reshape(-1), self._unique_grad)
+        if not self._wrote_unique:
+            raise DataError(f"the model wrote no gradient for table {name!r}: fill "
+                            "lookups[name].grad (per id looked up) or .unique_grad (per "
+                            "pulled row) in loss_and_grads")
+        return self._unique_grad
 
 
 class _TableState:
@@ -43,15 +94,15 @@ class _TableState:
         self.placement = RowPlacement(spec.rows, num_ps, spec.placement)
         self.max_ids = spec.max_ids(batch_size)
         occurrences = batch_size * spec.lookups
+        self.dedup = Dedup(occurrences)
         self.rows = np.zeros((self.max_ids, spec.dim), spec.dtype)
         self.grads = np.zeros((self.max_ids, spec.dim), spec.dtype)
         self.occ_rows = np.zeros((occurrences, spec.dim), spec.dtype)
         self.occ_grads = np.zeros((occurrences, spec.dim), spec.dtype)
-        self.routed = self.inverse = self.offsets = None
-        self.shape = ()
+        self.keys = self.inverse = self.offsets = None
 
     def route(self, ids):
-        """Deduplicate and group ``ids`` by ps; return the number of occurrences."""
+        """Deduplicate ``ids`` and group them by ps (keys ascending within each)."""
         spec, flat = self.spec, ids.reshape(-1)
         if flat.size > len(self.occ_rows):
             raise DataError(f"table {spec.name!r}: a batch looks up {flat.size} ids, more than "
@@ -63,14 +114,19 @@ class _TableState:
                 bad = lo if lo < 0 else hi
                 raise DataError(f"table {spec.name!r}: id {bad} is outside [0, {spec.rows}) "
                                 "(ids are never wrapped or clipped)")
-        uids, inverse = unique_inverse(flat)
-        order, self.offsets = self.placement.route(uids)
-        self.routed = uids[order]
-        rank = np.empty_like(order)
-        rank[order] = np.arange(len(order))
-        self.inverse = rank[inverse.reshape(-1)]
-        self.shape = ids.shape
-        return flat.size
+        self.keys, self.inverse = self.dedup(self.placement.keys(flat), spec.rows)
+        self.offsets = np.searchsorted(self.keys, self.placement.starts)
+
+    def ids_to(self, p, out):
+        """Write the ids ps ``p`` holds of this batch into ``out``."""
+        keys = self.keys[self.offsets[p]:self.offsets[p + 1]]
+        return self.placement.ids_of_keys(keys, p, out)
+
+    def lookup(self, ids):
+        """Return the :class:`Lookup` of ``ids`` over the pulled rows."""
+        n = self.offsets[-1]
+        return Lookup(ids, self.rows[:n], self.inverse, self.grads[:n], self.occ_rows,
+                      self.occ_grads)
 
 
 class Embeddings:
@@ -117,6 +173,8 @@ class Embeddings:
             if value.dtype.kind not in "iu":
                 raise DataError(f"table {table.spec.name!r}: ids must be integers, got "
                                 f"{value.dtype.name}")
+            if value.dtype != np.int64:
+                value = value.astype(np.int64)
             table.route(value)
             values.append(value)
             self.counts[:, t] = np.diff(table.offsets)
@@ -125,7 +183,7 @@ class Embeddings:
             buf, counts = self.requests[p], self.counts[p]
             lay.counts(buf)[...] = counts
             for table, dest in zip(self.tables, lay.ids(buf, counts)):
-                dest[...] = table.routed[table.offsets[p]:table.offsets[p + 1]]
+                table.ids_to(p, dest)
             H.pack_request(lay.header(buf), P.SPARSE_PULL, client.ps_steps[p], client.worker,
                            int(counts.sum()), client.request_flags)
             end = lay.ids_end(counts)
@@ -143,21 +201,13 @@ class Embeddings:
             self.bytes_received += lay.reply_end(self.counts[p])
             for table, rows in zip(self.tables, lay.reply_rows(reply, self.counts[p])):
                 table.rows[table.offsets[p]:table.offsets[p + 1]] = rows
-        self.lookups = {}
-        for table, value in zip(self.tables, values):
-            k, dim = len(table.inverse), table.spec.dim
-            occ = np.take(table.rows[:table.offsets[-1]], table.inverse, axis=0,
-                          out=table.occ_rows[:k])
-            self.lookups[table.spec.name] = Lookup(
-                value, occ.reshape(table.shape + (dim,)),
-                table.occ_grads[:k].reshape(table.shape + (dim,)))
+        self.lookups = {t.spec.name: t.lookup(v) for t, v in zip(self.tables, values)}
         return self.lookups
 
     def reduce(self):
-        """Sum each table's occurrence gradients per unique id (after the backward pass)."""
-        for table in self.tables:
-            n, k = table.offsets[-1], len(table.inverse)
-            segment_sum(table.occ_grads[:k], table.inverse, table.grads[:n])
+        """Sum each table's gradients per pulled row (after the backward pass)."""
+        for name, lookup in self.lookups.items():
+            lookup.summed(name)
 
     def nonfinite(self):
         """Return the name of a table whose row gradients hold NaN or Inf, or None."""
