@@ -259,6 +259,9 @@ class Service:
             frame.received()
             self.counters["bytes_in"] += H.HEADER_BYTES + request.count * frame.itemsize
             self.positions[worker] = (request.epoch, request.cursor)
+            lr = H.learning_rate_of(request)
+            if lr is not None:  # the worker's rate (mpitf.torch): the next update applies it
+                self.shard.optimizer.set_learning_rate(lr)
             return self.policy.on_push(self, worker, request.step, frame, index)
         if kind == P.SPARSE_PULL or kind == P.SPARSE_PUSH:  # within a step: not a pause
             return self._sparse(worker, kind, frame)

@@ -16,8 +16,9 @@ word  request (push, pull, init, done, ...)        reply
 5     epoch: the worker's data position after      stale_dropped: stale gradients dropped
       this batch (push)
 6     cursor: the same, within the epoch (push)    max_staleness: largest staleness seen
-7     0                                            max_lead: largest lead over the slowest
-                                                   worker (``ssp``; 0 in other modes)
+7     learning_rate: the float64 bits of the rate  max_lead: largest lead over the slowest
+      to apply (push with ``FLAG_LEARNING_RATE``;  worker (``ssp``; 0 in other modes)
+      else 0)
 ====  ===========================================  =========================================
 
 A sparse reply (``SPARSE_REPLY``, the rows a sparse pull asked for) has the reply's words.
@@ -27,6 +28,7 @@ own name in every mode. Packing writes eight ints into a preallocated header (no
 allocation); reading converts the words once (``tolist``) into a small named tuple.
 """
 
+import struct
 from typing import NamedTuple
 
 from . import protocol as P
@@ -45,7 +47,7 @@ class RequestHeader(NamedTuple):
     flags: int
     epoch: int
     cursor: int
-    unused: int
+    learning_rate: int  # float64 bits; read with :func:`learning_rate_of`
 
 
 class ReplyHeader(NamedTuple):
@@ -61,8 +63,18 @@ class ReplyHeader(NamedTuple):
     max_lead: int
 
 
-def pack_request(words, kind, step, worker, count=0, flags=0, epoch=0, cursor=0):
-    """Write a request header into the int64 array ``words`` (in place)."""
+_F64 = struct.Struct("<d")
+_I64 = struct.Struct("<q")
+
+
+def pack_request(words, kind, step, worker, count=0, flags=0, epoch=0, cursor=0,
+                 learning_rate=None):
+    """Write a request header into the int64 array ``words`` (in place).
+
+    A ``learning_rate`` (a float) is sent as its float64 bits with ``FLAG_LEARNING_RATE``.
+    """
+    if learning_rate is not None:
+        flags |= P.FLAG_LEARNING_RATE
     words[0] = kind
     words[1] = step
     words[2] = worker
@@ -70,7 +82,7 @@ def pack_request(words, kind, step, worker, count=0, flags=0, epoch=0, cursor=0)
     words[4] = flags
     words[5] = epoch
     words[6] = cursor
-    words[7] = 0
+    words[7] = 0 if learning_rate is None else _I64.unpack(_F64.pack(learning_rate))[0]
 
 
 def pack_reply(words, step, ps, flags, pushes_applied, stale_dropped, max_staleness, max_lead,
@@ -94,6 +106,13 @@ _new = tuple.__new__
 def unpack_request(words):
     """Return the :class:`RequestHeader` in the int64 array ``words``."""
     return _new(RequestHeader, words.tolist())
+
+
+def learning_rate_of(request):
+    """Return the learning rate a :class:`RequestHeader` carries, or None if it has none."""
+    if not request.flags & P.FLAG_LEARNING_RATE:
+        return None
+    return _F64.unpack(_I64.pack(request.learning_rate))[0]
 
 
 def unpack_reply(words):

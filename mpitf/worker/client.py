@@ -143,6 +143,7 @@ class Client:
         self.grad_views = self.layout.views(self.grads_flat, self.backend)
         self.params = self.param_views.arrays
         self.grads = self.grad_views.arrays
+        self.learning_rate = None  # a float: each push asks the ps to apply this rate
 
     def _describe_ps(self, p):
         rank = self.ps_ranks[p]
@@ -162,7 +163,7 @@ class Client:
         for p, frame in enumerate(self.grad_frames):
             count = self.segments[p][2] - self.segments[p][1]
             H.pack_request(frame.header, P.PUSH, self.ps_steps[p], self.worker, count,
-                           self.request_flags, epoch, cursor)
+                           self.request_flags, epoch, cursor, self.learning_rate)
             frame.commit()
         self.backend.synchronize()  # MPI must see the finished gradient
         receives, sends = [], []
