@@ -51,6 +51,35 @@ class TorchOptimizer(Optimizer):
             xp.add(grad, tmp, out=grad)
 
 
+# torch's fused ops, in the order its CPU kernels compute them (so the roundings agree).
+
+
+def _lerp(xp, a, end, weight, tmp):
+    """``a.lerp_(end, weight)``: ``a + w*(end - a)``, or ``end - (end - a)*(1 - w)`` if w >= 0.5."""
+    xp.subtract(end, a, out=tmp)
+    if abs(weight) < 0.5:
+        xp.multiply(tmp, weight, out=tmp)
+        xp.add(a, tmp, out=a)
+    else:
+        w = xp.float32(weight) if a.dtype == xp.float32 else weight
+        xp.multiply(tmp, 1 - w, out=tmp)
+        xp.subtract(end, tmp, out=a)
+
+
+def _addcmul(xp, a, t1, t2, value, tmp):
+    """``a.addcmul_(t1, t2, value=v)``: ``a + v*t1*t2``."""
+    xp.multiply(t1, value, out=tmp)
+    xp.multiply(tmp, t2, out=tmp)
+    xp.add(a, tmp, out=a)
+
+
+def _addcdiv(xp, a, t1, t2, value, tmp):
+    """``a.addcdiv_(t1, t2, value=v)``: ``a + v*t1/t2`` (``tmp`` may be ``t1``)."""
+    xp.multiply(t1, value, out=tmp)
+    xp.divide(tmp, t2, out=tmp)
+    xp.add(a, tmp, out=a)
+
+
 class TorchSGD(TorchOptimizer):
     """torch.optim.SGD: ``buf = mu*buf + (1-dampening)*g`` (``buf = g`` at the first step)."""
 
@@ -122,19 +151,13 @@ class TorchAdam(TorchOptimizer):
                 xp.multiply(params, 1.0 - lr * self.weight_decay, out=params)
         else:
             self._l2(xp, params, grad, tmp)
-        xp.subtract(grad, m, out=tmp)
-        xp.multiply(tmp, 1.0 - b1, out=tmp)
-        xp.add(m, tmp, out=m)
+        _lerp(xp, m, grad, 1.0 - b1, tmp)
         xp.multiply(v, b2, out=v)
-        xp.multiply(grad, grad, out=tmp)
-        xp.multiply(tmp, 1.0 - b2, out=tmp)
-        xp.add(v, tmp, out=v)
+        _addcmul(xp, v, grad, grad, 1.0 - b2, tmp)
         xp.sqrt(v, out=tmp)
         xp.divide(tmp, math.sqrt(1.0 - b2**t), out=tmp)
         xp.add(tmp, self.eps, out=tmp)
-        xp.divide(m, tmp, out=tmp)
-        xp.multiply(tmp, -(lr / (1.0 - b1**t)), out=tmp)
-        xp.add(params, tmp, out=params)
+        _addcdiv(xp, params, m, tmp, -(lr / (1.0 - b1**t)), grad)
 
 
 class AdamW(TorchAdam):
@@ -173,13 +196,10 @@ class TorchAdagrad(TorchOptimizer):
         acc, tmp = slots["sum"], slots[_SCRATCH]
         clr = self.learning_rate(step) / (1.0 + step * self.lr_decay)
         self._l2(xp, params, grad, tmp)
-        xp.multiply(grad, grad, out=tmp)
-        xp.add(acc, tmp, out=acc)
+        _addcmul(xp, acc, grad, grad, 1.0, tmp)
         xp.sqrt(acc, out=tmp)
         xp.add(tmp, self.eps, out=tmp)
-        xp.divide(grad, tmp, out=tmp)
-        xp.multiply(tmp, -clr, out=tmp)
-        xp.add(params, tmp, out=params)
+        _addcdiv(xp, params, grad, tmp, -clr, grad)
 
 
 class TorchRMSprop(TorchOptimizer):
@@ -203,14 +223,10 @@ class TorchRMSprop(TorchOptimizer):
         sq = slots["square_avg"]
         self._l2(xp, params, grad, tmp)
         xp.multiply(sq, a, out=sq)
-        xp.multiply(grad, grad, out=tmp)
-        xp.multiply(tmp, 1.0 - a, out=tmp)
-        xp.add(sq, tmp, out=sq)
+        _addcmul(xp, sq, grad, grad, 1.0 - a, tmp)
         if self.centered:
             avg = slots["grad_avg"]
-            xp.subtract(grad, avg, out=tmp)
-            xp.multiply(tmp, 1.0 - a, out=tmp)
-            xp.add(avg, tmp, out=avg)
+            _lerp(xp, avg, grad, 1.0 - a, tmp)
             xp.multiply(avg, avg, out=tmp)
             xp.subtract(sq, tmp, out=tmp)
             xp.sqrt(tmp, out=tmp)
@@ -223,10 +239,9 @@ class TorchRMSprop(TorchOptimizer):
             xp.multiply(buf, self.momentum, out=buf)
             xp.add(buf, tmp, out=buf)
             xp.multiply(buf, -lr, out=tmp)
+            xp.add(params, tmp, out=params)
         else:
-            xp.divide(grad, tmp, out=tmp)
-            xp.multiply(tmp, -lr, out=tmp)
-        xp.add(params, tmp, out=params)
+            _addcdiv(xp, params, grad, tmp, -lr, grad)
 
 
 TORCH_OPTIMIZERS = {cls.name: cls for cls in (TorchSGD, TorchAdam, AdamW, TorchAdagrad,
