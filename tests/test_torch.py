@@ -138,3 +138,14 @@ def test_sigterm_checkpoints_exits_75_and_resumes_bit_for_bit(tmp_path):
     (rel,), _ = results(resumed, 40, 1)
     assert rel < 1e-5
     assert DIGEST.findall(resumed.stdout) == DIGEST.findall(ref.stdout), resumed.output
+
+
+def test_torch_mnist_job_reaches_95_percent(tmp_path):
+    from mpitf.data.datasets import ensure_digits
+
+    data = ensure_digits(str(tmp_path / "digits.h5"))
+    run = run_mpi(3, ["jobs/torch_mnist.py", "--data", data], timeout=120, cwd=str(REPO))
+    assert not run.timed_out and run.returncode == 0, run.output
+    (acc,) = re.findall(r"^step 300: test accuracy (\S+)$", run.stdout, re.M)
+    assert float(acc) >= 0.95, run.output
+    assert run.stdout.count("mpitf.torch: rank") == 2  # each worker says its threads once
