@@ -23,6 +23,8 @@ from mpitf.config import check_learning_rate, check_moving_average_decay, check_
 from mpitf.errors import ConfigurationError
 from mpitf.runtime.backend import array_module
 
+from .schedules import SCHEDULES
+
 __all__ = [
     "Adagrad",
     "Adam",
@@ -88,7 +90,7 @@ class ExponentialDecay:
         return f"ExponentialDecay({args})"
 
 
-_SCHEDULES = {ExponentialDecay.kind: ExponentialDecay}
+_SCHEDULES = {ExponentialDecay.kind: ExponentialDecay, **SCHEDULES}
 
 
 def make_schedule(learning_rate):
