@@ -149,3 +149,14 @@ def test_torch_mnist_job_reaches_95_percent(tmp_path):
     (acc,) = re.findall(r"^step 300: test accuracy (\S+)$", run.stdout, re.M)
     assert float(acc) >= 0.95, run.output
     assert run.stdout.count("mpitf.torch: rank") == 2  # each worker says its threads once
+
+
+def test_readme_torch_loops_differ_in_at_most_six_lines():
+    import difflib
+
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## PyTorch"):text.index("## TensorFlow programs on mpitf")]
+    plain, ours = re.findall(r"```python\n(.*?)```", section, re.S)
+    changed = [d for d in difflib.ndiff(plain.splitlines(), ours.splitlines())
+               if d.startswith("+ ")]
+    assert len(changed) <= 6, changed

@@ -197,8 +197,9 @@ class DistributedOptimizer:
         return self.session.should_stop()
 
     def close(self):
-        """Checkpoint at the end (chief) and tell every ps this worker is done."""
+        """Checkpoint at the end (chief), tell every ps this worker is done; return exit_code."""
         self.session.close()
+        return self.exit_code
 
     @property
     def exit_code(self):
