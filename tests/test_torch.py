@@ -23,7 +23,7 @@ pytestmark = pytest.mark.mpi
 
 REPO = Path(__file__).resolve().parent.parent
 DRIVER = "tests/mpi/torch_driver.py"
-RESULT = re.compile(r"^worker (\d+): step (\d+) maxrel: (\S+) moved: (\S+) lr: (\S+)", re.M)
+RESULT = re.compile(r"worker (\d+): step (\d+) maxrel: (\S+) moved: (\S+) lr: ([0-9.e+-]+)")
 DIGEST = re.compile(r"digest: (\w+)")
 
 
@@ -60,6 +60,16 @@ def test_two_workers_equal_torch_on_the_mean_gradient():
     run = drive(3, "--optimizer", "adamw", "--schedule", "--steps", 30)
     maxrels, _ = results(run, 30, 2)
     assert max(maxrels) < 1e-5, run.output
+
+
+@pytest.mark.parametrize("n,num_ps,mode", [(4, 2, "sync"), (2, 1, "async")])
+def test_clip_norm_equals_torch_clip_grad_norm(n, num_ps, mode):
+    # sync: on the aggregated gradient, the two ps agreeing on the norm; async: per push.
+    run = drive(n, "--num-ps", num_ps, "--mode", mode, "--clip", 0.3, "--optimizer", "sgd")
+    maxrels, _ = results(run, 20, n - num_ps)
+    assert max(maxrels) < 1e-6, run.output
+    unclipped = drive(n, "--num-ps", num_ps, "--mode", mode, "--optimizer", "sgd")
+    assert RESULT.findall(unclipped.stdout)[0][3] != RESULT.findall(run.stdout)[0][3]
 
 
 def test_torch_zero_grad_set_to_none_is_bound_again():

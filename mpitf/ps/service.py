@@ -15,6 +15,7 @@ from mpi4py import MPI
 
 from ..ckpt import cut
 from ..errors import ConfigurationError, DeadlineError, PeerError
+from ..models.clipping import clip_by_global_norm
 from ..runtime.backend import get_backend
 from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
 from ..runtime.stall import StepClock
@@ -138,6 +139,8 @@ class Service:
         """
         self._finish_replies()
         start = time.perf_counter()
+        if self.config.clip_norm is not None and self.config.mode == "sync":
+            clip_by_global_norm((grad,), self.config.clip_norm, self.server.job_comm)
         self.shard.apply(grad, self.global_step)
         if self.tables:
             self.tables.apply(workers, len(workers), self.global_step)

@@ -51,12 +51,15 @@ def main():
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--save-steps", type=int, default=None)
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--num-ps", type=int, default=1)
+    p.add_argument("--clip", type=float, default=None)
+    p.add_argument("--mode", default="sync")
     args = p.parse_args()
     with abort_on_error():
         import mpi4py.MPI as MPI
 
-        workers = MPI.COMM_WORLD.Get_size() - 1
-        server = Server(ClusterSpec({"ps": 1, "worker": workers}), deadline=30)
+        workers = MPI.COMM_WORLD.Get_size() - args.num_ps
+        server = Server(ClusterSpec({"ps": args.num_ps, "worker": workers}), deadline=30)
         if server.job_name == "ps":
             server.join()
             sys.exit(server.exit_code)
@@ -70,16 +73,18 @@ def main():
         ref_opt = OPTIMIZERS[args.optimizer](ref.parameters())
         sched = scheduler(opt) if args.schedule else None
         ref_sched = scheduler(ref_opt) if args.schedule else None
-        dist = DistributedOptimizer(opt, model, server, mode="sync", deterministic=True,
+        dist = DistributedOptimizer(opt, model, server, mode=args.mode,
+                                    deterministic=args.mode == "sync",
                                     last_step=args.steps, checkpoint_dir=args.checkpoint_dir,
-                                    save_checkpoint_steps=args.save_steps, log_every=1)
+                                    save_checkpoint_steps=args.save_steps, log_every=1,
+                                    clip_norm=args.clip)
         if args.brk == "to":
             model.to(torch.float64)
         elif args.brk == "load":
             model.load_state_dict(ref.state_dict())
         start = dist.global_step
         for s in range(start):  # a resumed run: bring the reference to the same step
-            ref_step(ref, ref_opt, ref_sched, s, workers)
+            ref_step(ref, ref_opt, ref_sched, s, workers, args.clip)
         while not dist.should_stop():
             s = dist.global_step
             x, y = batches(s, workers)
@@ -96,7 +101,7 @@ def main():
             time.sleep(args.sleep)
             if sched is not None:
                 sched.step()
-            ref_step(ref, ref_opt, ref_sched, s, workers)
+            ref_step(ref, ref_opt, ref_sched, s, workers, args.clip)
         dist.close()
         # Per parameter: |mpitf - torch| / |torch| (norms), the worst of them.
         worst = max(float((a.detach() - b.detach()).norm() / b.detach().norm())
@@ -112,11 +117,13 @@ def main():
         sys.exit(dist.exit_code)
 
 
-def ref_step(ref, opt, sched, s, workers):
+def ref_step(ref, opt, sched, s, workers, clip):
     x, y = batches(s, workers)
     opt.zero_grad()
     loss = sum(torch.nn.functional.cross_entropy(ref(x[w]), y[w]) for w in range(workers))
     (loss / workers).backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
     opt.step()
     if sched is not None:
         sched.step()
