@@ -148,6 +148,16 @@ def test_sigterm_checkpoints_exits_75_and_resumes_bit_for_bit(tmp_path):
     (rel,), _ = results(resumed, 40, 1)
     assert rel < 1e-5
     assert DIGEST.findall(resumed.stdout) == DIGEST.findall(ref.stdout), resumed.output
+    # The export loads into the model as it is: its names are the state_dict keys.
+    out = tmp_path / "export.npz"
+    subprocess.run([sys.executable, "-m", "mpitf.cli.main", "ckpt", "export", str(ckpt),
+                    "--out", str(out)], check=True, timeout=60, cwd=str(REPO))
+    import numpy as np
+
+    exported = dict(np.load(out))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    assert sorted(exported) == sorted(model.state_dict())
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in exported.items()})
 
 
 def test_torch_mnist_job_reaches_95_percent(tmp_path):
