@@ -26,7 +26,13 @@ case "${1:-}" in
         ;;
     test)
         shift
+        # The torch tests run too. A CUDA build of torch from the index is several GB: take
+        # the CPU-only build where the index has one (its +cpu version), else the default.
         venv mpich,data,test,bench
+        cpu=$(.venv/bin/python -m pip index versions torch 2>/dev/null \
+              | grep -o '[0-9][0-9.]*+cpu' | head -n 1 || true)
+        .venv/bin/python -m pip install --quiet --disable-pip-version-check \
+            "torch${cpu:+==$cpu}" -e ".[torch]"
         exec .venv/bin/python -m pytest "$@"
         ;;
     *)

@@ -25,6 +25,8 @@ setup(
                  "tensorboard"],  # TensorBoard's own reader checks the event files
         "bench": ["matplotlib"],
         "data": ["scikit-learn"],
+        # mpitf.torch; a CPU build is enough (and small): see run.sh.
+        "torch": ["torch>=2.1"],
     },
     entry_points={"console_scripts": ["mpitf=mpitf.cli.main:main"]},
     classifiers=[

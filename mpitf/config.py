@@ -193,6 +193,9 @@ class TrainingConfig:
         max_nonfinite_skips: with skip_nonfinite, the job ends (naming the variable) when a
             worker has skipped this many gradients in a row.
         moving_average_decay: keep an exponential moving average (None: none).
+        clip_norm: clip the gradient to this global L2 norm (None: no clipping); in sync
+            mode the aggregated gradient, the ps tasks agreeing on its norm; in async and
+            ssp mode each push, on its worker.
         ps_strategy: how variables go to ps tasks (None: the placement's default).
         seed: seed of the initial values.
         log_every: the chief logs every N steps (0: never): a line, metrics.jsonl and
@@ -221,6 +224,7 @@ class TrainingConfig:
     skip_nonfinite: bool = False
     max_nonfinite_skips: int = DEFAULT_MAX_NONFINITE_SKIPS
     moving_average_decay: float = None
+    clip_norm: float = None
     ps_strategy: str = None
     seed: int = 0
     log_every: int = 20
@@ -254,6 +258,13 @@ class TrainingConfig:
         check_int("max_nonfinite_skips (--max-nonfinite-skips)", self.max_nonfinite_skips, 1)
         if self.moving_average_decay is not None:
             check_moving_average_decay(self.moving_average_decay)
+        if self.clip_norm is not None:
+            check_number("clip_norm", self.clip_norm, low=0.0, low_open=True)
+            if self.bucket_bytes:
+                raise ConfigurationError(
+                    "clip_norm needs the whole gradient before any of it is applied, but "
+                    f"bucket_bytes={self.bucket_bytes} pushes and applies it in buckets: "
+                    "leave bucket_bytes at 0 to clip")
         check_int("seed", self.seed, 0)
         check_int("log_every", self.log_every, 0)
         check_int("summary_every (--summary-every)", self.summary_every, 0)

@@ -245,3 +245,9 @@ def test_deterministic_needs_sync_and_the_skip_bound_is_positive():
     with pytest.raises(ConfigurationError, match="max_nonfinite_skips .* must be >= 1, got 0"):
         TrainingConfig(max_nonfinite_skips=0)
     assert TrainingConfig().max_nonfinite_skips == 100
+
+
+def test_clipping_is_refused_with_buckets():
+    with pytest.raises(ConfigurationError, match="clip_norm needs the whole gradient"):
+        TrainingConfig(clip_norm=1.0, bucket_bytes=1 << 20)
+    assert TrainingConfig(clip_norm=1.0).bucket_bytes == 0

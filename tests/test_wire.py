@@ -14,8 +14,15 @@ def test_request_header_round_trip_in_place():
     words = np.zeros(H.HEADER_WORDS, np.int64)
     H.pack_request(words, P.PUSH, 7, 2, 1000, P.FLAG_CHUNKED, epoch=3, cursor=640)
     got = H.unpack_request(words)
-    assert got == H.RequestHeader(P.PUSH, 7, 2, 1000, P.FLAG_CHUNKED, 3, 640, 0)
+    assert got == H.RequestHeader(P.PUSH, 7, 2, 1000, P.FLAG_CHUNKED, (3 << 40) | 640, 0, 0)
     assert (got.epoch, got.cursor, got.count) == (3, 640, 1000)
+    H.pack_request(words, P.PUSH, 7, 2, 1000, epoch=2**23 - 1, cursor=2**40 - 1,
+                   learning_rate=0.125, bucket=3, buckets=5)
+    got = H.unpack_request(words)
+    assert (got.epoch, got.cursor, H.learning_rate_of(got)) == (2**23 - 1, 2**40 - 1, 0.125)
+    assert (got.bucket_index, got.bucket_count) == (3, 5)
+    with pytest.raises(ValueError, match="past 2\\*\\*40 examples"):
+        H.pack_request(words, P.PUSH, 7, 2, 1000, cursor=2**40)
 
 
 def test_reply_header_names_every_counter():

@@ -24,6 +24,7 @@ from mpitf.errors import ConfigurationError
 from mpitf.runtime.backend import array_module
 
 from .kernels import fused_apply
+from .schedules import SCHEDULES
 
 __all__ = [
     "Adagrad",
@@ -90,7 +91,7 @@ class ExponentialDecay:
         return f"ExponentialDecay({args})"
 
 
-_SCHEDULES = {ExponentialDecay.kind: ExponentialDecay}
+_SCHEDULES = {ExponentialDecay.kind: ExponentialDecay, **SCHEDULES}
 
 
 def make_schedule(learning_rate):
@@ -317,7 +318,10 @@ _OPTIMIZERS = {cls.name: cls for cls in (GradientDescent, Momentum, Adam, Adagra
 
 
 def make_optimizer(name, learning_rate=0.01, **kwargs):
-    """Build an optimizer by name: "sgd", "momentum", "adam", "adagrad", "ftrl" or "none".
+    """Build an optimizer by name: "sgd", "momentum", "adam", "adagrad", "ftrl", "none", ...
+
+    torch.optim's rules are "torch_sgd", "torch_adam", "adamw", "torch_adagrad" and
+    "rmsprop" (see :mod:`mpitf.ps.torch_optimizers`).
 
     ``learning_rate`` is a float, a schedule, or a schedule config dict;
     ``kwargs`` are the optimizer's hyper-parameters (``momentum``,
@@ -327,8 +331,9 @@ def make_optimizer(name, learning_rate=0.01, **kwargs):
     out of range.
     """
     from .ftrl import Ftrl  # in a module of its own: this one is at its size limit
+    from .torch_optimizers import TORCH_OPTIMIZERS
 
-    classes = {**_OPTIMIZERS, Ftrl.name: Ftrl}
+    classes = {**_OPTIMIZERS, Ftrl.name: Ftrl, **TORCH_OPTIMIZERS}
     key = name.lower() if isinstance(name, str) else name
     if key not in classes:
         raise ConfigurationError(

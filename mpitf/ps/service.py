@@ -15,6 +15,7 @@ from mpi4py import MPI
 
 from ..ckpt import cut
 from ..errors import ConfigurationError, DeadlineError, PeerError
+from ..models.clipping import clip_by_global_norm
 from ..runtime.backend import get_backend
 from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
 from ..runtime.stall import StepClock
@@ -54,9 +55,9 @@ class Service:
         size = assignment.shard_size
         ema = config.moving_average_decay
         optimizer = make_optimizer(**assignment.optimizer)
-        threads = config.ps_threads or default_threads(server.hosts, server.rank)
         self.shard = Shard(assignment.slices, size, dtype, optimizer, self.backend,
-                           ExponentialMovingAverage(ema) if ema else None, threads)
+                           ExponentialMovingAverage(ema) if ema else None,
+                           config.ps_threads or default_threads(server.hosts, server.rank))
         self.policy = make_policy(config, self.num_workers, assignment.total_num_replicas)
         self.pipeline = Pipeline(assignment.slices, size, config.bucket_bytes, dtype.itemsize)
         self.tables = None  # embedding tables (ps/sparse.py): rows pulled and pushed by id
@@ -94,8 +95,7 @@ class Service:
         self.last_message = 0.0  # when the last request arrived (any worker)
         self.counters = dict(global_step=0, pushes_applied=0, stale_dropped=0,
                              nonfinite_skipped=0, staleness_histogram={}, max_staleness=0,
-                             max_lead=0,
-                             bytes_in=0, bytes_out=0)
+                             max_lead=0, bytes_in=0, bytes_out=0)
         if assignment.restore:
             self._restore(assignment.restore)
 
@@ -118,13 +118,11 @@ class Service:
         """Count a gradient of the given staleness (steps behind the ps) in the histogram."""
         hist = self.counters["staleness_histogram"]
         hist[staleness] = hist.get(staleness, 0) + 1
-        if staleness > self.counters["max_staleness"]:
-            self.counters["max_staleness"] = staleness
+        self.counters["max_staleness"] = max(self.counters["max_staleness"], staleness)
 
     def note_lead(self, lead):
         """Record how far a worker ran ahead of the slowest (bounded staleness)."""
-        if lead > self.counters["max_lead"]:
-            self.counters["max_lead"] = lead
+        self.counters["max_lead"] = max(self.counters["max_lead"], lead)
 
     def drop(self, worker, staleness, bucket=0):
         """Drop a stale gradient (a bucket of it), count it, and answer with the parameters."""
@@ -146,6 +144,8 @@ class Service:
         pipe.finish(self.stall.steady, self._describe_reply, bucket)
         start = time.perf_counter()
         lo, hi = pipe.ranges[bucket]
+        if self.config.clip_norm is not None and self.config.mode == "sync":  # one bucket
+            clip_by_global_norm((grad,), self.config.clip_norm, self.server.job_comm)
         self.shard.apply(grad, self.global_step, lo, hi)
         if self.tables and last:
             self.tables.apply(workers, len(workers), self.global_step)
@@ -281,6 +281,9 @@ class Service:
             frame.received(request.count)
             self.counters["bytes_in"] += nbytes
             self.positions[worker] = (request.epoch, request.cursor)
+            lr = H.learning_rate_of(request)
+            if lr is not None:  # the worker's rate (mpitf.torch): the next update applies it
+                self.shard.optimizer.set_learning_rate(lr)
             return self.policy.on_push(self, worker, request.step, frame, index, bucket)
         if kind == P.SPARSE_PULL or kind == P.SPARSE_PUSH:  # within a step: not a pause
             return self._sparse(worker, kind, frame)
@@ -343,10 +346,8 @@ class Service:
         return True
 
     def _answer_pull(self, worker, kind):
-        if kind == P.PULL_AVERAGE and self.shard.average_frame is not None:
-            self.reply(worker, self.shard.average_frame)
-        else:
-            self.reply(worker)
+        average = kind == P.PULL_AVERAGE and self.shard.average_frame is not None
+        self.reply(worker, self.shard.average_frame if average else None)
 
     def run(self):
         """Serve until every worker is done; return the process exit code."""

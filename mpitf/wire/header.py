@@ -13,10 +13,13 @@ word  request (push, pull, init, done, ...)        reply
 3     count: payload elements (0: header only;     pushes_applied: gradients applied so far
       sparse kinds: ids in all tables)
 4     flags (``FLAG_CHUNKED``, ``FLAG_REQUEUE``)   flags (``FLAG_PAUSE``)
-5     epoch: the worker's data position after      stale_dropped: stale gradients dropped
-      this batch (push)
-6     cursor: the same, within the epoch (push)    max_staleness: largest staleness seen
-7     bucket (push): index << 32 | count of the     max_lead: largest lead over the slowest
+5     position: the worker's data position after   stale_dropped: stale gradients dropped
+      this batch (push): epoch << 40 | cursor
+      within the epoch
+6     learning_rate: the float64 bits of the rate  max_staleness: largest staleness seen
+      to apply (push with ``FLAG_LEARNING_RATE``;
+      else 0)
+7     bucket (push): index << 32 | count of the    max_lead: largest lead over the slowest
       buckets of this push, in push order (0: the  worker (``ssp``; 0 in other modes)
       whole frame, one bucket)
 ====  ===========================================  =========================================
@@ -28,11 +31,14 @@ own name in every mode. Packing writes eight ints into a preallocated header (no
 allocation); reading converts the words once (``tolist``) into a small named tuple.
 """
 
+import struct
 from typing import NamedTuple
 
 from . import protocol as P
 
 HEADER_WORDS = 8
+_CURSOR_BITS = 40  # a request's data position: epoch << 40 | cursor, one word
+_CURSOR_MASK = (1 << _CURSOR_BITS) - 1
 HEADER_BYTES = HEADER_WORDS * 8
 
 
@@ -44,9 +50,19 @@ class RequestHeader(NamedTuple):
     worker: int
     count: int
     flags: int
-    epoch: int
-    cursor: int
+    position: int  # epoch << 40 | cursor: read as .epoch and .cursor
+    learning_rate: int  # float64 bits; read with :func:`learning_rate_of`
     bucket: int
+
+    @property
+    def epoch(self):
+        """Return the worker's epoch after this batch (push)."""
+        return self.position >> _CURSOR_BITS
+
+    @property
+    def cursor(self):
+        """Return the worker's position within that epoch (push)."""
+        return self.position & _CURSOR_MASK
 
     @property
     def bucket_index(self):
@@ -72,19 +88,29 @@ class ReplyHeader(NamedTuple):
     max_lead: int
 
 
-def pack_request(words, kind, step, worker, count=0, flags=0, epoch=0, cursor=0, bucket=0,
-                 buckets=0):
+_F64 = struct.Struct("<d")
+_I64 = struct.Struct("<q")
+
+
+def pack_request(words, kind, step, worker, count=0, flags=0, epoch=0, cursor=0,
+                 learning_rate=None, bucket=0, buckets=0):
     """Write a request header into the int64 array ``words`` (in place).
 
+    ``epoch`` and ``cursor`` share a word (a cursor below 2**40 examples per epoch); a
+    ``learning_rate`` (a float) is sent as its float64 bits with ``FLAG_LEARNING_RATE``;
     ``bucket`` of ``buckets`` names a bucketed push's part (``buckets`` 0: a whole frame).
     """
+    if cursor >> _CURSOR_BITS:
+        raise ValueError(f"data cursor {cursor} is past 2**{_CURSOR_BITS} examples per epoch")
+    if learning_rate is not None:
+        flags |= P.FLAG_LEARNING_RATE
     words[0] = kind
     words[1] = step
     words[2] = worker
     words[3] = count
     words[4] = flags
-    words[5] = epoch
-    words[6] = cursor
+    words[5] = (epoch << _CURSOR_BITS) | cursor
+    words[6] = 0 if learning_rate is None else _I64.unpack(_F64.pack(learning_rate))[0]
     words[7] = (bucket << 32) | buckets
 
 
@@ -109,6 +135,13 @@ _new = tuple.__new__
 def unpack_request(words):
     """Return the :class:`RequestHeader` in the int64 array ``words``."""
     return _new(RequestHeader, words.tolist())
+
+
+def learning_rate_of(request):
+    """Return the learning rate a :class:`RequestHeader` carries, or None if it has none."""
+    if not request.flags & P.FLAG_LEARNING_RATE:
+        return None
+    return _F64.unpack(_I64.pack(request.learning_rate))[0]
 
 
 def unpack_reply(words):

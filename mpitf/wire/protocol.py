@@ -55,6 +55,7 @@ SPARSE_REPLY = 22  # on TAG_SPARSE_REPLY: the rows a SPARSE_PULL asked for
 FLAG_PAUSE = 1  # stop after this step and wait for the chief (a checkpoint is being cut)
 FLAG_REQUEUE = 8  # (in done) the job ends on a signal: exit with the requeue code
 FLAG_CHUNKED = 16  # (in requests) this worker stages through host memory: frames in chunks
+FLAG_LEARNING_RATE = 32  # (in push) the header's last word is the learning rate to apply
 
 KIND_NAMES = {PUSH: "push", PULL: "pull", PULL_AVERAGE: "pull of the average", INIT: "init",
               DONE: "done", PAUSED: "paused", SAVE: "save", COUNTERS: "counters", SKIP: "skip",

@@ -90,7 +90,8 @@ class BucketedPush:
         for i, (p, k) in enumerate(self.order):
             lo, hi = c.buckets[p][k]
             H.pack_request(self.grad[i].header, P.PUSH, c.ps_steps[p], c.worker, hi - lo,
-                           c.request_flags, epoch, cursor, k, len(c.buckets[p]))
+                           c.request_flags, epoch, cursor, c.learning_rate, bucket=k,
+                           buckets=len(c.buckets[p]))
             self.receives[i] = self.reply[i].irecv(c.comm, c.ps_ranks[p], self.tags[i])
             self.arrived[i] = False
         np.copyto(self.left, self.template)

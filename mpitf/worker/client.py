@@ -156,6 +156,7 @@ class Client:
         self.grads = self.grad_views.arrays
         self.timeline = None  # the session's Timeline: bucketed pushes record per bucket
         self.bucketed_push = BucketedPush(self) if self.bucketed else None
+        self.learning_rate = None  # a float: each push asks the ps to apply this rate
 
     def _describe_ps(self, p):
         rank = self.ps_ranks[p]
@@ -178,7 +179,7 @@ class Client:
         for p, frame in enumerate(self.grad_frames):
             count = self.segments[p][2] - self.segments[p][1]
             H.pack_request(frame.header, P.PUSH, self.ps_steps[p], self.worker, count,
-                           self.request_flags, epoch, cursor)
+                           self.request_flags, epoch, cursor, self.learning_rate)
             frame.commit()
         self.backend.synchronize()  # MPI must see the finished gradient
         receives, sends = [], []

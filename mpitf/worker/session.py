@@ -17,6 +17,7 @@ from ..ckpt import cut
 from ..ckpt.tables import table_dicts
 from ..config import TrainingConfig
 from ..errors import ConfigurationError, NonFiniteGradientError
+from ..models.clipping import clip_by_global_norm
 from ..placement import replica_device_setter
 from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
 from ..runtime.stall import StepClock
@@ -44,9 +45,9 @@ class TrainingSession:
         config: a :class:`~mpitf.config.TrainingConfig`; ``options`` (its field names:
             last_step, checkpoint_dir, save_checkpoint_steps, save_checkpoint_secs,
             replicas_to_aggregate, deterministic, staleness, moving_average_decay,
-            skip_nonfinite, ps_strategy, seed, log_every, summary_every, run_dir, max_to_keep,
-            timeline, bucket_bytes, batch_size, clients) build one or change the given one.
-            A misspelt option is a TypeError that names it; a bad value a
+            skip_nonfinite, clip_norm, ps_strategy, seed, log_every, summary_every, run_dir,
+            max_to_keep, timeline, bucket_bytes, batch_size, clients) build one or change the
+            given one. A misspelt option is a TypeError that names it; a bad value a
             ConfigurationError.
     """
 
@@ -206,6 +207,8 @@ class TrainingSession:
         if bad is not None:
             return self._skip(bad)
         self.skips_in_a_row = 0
+        if self.config.clip_norm is not None and self.mode != "sync":  # sync: on the ps
+            clip_by_global_norm(self.client.grads.values(), self.config.clip_norm)
         if self.server.is_chief and self._cut_due():
             self._send_save(self.global_step + 1)
         with tl.span("push_pull", step=self.global_step):

@@ -1,0 +1,89 @@
+"""A torch MLP on the digits set, trained on mpitf's parameter servers with AdamW.
+
+    mpiexec -n 3 python jobs/torch_mnist.py --num-ps 1 --steps 300
+
+The loop is a plain torch loop; mpitf's part is the ``DistributedOptimizer`` around
+torch's AdamW (its update runs on the ps) and a LambdaLR warmup + cosine schedule, whose
+rate travels with every push. The chief prints the test accuracy at the end. Rerun with
+the same ``--checkpoint-dir`` and it resumes; SIGTERM/SIGUSR1 checkpoint and exit 75.
+"""
+
+import argparse
+import math
+import sys
+
+import torch
+from mpi4py import MPI
+
+from mpitf import ClusterSpec, Server, ShardedDataset, abort_on_error, ensure_digits
+from mpitf.data.sharded import load_split
+from mpitf.torch import DistributedOptimizer
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-ps", type=int, default=1)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.003)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--mode", default="sync", choices=["sync", "async"])
+    p.add_argument("--data", default=None, help="the digits file (made if missing)")
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--save-checkpoint-steps", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def warmup_cosine(warmup, total):
+    """LambdaLR factor: linear warmup over ``warmup`` steps, then cosine decay to 0."""
+    def factor(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / (total - warmup))))
+    return factor
+
+
+def main():
+    args = parse_args()
+    world = MPI.COMM_WORLD
+    with abort_on_error():
+        server = Server(ClusterSpec({"ps": args.num_ps, "worker": world.Get_size() - args.num_ps}))
+        path = ensure_digits(args.data) if world.Get_rank() == 0 else None
+        path = world.bcast(path)
+        if server.job_name == "ps":
+            server.join()
+            sys.exit(server.exit_code)
+        data = ShardedDataset(path, "train", server.replica_index, server.num_replicas,
+                              batch_size=args.batch_size, seed=args.seed)
+        torch.manual_seed(args.seed)
+        model = torch.nn.Sequential(torch.nn.Linear(data.x_dim, 128), torch.nn.ReLU(),
+                                    torch.nn.Linear(128, data.num_classes))
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps))
+        dist = DistributedOptimizer(opt, model, server, mode=args.mode, dataset=data,
+                                    last_step=args.steps, checkpoint_dir=args.checkpoint_dir,
+                                    save_checkpoint_steps=args.save_checkpoint_steps,
+                                    log_every=50)
+        for _ in range(dist.global_step):  # resumed: bring the LR schedule to the step
+            sched.step()
+        while not dist.should_stop():
+            x, y = data.next_batch()
+            dist.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x)),
+                                                     torch.from_numpy(y).long())
+            loss.backward()
+            dist.step(loss)
+            sched.step()
+        dist.close()
+        data.close()
+        if server.is_chief:
+            x, y = load_split(path, "test")
+            with torch.no_grad():
+                pred = model(torch.from_numpy(x)).argmax(1).numpy()
+            print(f"step {dist.global_step}: test accuracy {(pred == y).mean():.4f}", flush=True)
+        sys.exit(dist.exit_code)
+
+
+if __name__ == "__main__":
+    main()

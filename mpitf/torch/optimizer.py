@@ -1,0 +1,215 @@
+"""``DistributedOptimizer``: train a torch model on mpitf's parameter servers.
+
+The wrapped torch optimizer's update runs on the ps (translated by :mod:`.translate`);
+the model's parameters and gradients are zero-copy torch views of the flat buffers of
+the :class:`~mpitf.worker.client.Client` inside a :class:`~mpitf.worker.session.TrainingSession`,
+so backward writes the gradient where the push sends it from and the pull lands where
+the model reads its parameters. Every step checks that the views are still bound.
+"""
+
+import logging
+import os
+
+import torch
+
+from ..errors import ConfigurationError
+from ..worker.session import TrainingSession
+from .translate import group_options, learning_rate, translate
+
+__all__ = ["DistributedOptimizer", "share_threads"]
+
+_log = logging.getLogger("mpitf")
+_BATCH = ()  # the session's batch: backward already ran, so there is nothing to feed
+
+
+class _TorchVariables:
+    """The model as the session sees it: names, shapes, dtype, and the chief's values."""
+
+    def __init__(self, named):
+        self.named = named
+        self.loss = None
+
+    def variables(self):
+        return [(name, tuple(p.shape), p.detach().numpy().dtype) for name, p in self.named]
+
+    def init(self, rng):
+        """Return the parameters as they are now (the chief's become everyone's)."""
+        return {name: p.detach().numpy() for name, p in self.named}
+
+    def loss_and_grads(self, params, batch, grads):
+        """Return the loss step() was given; backward already wrote the gradients."""
+        return self.loss
+
+
+def _trainable(model, optimizer):
+    """Return ``[(name, param)]`` of the parameters to train, checked against the optimizer."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    in_model = {id(p) for _, p in named}
+    for name, p in named:
+        if id(p) not in in_optimizer:
+            raise ConfigurationError(
+                f"parameter {name!r} requires grad but is not in the optimizer: add it, or "
+                "set its requires_grad to False before wrapping")
+        if p.device.type != "cpu":
+            raise ConfigurationError(
+                f"parameter {name!r} is on {p.device}: mpitf.torch serves CPU tensors only "
+                "(keep the model on the CPU)")
+    if in_optimizer - in_model:
+        raise ConfigurationError(
+            "the optimizer holds parameters that are not trainable parameters of the model")
+    if not named:
+        raise ConfigurationError("the model has no parameter that requires grad")
+    return named
+
+
+def share_threads(server):
+    """Give torch this rank's share of its node's cores unless OMP/MKL_NUM_THREADS is set.
+
+    Several ranks on a node each running torch's default (every core) fight for the
+    cores; returns the thread count set, or None when the environment chose.
+    """
+    if "OMP_NUM_THREADS" in os.environ or "MKL_NUM_THREADS" in os.environ:
+        return None
+    host = server.host_of(server.rank)
+    local = sum(server.host_of(r) == host for r in range(server.comm.Get_size()))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, cores // local)
+    torch.set_num_threads(threads)
+    print(f"mpitf.torch: rank {server.rank} uses {threads} torch thread(s) ({cores} cores, "
+          f"{local} ranks on {host}); set OMP_NUM_THREADS to choose", flush=True)
+    return threads
+
+
+class DistributedOptimizer:
+    """Run a torch.optim optimizer's update on the ps for ``model``'s parameters.
+
+    Args:
+        optimizer: a torch.optim SGD, Adam, AdamW, Adagrad or RMSprop over the model's
+            trainable parameters; anything the ps cannot run exactly is refused here.
+        model: the ``torch.nn.Module`` (on the CPU). The chief's parameters at this call
+            are every worker's starting values, unless a checkpoint is restored.
+        server: this rank's :class:`~mpitf.runtime.server.Server` (a chief or worker task).
+        session_options: :class:`~mpitf.worker.session.TrainingSession`'s (mode,
+            checkpoint_dir, save_checkpoint_steps, last_step, hooks, ...).
+    """
+
+    def __init__(self, optimizer, model, server, **session_options):
+        self.ps_optimizer = translate(optimizer)
+        self.optimizer, self.model = optimizer, model
+        self._named = _trainable(model, optimizer)
+        self._options = group_options(optimizer.param_groups[0])
+        share_threads(server)
+        self._variables = _TorchVariables(self._named)
+        self.session = TrainingSession(server, self._variables, self.ps_optimizer,
+                                       **session_options)
+        self.client = self.session.client
+        self._loaded = False
+        model.register_load_state_dict_post_hook(self._on_load)
+        self._reached = [False] * len(self._named)
+        self._need_all = True  # as after zero_grad(set_to_none=True): torch's grads are None
+        self._bind()
+
+    def _bind(self):
+        """Point every parameter's ``.data`` and ``.grad`` at the client's buffers."""
+        self._views = []
+        for i, (name, p) in enumerate(self._named):
+            data = torch.from_numpy(self.client.params[name])
+            grad = torch.from_numpy(self.client.grads[name])
+            p.data = data
+            p.grad = grad
+            # Where a per-bucket push will start; for now it notes that backward reached p.
+            p.register_post_accumulate_grad_hook(lambda _, i=i: self._reached.__setitem__(i, True))
+            self._views.append((name, p, data, grad))
+
+    def _on_load(self, module, incompatible):
+        self._loaded = True
+
+    @property
+    def global_step(self):
+        """Return the global step of the last reply."""
+        return self.session.global_step
+
+    def zero_grad(self, set_to_none=True):
+        """Zero the gradient views in place (they stay bound to the push buffer).
+
+        With ``set_to_none`` (torch's default) a parameter that the next backward does not
+        reach is an error at step(), as its None gradient would be in torch.
+        """
+        for _, p, _, grad in self._views:
+            grad.zero_()
+            p.grad = grad
+        self._need_all = bool(set_to_none)
+        if set_to_none:
+            self._reached = [False] * len(self._views)
+
+    def _check(self):
+        """Refuse a broken parameter alias; re-bind a gradient torch replaced (one copy)."""
+        step = self.global_step
+        if self._loaded:
+            raise ConfigurationError(
+                "model.load_state_dict() was called after DistributedOptimizer wrapped the "
+                "model: it changes this worker's copy only (the ps holds the parameters); load "
+                "before wrapping, or resume from a checkpoint_dir")
+        for i, (name, p, data, grad) in enumerate(self._views):
+            if p.data_ptr() != data.data_ptr() or p.dtype != data.dtype or p.shape != data.shape:
+                raise ConfigurationError(
+                    f"parameter {name!r} no longer lies in mpitf's buffer at step {step} (its "
+                    f"data is now {p.dtype} {tuple(p.shape)} on {p.device}): model.to(), "
+                    "load_state_dict(assign=True) or a new .data after wrapping; do those "
+                    "before DistributedOptimizer")
+            g = p.grad
+            if g is None or (self._need_all and not self._reached[i]):
+                raise ConfigurationError(
+                    f"parameter {name!r} requires grad but backward left its gradient None "
+                    f"at step {step}: compute the loss from it, or set its requires_grad to "
+                    "False before wrapping")
+            if g.data_ptr() != grad.data_ptr():
+                if g.shape != grad.shape or g.dtype != grad.dtype:
+                    raise ConfigurationError(
+                        f"the gradient of {name!r} is {g.dtype} {tuple(g.shape)}, its "
+                        f"parameter {grad.dtype} {tuple(grad.shape)}")
+                grad.copy_(g)  # torch's own zero_grad() set it to None: bind it again
+                p.grad = grad
+
+    def step(self, loss=None):
+        """Push the gradients, apply the update on the ps, and pull: the model is updated.
+
+        ``loss`` (a number or a scalar tensor) is only reported (logs, metrics).
+        """
+        self._check()
+        groups = self.optimizer.param_groups
+        lr = learning_rate(groups[0])
+        for k, group in enumerate(groups):
+            if group_options(group) != self._options or (k and learning_rate(group) != lr):
+                raise ConfigurationError(
+                    f"param group {k}'s options changed after wrapping (or its lr differs "
+                    "from group 0's): only the learning rate may change while training")
+        self.client.learning_rate = lr
+        self._variables.loss = float("nan") if loss is None else float(
+            loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        self.optimizer._opt_called = True  # torch's LR schedulers look for a step() call
+        self.session.run(_BATCH)
+        return loss
+
+    def should_stop(self):
+        """Return True once the last step is reached or a signal asked to stop."""
+        return self.session.should_stop()
+
+    def close(self):
+        """Checkpoint at the end (chief), tell every ps this worker is done; return exit_code."""
+        self.session.close()
+        return self.exit_code
+
+    @property
+    def exit_code(self):
+        """Return this rank's exit code (75 after a signal with a checkpoint cut)."""
+        return self.session.exit_code
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        return False

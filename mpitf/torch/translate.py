@@ -1,0 +1,99 @@
+"""Translate a torch.optim optimizer into the ps optimizer that runs the same update.
+
+Only what the ps can run exactly is accepted: the optimizer's type (SGD, Adam, AdamW,
+Adagrad, RMSprop, not subclasses), its options (amsgrad and maximize are refused), and
+one set of options for every param group (the ps applies one rule to all parameters; the
+learning rate travels with each push). Anything else is refused before training, by name.
+"""
+
+import torch
+
+from ..errors import ConfigurationError
+from ..ps.optimizers import make_optimizer
+
+# Options that choose an implementation, not the numbers.
+_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
+# Keys torch's LR schedulers add to a param group.
+_SCHEDULER_KEYS = ("initial_lr",)
+
+
+def _sgd(g):
+    return "torch_sgd", dict(momentum=g["momentum"], dampening=g["dampening"],
+                             nesterov=g["nesterov"], weight_decay=g["weight_decay"])
+
+
+def _adam(g):
+    name = "adamw" if g.get("decoupled_weight_decay") else "torch_adam"
+    beta1, beta2 = g["betas"]
+    return name, dict(beta1=float(beta1), beta2=float(beta2), eps=g["eps"],
+                      weight_decay=g["weight_decay"])
+
+
+def _adagrad(g):
+    return "torch_adagrad", dict(lr_decay=g["lr_decay"], weight_decay=g["weight_decay"],
+                                 initial_accumulator_value=g["initial_accumulator_value"],
+                                 eps=g["eps"])
+
+
+def _rmsprop(g):
+    return "rmsprop", dict(alpha=g["alpha"], eps=g["eps"], weight_decay=g["weight_decay"],
+                           momentum=g["momentum"], centered=g["centered"])
+
+
+_RULES = {torch.optim.SGD: _sgd, torch.optim.Adam: _adam, torch.optim.AdamW: _adam,
+          torch.optim.Adagrad: _adagrad, torch.optim.RMSprop: _rmsprop}
+# Options a rule reads or that change nothing; any other option is refused by name.
+_KNOWN = {
+    torch.optim.SGD: {"momentum", "dampening", "nesterov", "weight_decay", "maximize"},
+    torch.optim.Adam: {"betas", "eps", "weight_decay", "amsgrad", "maximize",
+                       "decoupled_weight_decay"},
+    torch.optim.Adagrad: {"lr_decay", "weight_decay", "initial_accumulator_value", "eps",
+                          "maximize"},
+    torch.optim.RMSprop: {"alpha", "eps", "weight_decay", "momentum", "centered", "maximize"},
+}
+_KNOWN[torch.optim.AdamW] = _KNOWN[torch.optim.Adam]
+
+
+def group_options(group):
+    """Return the options of a param group that must agree across groups and steps."""
+    return {k: v for k, v in group.items()
+            if k not in ("params", "lr", *_SCHEDULER_KEYS, *_IMPLEMENTATION)}
+
+
+def learning_rate(group):
+    """Return a param group's learning rate as a float (torch allows a tensor)."""
+    lr = group["lr"]
+    return float(lr.item() if isinstance(lr, torch.Tensor) else lr)
+
+
+def translate(optimizer):
+    """Return the ps optimizer (``make_optimizer``) that runs ``optimizer``'s update exactly.
+
+    Raises ConfigurationError naming the optimizer or option the ps cannot run.
+    """
+    kind = type(optimizer)
+    name = kind.__name__
+    if kind not in _RULES:
+        supported = ", ".join(sorted(k.__name__ for k in _RULES))
+        raise ConfigurationError(
+            f"mpitf.torch cannot run {name} on the ps: use one of torch.optim's {supported}")
+    groups = optimizer.param_groups
+    first = group_options(groups[0])
+    for k, group in enumerate(groups[1:], 1):
+        options, lr0, lr = group_options(group), learning_rate(groups[0]), learning_rate(group)
+        differ = sorted(o for o in set(first) | set(options) if first.get(o) != options.get(o))
+        if lr != lr0:
+            differ.insert(0, "lr")
+        if differ:
+            raise ConfigurationError(
+                f"{name}: param groups 0 and {k} differ in {differ}; the ps applies one rule "
+                "to every parameter: use one param group (or equal options in all)")
+    unknown = sorted(set(first) - _KNOWN[kind])
+    if unknown:
+        raise ConfigurationError(f"{name}: mpitf.torch does not know option(s) {unknown}")
+    for option in ("amsgrad", "maximize"):
+        if first.get(option):
+            raise ConfigurationError(
+                f"{name}({option}=True) is not supported on the ps: leave {option} off")
+    rule, kwargs = _RULES[kind](first)
+    return make_optimizer(rule, learning_rate(groups[0]), **kwargs)
