@@ -27,17 +27,8 @@ from .kernels import fused_apply
 from .schedules import SCHEDULES
 
 __all__ = [
-    "Adagrad",
-    "Adam",
-    "ExponentialDecay",
-    "ExponentialMovingAverage",
-    "GradientDescent",
-    "Momentum",
-    "NoOp",
-    "Optimizer",
-    "array_module",
-    "make_optimizer",
-    "make_schedule",
+    "Adagrad", "Adam", "ExponentialDecay", "ExponentialMovingAverage", "GradientDescent",
+    "Momentum", "NoOp", "Optimizer", "array_module", "make_optimizer", "make_schedule",
 ]
 
 _SCRATCH = "_scratch"
