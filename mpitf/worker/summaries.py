@@ -71,16 +71,25 @@ class EventWriter:
         self._writer = None
         self._flushed = -math.inf
 
-    def _write(self, step, values):
-        from tensorboardX.proto.event_pb2 import Event
-        from tensorboardX.proto.summary_pb2 import Summary
+    def open(self):
+        """Load tensorboardX and open the event file now (else at the first write).
 
+        A training chief opens it before its first step: the import takes about a second,
+        and inside the step loop that second makes its gradients stale in async mode.
+        """
         if self._writer is None:
             from tensorboardX.event_file_writer import EventsWriter
+            from tensorboardX.proto import event_pb2, summary_pb2  # noqa: F401 (loaded now)
 
             os.makedirs(self.logdir, exist_ok=True)
             self._writer = EventsWriter(os.path.join(self.logdir, "events"),
                                         f".{os.getpid()}.{next(_files)}")
+
+    def _write(self, step, values):
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        self.open()
         self._writer.write_event(Event(wall_time=time.time(), step=int(step),
                                        summary=Summary(value=values)))
         if time.monotonic() - self._flushed >= self.flush_secs:
