@@ -197,15 +197,15 @@ def claim_checkpoint_dir(server, root):
     raise_shared(server.comm, problem)
 
 
-def check_inputs(config, comm, chief=0, num_shards=1, batch_size=None):
+def check_inputs(config, comm, chief=0, num_shards=1, batch_size=None, check_data=None):
     """Check the data file and --timeline (rank 0) and the chief's output paths, up front.
 
     One rank looks at each and every rank learns the outcome, so a missing file, bad labels,
     a batch larger than a worker's shard (``num_shards`` workers of ``batch_size``, default
     the configuration's) or an unwritable ``--run-dir``/``--export``/``--timeline`` give one
     message and every rank exits 2, before training (not after it, losing the result).
-    ``chief`` is the rank of the chief replica in ``comm``, which writes the run directory and
-    the export. Returns the data file.
+    ``chief`` (the chief replica's rank) writes the run directory and the export;
+    ``check_data`` (default: ``check_file``) checks the job's data format. Returns the path.
     """
     from ..data.datasets import default_data_path, ensure_digits
     from ..data.sharded import check_file
@@ -214,9 +214,9 @@ def check_inputs(config, comm, chief=0, num_shards=1, batch_size=None):
     rank, problem = comm.Get_rank(), None
     try:
         if rank == 0:
-            check_file(ensure_digits(path) if not config.data else path,
-                       batch_size=batch_size or config.training.batch_size,
-                       num_shards=num_shards)
+            (check_data or check_file)(ensure_digits(path) if not config.data else path,
+                                       batch_size=batch_size or config.training.batch_size,
+                                       num_shards=num_shards)
             if config.training.timeline:
                 _check_writable_dir("--timeline", config.training.timeline,
                                     os.path.dirname(os.path.abspath(config.training.timeline)))
@@ -362,13 +362,13 @@ def evaluate_session(sess, config, path, **extra):
     return summary
 
 
-def start_job(args, config, check_cluster=None):
+def start_job(args, config, check_cluster=None, check_data=None):
     """Start this rank's part of a job: cluster, Server, backend, data; return both.
 
     ``args`` are the parsed flags (cluster and devices), ``config`` their
     :class:`~mpitf.config.JobConfig` (see :func:`config_from_args`).
     ``check_cluster(cluster)`` may refuse a cluster the job cannot run; its errors, like
-    every error here, are the same on every rank. Returns ``(server, data file)``.
+    every error here, are the same on every rank (``check_data``: see check_inputs).
     """
     from mpi4py import MPI
 
@@ -389,7 +389,7 @@ def start_job(args, config, check_cluster=None):
         server.describe()  # rank 0 prints the rank -> task -> host table
     setup_backend(args, server)
     path = check_inputs(config, server.comm, chief_rank(server),
-                        num_shards=server.num_replicas)
+                        num_shards=server.num_replicas, check_data=check_data)
     if config.training.checkpoint_dir:
         claim_checkpoint_dir(server, config.training.checkpoint_dir)
     return server, path

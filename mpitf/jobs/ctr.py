@@ -13,57 +13,31 @@ import numpy as np
 
 from mpitf.cli.flags import (
     add_training_arguments,
-    check_roles,
-    claim_checkpoint_dir,
     config_from_args,
-    raise_shared,
     report_final,
-    resolve_cluster,
     session_from_config,
-    setup_backend,
+    start_job,
 )
 from mpitf.cli.side_tasks import run_side_task
 from mpitf.data.ctr import CtrDataset, auc, load_ctr
-from mpitf.errors import ConfigurationError, MpitfError
+from mpitf.errors import ConfigurationError
 from mpitf.models.ctr import CTR, logistic_loss
-from mpitf.roles import check_training_cluster
 from mpitf.runtime.exits import RankParser, collective, run_job
 
 
-def start(args, config):
-    """Cluster, Server, backend, the data file checked (rank 0 for all), the checkpoint lock."""
-    from mpi4py import MPI
-
-    from mpitf.runtime.server import Server
-
-    cluster = resolve_cluster(args, MPI.COMM_WORLD.Get_size())
-    try:
-        check_training_cluster(cluster, config.training.checkpoint_dir)
-    except MpitfError as exc:
-        raise collective(exc) from None
+def _check_cluster(cluster):
     if "evaluator" in cluster.jobs and cluster.num_tasks("evaluator"):
-        raise collective(ConfigurationError(
+        raise ConfigurationError(
             "ctr has no evaluator task yet: its chief logs test AUC and log loss every "
-            "--eval-every steps; leave the evaluator out of the cluster"))
+            "--eval-every steps; leave the evaluator out of the cluster")
     if cluster.num_tasks("ps") < 1:
-        raise collective(ConfigurationError(
-            "ctr keeps its embedding tables on ps tasks: give --num-ps 1 or more"))
-    if not config.data:
-        raise collective(ConfigurationError("ctr needs --data FILE (write one with `mpitf "
-                                            "data synthetic-ctr --out FILE`)"))
-    server = Server(cluster, deadline=config.deadline, fixed_deadline=config.fixed_deadline)
-    check_roles(args, server)
-    setup_backend(args, server)
-    problem = None
-    if server.rank == 0:
-        try:
-            load_ctr(config.data, "test")
-        except MpitfError as exc:
-            problem = exc
-    raise_shared(server.comm, problem)
-    if config.training.checkpoint_dir:
-        claim_checkpoint_dir(server, config.training.checkpoint_dir)
-    return server
+        raise ConfigurationError(
+            "ctr keeps its embedding tables on ps tasks: give --num-ps 1 or more")
+
+
+def _check_data(path, batch_size, num_shards):
+    load_ctr(path, "test")  # the layout, table_rows and every id of the split, checked
+
 
 
 def evaluate(sess, model, path, batch_size):
@@ -91,7 +65,10 @@ def main(argv=None):
                         help="the chief logs test AUC and log loss every N steps (0: never)")
     args = parser.parse_args(argv)
     config = config_from_args(args)
-    server = start(args, config)
+    if not config.data:
+        raise collective(ConfigurationError("ctr needs --data FILE (write one with `mpitf "
+                                            "data synthetic-ctr --out FILE`)"))
+    server, _ = start_job(args, config, _check_cluster, _check_data)
     if server.job_name == "ps":
         server.join()
         return server.exit_code
