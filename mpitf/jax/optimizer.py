@@ -1,0 +1,160 @@
+"""``DistributedOptimizer``: train a pytree of jax arrays on mpitf's parameter servers.
+
+The update runs on the ps (one of the ps optimizers, by name); this rank only computes
+gradients. ``step(grads)`` copies each gradient leaf into the push buffer of the
+:class:`~mpitf.worker.client.Client` inside a :class:`~mpitf.worker.session.TrainingSession`,
+pushes and pulls, and returns the new parameters as new jax arrays: one copy each way (jax
+arrays are immutable, so the pulled buffer cannot be handed out as they are).
+"""
+
+import dataclasses
+import inspect
+
+import numpy as np
+
+from ..config import TrainingConfig
+from ..errors import ConfigurationError
+from ..ps.optimizers import make_optimizer
+from ..worker.session import TrainingSession
+from . import threads
+from .tree import TreeLayout, to_jax
+
+__all__ = ["DistributedOptimizer"]
+
+_BATCH = ()  # the session's batch: the gradients are already computed
+# What TrainingSession takes: its own arguments and TrainingConfig's fields.
+SESSION_OPTIONS = frozenset(
+    [n for n in inspect.signature(TrainingSession).parameters if n not in ("server", "model",
+                                                                          "optimizer",
+                                                                          "options")]
+    + [f.name for f in dataclasses.fields(TrainingConfig)])
+
+
+class _JaxVariables:
+    """The pytree as the session sees it: names, shapes, dtype, and the chief's values."""
+
+    def __init__(self, layout, leaves):
+        self.layout = layout
+        self.values = {n: np.array(leaf, dtype=np.float32)
+                       for n, leaf in zip(layout.names, leaves)}
+        self.loss = None
+
+    def variables(self):
+        return [(n, s, np.float32) for n, s in zip(self.layout.names, self.layout.shapes)]
+
+    def init(self, rng):
+        """Return the parameters as given (the chief's become everyone's)."""
+        return self.values
+
+    def loss_and_grads(self, params, batch, grads):
+        """Return the loss step() was given; step() already copied the gradients."""
+        return self.loss
+
+
+def _split(options):
+    """Return (optimizer options, session options): TrainingSession's names go to it."""
+    ps = {k: v for k, v in options.items() if k not in SESSION_OPTIONS}
+    session = {k: v for k, v in options.items() if k in SESSION_OPTIONS}
+    return ps, session
+
+
+class DistributedOptimizer:
+    """Train ``params`` (a pytree of float32 jax arrays) with ``optimizer`` run on the ps.
+
+    Args:
+        params: the parameters; their pytree structure, shapes and leaf names (key paths
+            joined by ``/``) are fixed here. The chief's are every worker's starting values,
+            unless a checkpoint is restored: read them back from :attr:`params`.
+        server: this rank's :class:`~mpitf.runtime.server.Server` (a chief or worker task).
+        optimizer: a ps optimizer by name (:func:`~mpitf.ps.optimizers.make_optimizer`:
+            "sgd", "momentum", "adam", "adamw", "rmsprop", "adagrad", "ftrl", torch's
+            "torch_sgd", "torch_adam", "torch_adagrad").
+        learning_rate: a float or a ps schedule config (``{"schedule": "cosine_decay",
+            ...}``); the ps runs it by the global step.
+        options: the optimizer's hyper-parameters (``weight_decay``, ``beta1``, ...) and
+            :class:`~mpitf.worker.session.TrainingSession`'s options (mode, dataset,
+            checkpoint_dir, save_checkpoint_steps, last_step, deadline is the Server's, ...);
+            a name neither takes is refused, naming both lists.
+    """
+
+    def __init__(self, params, server, optimizer="sgd", learning_rate=0.01, **options):
+        ps_options, session_options = _split(options)
+        try:
+            self.ps_optimizer = make_optimizer(optimizer, learning_rate, **ps_options)
+        except ConfigurationError as exc:
+            if ps_options and "takes no option" in str(exc):
+                raise ConfigurationError(
+                    f"{exc}; session options: {sorted(SESSION_OPTIONS)}") from None
+            raise
+        self.layout = TreeLayout(params)
+        self._variables = _JaxVariables(self.layout, self.layout.leaves(params, "parameter"))
+        self._say_threads(server)
+        self.session = TrainingSession(server, self._variables, self.ps_optimizer,
+                                       **session_options)
+        self.client = self.session.client
+        self._views = [(self.client.grads[n], self.client.params[n]) for n in self.layout.names]
+        self._variables.values = None  # sent (chief) or not needed: free the copy
+        self.params = self._pulled()
+
+    @staticmethod
+    def _say_threads(server):
+        if threads.chosen is not None:
+            n, cores, ranks = threads.chosen
+            print(f"mpitf.jax: rank {server.rank} uses {n} XLA CPU thread(s) ({cores} cores, "
+                  f"{ranks} ranks on {server.host_of(server.rank)}); set NPROC to choose",
+                  flush=True)
+
+    def _pulled(self):
+        """Return the pulled parameters as a new pytree of jax arrays (one copy)."""
+        return self.layout.unflatten([to_jax(p) for _, p in self._views])
+
+    @property
+    def global_step(self):
+        """Return the global step of the last reply."""
+        return self.session.global_step
+
+    def step(self, grads, loss=None):
+        """Push ``grads`` (the parameters' pytree structure), update on the ps, pull.
+
+        Returns the new parameters (also :attr:`params`). ``loss`` (a number or a scalar
+        array) is only reported (log lines, metrics). A gradient pytree that differs from
+        the parameters (a missing leaf, a shape, a dtype) is refused, naming the leaf.
+        """
+        try:
+            leaves = self.layout.leaves(grads, "gradient")
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"step {self.global_step}: {exc}") from None
+        for (grad, _), leaf in zip(self._views, leaves):
+            np.copyto(grad, np.asarray(leaf))  # a CPU jax array reads without a copy
+        self._variables.loss = float("nan") if loss is None else float(loss)
+        self.session.run(_BATCH)
+        self.params = self._pulled()
+        return self.params
+
+    def pull(self):
+        """Pull the newest parameters without a step (async: others' updates) and return them."""
+        self.session.last_reply = self.client.pull()
+        self.params = self._pulled()
+        return self.params
+
+    def should_stop(self):
+        """Return True once the last step is reached or a signal asked to stop."""
+        return self.session.should_stop()
+
+    def close(self):
+        """Checkpoint at the end (chief), tell every ps this worker is done; return exit_code."""
+        self.session.close()
+        return self.exit_code
+
+    @property
+    def exit_code(self):
+        """Return this rank's exit code (75 after a signal with a checkpoint cut)."""
+        return self.session.exit_code
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        return False

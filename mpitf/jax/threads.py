@@ -1,0 +1,51 @@
+"""XLA's CPU platform and thread count for a rank that shares its node with other ranks.
+
+XLA's CPU client sizes its thread pool from ``NPROC`` (else every core) when jax first
+computes, so this must run before that: ``import mpitf.jax`` does it. Several ranks on a
+node each taking every core fight for them, as torch's default threads do.
+"""
+
+import os
+
+import jax
+from jax._src import xla_bridge  # backends_are_initialized: jax has no public test for it
+
+__all__ = ["local_ranks", "share_threads"]
+
+# What launchers tell a rank about its node: MPICH/Hydra, Open MPI, MVAPICH, Slurm's srun.
+_LOCAL_SIZE = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE",
+               "SLURM_NTASKS_PER_NODE")
+# Set when share_threads ran: (threads, cores, local ranks), or None (the user chose).
+chosen = None
+
+
+def local_ranks(environ=os.environ):
+    """Return how many ranks the launcher started on this node (1 when it does not say)."""
+    for key in _LOCAL_SIZE:
+        text = environ.get(key, "")
+        if text.isdigit() and int(text) > 0:
+            return int(text)
+    return 1
+
+
+def share_threads():
+    """Make jax compute on the CPU with this rank's share of its node's cores.
+
+    Selects jax's ``cpu`` platform and sets ``NPROC`` (cores // ranks on the node, at least 1)
+    unless they are set or jax has already started; returns ``(threads, cores, ranks)``,
+    or None when the environment (or an earlier start of jax) chose.
+    """
+    global chosen
+    if xla_bridge.backends_are_initialized():
+        return None
+    if not os.environ.get("JAX_PLATFORMS") and not jax.config.jax_platforms:
+        jax.config.update("jax_platforms", "cpu")  # mpitf.jax serves host (CPU) arrays
+    if "NPROC" in os.environ:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    ranks = local_ranks()
+    threads = max(1, cores // ranks)
+    os.environ["NPROC"] = str(threads)
+    chosen = (threads, cores, ranks)
+    return chosen

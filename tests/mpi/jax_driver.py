@@ -1,0 +1,140 @@
+"""mpitf.jax under mpiexec: 1 ps + W workers train a small MLP from a plain ``jax.grad``
+loop; each worker also trains it in one process with the ps's update rule (written here
+in numpy) on the W batches' mean gradient and prints how far the two are apart
+(``maxrel: X``). ``--break`` hands step() a bad gradient pytree at step 2."""
+
+import argparse
+import hashlib
+import math
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpitf import ClusterSpec, Server, abort_on_error
+from mpitf.jax import DistributedOptimizer
+
+LR = {"adamw": 0.01, "momentum": 0.05}
+OPTIONS = {"adamw": dict(weight_decay=0.1), "momentum": dict(momentum=0.9)}
+DECAY = 30  # cosine decay steps after 5 warmup steps (the ps runs the schedule)
+
+
+def init():
+    keys = jax.random.split(jax.random.PRNGKey(0), 2)
+    return {"layers": [{"w": jax.random.normal(keys[0], (8, 16)) * 0.3, "b": jnp.zeros(16)},
+                       {"w": jax.random.normal(keys[1], (16, 3)) * 0.3, "b": jnp.zeros(3)}]}
+
+
+def loss_fn(params, x, y):
+    h = jnp.tanh(x @ params["layers"][0]["w"] + params["layers"][0]["b"])
+    logits = h @ params["layers"][1]["w"] + params["layers"][1]["b"]
+    return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(len(y)), y])
+
+
+grad_fn = jax.jit(jax.value_and_grad(loss_fn))
+
+
+def batches(step, workers):
+    rng = np.random.default_rng(1000 + step)
+    return (rng.normal(size=(workers, 10, 8)).astype(np.float32),
+            rng.integers(0, 3, size=(workers, 10)))
+
+
+def schedule(step, base):
+    if step < 5:
+        return base * (step + 1) / 5
+    p = min(step - 5, DECAY) / DECAY
+    return base * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+class Reference:
+    """The ps's rule in numpy float32, on the mean gradient of every worker's batch."""
+
+    def __init__(self, name, workers):
+        self.name, self.workers = name, workers
+        self.params = [np.array(p) for p in jax.tree_util.tree_leaves(init())]
+        self.slots = [[np.zeros_like(p), np.zeros_like(p)] for p in self.params]
+
+    def step(self, s):
+        x, y = batches(s, self.workers)
+        tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(init()),
+                                            [jnp.asarray(p) for p in self.params])
+        grads = [np.zeros_like(p) for p in self.params]
+        for w in range(self.workers):
+            _, g = grad_fn(tree, x[w], y[w])
+            for acc, leaf in zip(grads, jax.tree_util.tree_leaves(g)):
+                acc += np.asarray(leaf)
+        lr = schedule(s, LR[self.name])
+        for p, g, (a, b) in zip(self.params, grads, self.slots):
+            g *= np.float32(1.0 / self.workers)
+            if self.name == "momentum":  # tf.train.MomentumOptimizer
+                a *= 0.9
+                a += g
+                p -= a * lr
+            else:  # torch.optim.AdamW's order of operations
+                t = s + 1
+                p *= 1.0 - lr * 0.1
+                a += (g - a) * (1.0 - 0.9)
+                b *= 0.999
+                b += g * g * (1.0 - 0.999)
+                denom = np.sqrt(b) / math.sqrt(1.0 - 0.999**t) + 1e-8
+                p += -(lr / (1.0 - 0.9**t)) * a / denom
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--optimizer", default="adamw", choices=sorted(LR))
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--break", dest="brk", default="none", choices=("none", "missing"))
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--sleep", type=float, default=0.0)
+    args = p.parse_args()
+    with abort_on_error():
+        import mpi4py.MPI as MPI
+
+        workers = MPI.COMM_WORLD.Get_size() - 1
+        server = Server(ClusterSpec({"ps": 1, "worker": workers}), deadline=30)
+        if server.job_name == "ps":
+            server.join()
+            sys.exit(server.exit_code)
+        k = server.replica_index
+        params = init()
+        if k != 0:  # the chief's values must win
+            params = jax.tree_util.tree_map(lambda a: a + 1.0, params)
+        lr = {"schedule": "cosine_decay", "initial_learning_rate": LR[args.optimizer],
+              "decay_steps": DECAY, "warmup_steps": 5}
+        opt = DistributedOptimizer(params, server, args.optimizer, learning_rate=lr,
+                                   **OPTIONS[args.optimizer], deterministic=True,
+                                   last_step=args.steps, checkpoint_dir=args.checkpoint_dir,
+                                   log_every=1)
+        params = opt.params
+        ref = Reference(args.optimizer, workers)
+        for s in range(opt.global_step):  # a resumed run: bring the reference to the step
+            ref.step(s)
+        while not opt.should_stop():
+            s = opt.global_step
+            x, y = batches(s, workers)
+            loss, grads = grad_fn(params, x[k], y[k])
+            if args.brk == "missing" and s == 2 and k == workers - 1:
+                del grads["layers"][1]["b"]
+            params = opt.step(grads, loss)
+            time.sleep(args.sleep)
+            ref.step(s)
+        code = opt.close()
+        ours = [np.asarray(a) for a in jax.tree_util.tree_leaves(params)]
+        worst = max(float(np.linalg.norm(a - b) / np.linalg.norm(b))
+                    for a, b in zip(ours, ref.params))
+        moved = max(float(np.abs(a - np.asarray(b)).max())
+                    for a, b in zip(ref.params, jax.tree_util.tree_leaves(init())))
+        print(f"worker {k}: step {opt.global_step} maxrel: {worst:.3g} moved: {moved:.3g}",
+              flush=True)
+        if k == 0:
+            digest = hashlib.sha256(b"".join(a.tobytes() for a in ours)).hexdigest()
+            print("names:", ",".join(opt.layout.names), "digest:", digest[:16], flush=True)
+        sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
