@@ -26,13 +26,14 @@ case "${1:-}" in
         ;;
     test)
         shift
-        # The torch tests run too. A CUDA build of torch from the index is several GB: take
-        # the CPU-only build where the index has one (its +cpu version), else the default.
+        # The torch and jax tests run too. A CUDA build of torch from the index is several
+        # GB: take the CPU-only build where the index has one (its +cpu version), else the
+        # default. jaxlib from the index is CPU-only (85 MB); pinned to the tested version.
         venv mpich,data,test,bench
         cpu=$(.venv/bin/python -m pip index versions torch 2>/dev/null \
               | grep -o '[0-9][0-9.]*+cpu' | head -n 1 || true)
         .venv/bin/python -m pip install --quiet --disable-pip-version-check \
-            "torch${cpu:+==$cpu}" -e ".[torch]"
+            "torch${cpu:+==$cpu}" "jax==0.10.2" "jaxlib==0.10.2" -e ".[torch,jax]"
         exec .venv/bin/python -m pytest "$@"
         ;;
     *)

@@ -27,6 +27,8 @@ setup(
         "data": ["scikit-learn"],
         # mpitf.torch; a CPU build is enough (and small): see run.sh.
         "torch": ["torch>=2.1"],
+        # mpitf.jax; jaxlib from the package index is the CPU build (run.sh pins it).
+        "jax": ["jax>=0.4.30", "jaxlib>=0.4.30"],
     },
     entry_points={"console_scripts": ["mpitf=mpitf.cli.main:main"]},
     classifiers=[

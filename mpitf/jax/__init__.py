@@ -4,9 +4,14 @@ The only package that imports jax (install the ``jax`` extra). Importing it sele
 CPU platform and gives XLA this rank's share of its node's cores (``NPROC``; see
 :mod:`.threads`) unless set, so import it before jax first computes.
 
-A step copies each gradient leaf once into the push buffer and each pulled parameter once
-into a new jax array (see :func:`.tree.to_jax`). Measured (``python benchmarks/jax_copy.py``):
-FILLED IN BELOW.
+A step copies each gradient leaf once into the push buffer (``np.copyto``; a CPU jax array
+reads without a copy) and each pulled parameter once into a new jax array
+(:func:`.tree.to_jax`: jax arrays are immutable, so the pulled buffer, which the next pull
+overwrites, cannot be handed out as it is). Measured (``python benchmarks/jax_copy.py``,
+2 shared cores at load 11, medians): the digits MLP (38 KB) 0.011 ms push + 0.095 ms pull
+a step, about 1 % of its step; 64 MiB in one leaf 80 ms push (1.9x a memcpy of the same
+bytes) + 101 ms pull (2.5x: the new arrays' fresh pages are touched for the first time),
+against 485 ms for ``jnp.array``.
 """
 
 from .threads import share_threads

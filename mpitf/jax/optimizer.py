@@ -103,6 +103,10 @@ class DistributedOptimizer:
             print(f"mpitf.jax: rank {server.rank} uses {n} XLA CPU thread(s) ({cores} cores, "
                   f"{ranks} ranks on {server.host_of(server.rank)}); set NPROC to choose",
                   flush=True)
+        elif threads.late:
+            print(f"mpitf.jax: rank {server.rank}: jax computed before mpitf.jax was imported, "
+                  "so XLA keeps its default threads (every core); import mpitf.jax before "
+                  "the first jax operation, or set NPROC", flush=True)
 
     def _pulled(self):
         """Return the pulled parameters as a new pytree of jax arrays (one copy)."""

@@ -15,8 +15,11 @@ __all__ = ["local_ranks", "share_threads"]
 # What launchers tell a rank about its node: MPICH/Hydra, Open MPI, MVAPICH, Slurm's srun.
 _LOCAL_SIZE = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE",
                "SLURM_NTASKS_PER_NODE")
+# NPROC as share_threads set it: a child process that inherits it chooses again.
+_MARK = "MPITF_JAX_NPROC"
 # Set when share_threads ran: (threads, cores, local ranks), or None (the user chose).
 chosen = None
+late = False  # True: jax had computed before share_threads ran, with XLA's default threads
 
 
 def local_ranks(environ=os.environ):
@@ -32,20 +35,21 @@ def share_threads():
     """Make jax compute on the CPU with this rank's share of its node's cores.
 
     Selects jax's ``cpu`` platform and sets ``NPROC`` (cores // ranks on the node, at least 1)
-    unless they are set or jax has already started; returns ``(threads, cores, ranks)``,
+    unless the user set them or jax has already started; returns ``(threads, cores, ranks)``,
     or None when the environment (or an earlier start of jax) chose.
     """
-    global chosen
+    global chosen, late
     if xla_bridge.backends_are_initialized():
+        late = "NPROC" not in os.environ
         return None
     if not os.environ.get("JAX_PLATFORMS") and not jax.config.jax_platforms:
         jax.config.update("jax_platforms", "cpu")  # mpitf.jax serves host (CPU) arrays
-    if "NPROC" in os.environ:
-        return None
+    if "NPROC" in os.environ and os.environ["NPROC"] != os.environ.get(_MARK):
+        return None  # the user's
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
         os.cpu_count() or 1)
     ranks = local_ranks()
     threads = max(1, cores // ranks)
-    os.environ["NPROC"] = str(threads)
+    os.environ["NPROC"] = os.environ[_MARK] = str(threads)
     chosen = (threads, cores, ranks)
     return chosen
