@@ -134,6 +134,7 @@ PARAMS = {"dense": [{"w": jnp.zeros((3, 2)), "b": jnp.zeros(2)}], "scale": jnp.o
      "optimizer 'adamw' takes no option(s) ['betas']; valid options: ['learning_rate', "
      "'beta1', 'beta2', 'eps', 'weight_decay']; session options: ["),
     (("momentum",), {"momentum": -1.0}, "momentum"),
+    (("sgd",), {"deadline": 5}, "deadline is the Server's, not a session option"),
 ])
 def test_an_unknown_optimizer_or_option_is_refused_by_name(args, kwargs, words):
     with pytest.raises(ConfigurationError) as err:

@@ -73,12 +73,15 @@ class DistributedOptimizer:
             ...}``); the ps runs it by the global step.
         options: the optimizer's hyper-parameters (``weight_decay``, ``beta1``, ...) and
             :class:`~mpitf.worker.session.TrainingSession`'s options (mode, dataset,
-            checkpoint_dir, save_checkpoint_steps, last_step, deadline is the Server's, ...);
-            a name neither takes is refused, naming both lists.
+            checkpoint_dir, save_checkpoint_steps, last_step, ...; the deadline is the
+            Server's); a name neither takes is refused, naming both lists.
     """
 
     def __init__(self, params, server, optimizer="sgd", learning_rate=0.01, **options):
         ps_options, session_options = _split(options)
+        if "deadline" in ps_options:
+            raise ConfigurationError(
+                "deadline is the Server's, not a session option: Server(cluster, deadline=...)")
         try:
             self.ps_optimizer = make_optimizer(optimizer, learning_rate, **ps_options)
         except ConfigurationError as exc:

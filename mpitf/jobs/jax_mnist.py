@@ -9,20 +9,23 @@ so ``--evaluator``, ``mpitf ckpt export`` and the flags of mnist_mlp work alike.
 
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mpitf.cli.flags import add_training_arguments, config_from_args, report_final, start_job
 from mpitf.cli.side_tasks import run_side_task
 from mpitf.data.sharded import ShardedDataset, load_split
 from mpitf.errors import ConfigurationError
-from mpitf.jax import DistributedOptimizer
 from mpitf.runtime.exits import RankParser, run_job
+
+# jax loads inside the functions (after mpitf.jax, in main): --help and a bad flag answer
+# without it, seconds sooner.
 
 
 def init_mlp(key, sizes):
     """Return ``{"hidden1": {"weights", "biases"}, ..., "softmax_linear": {...}}``."""
+    import jax
+    import jax.numpy as jnp
+
     names = [f"hidden{i + 1}" for i in range(len(sizes) - 2)] + ["softmax_linear"]
     keys = jax.random.split(key, len(names))
     return {name: {"weights": jax.random.normal(k, (a, b)) * np.sqrt(2.0 / a),
@@ -32,6 +35,8 @@ def init_mlp(key, sizes):
 
 def logits(params, x):
     """Return the class scores of rows ``x``: relu hidden layers, then a linear layer."""
+    import jax
+
     layers = sorted((k for k in params if k.startswith("hidden")), key=lambda k: int(k[6:]))
     for name in layers:
         x = jax.nn.relu(x @ params[name]["weights"] + params[name]["biases"])
@@ -40,6 +45,9 @@ def logits(params, x):
 
 def loss_fn(params, x, y):
     """Return the mean softmax cross-entropy of ``params`` on the batch."""
+    import jax
+    import jax.numpy as jnp
+
     return -jnp.mean(jax.nn.log_softmax(logits(params, x))[jnp.arange(y.shape[0]), y])
 
 
@@ -65,6 +73,9 @@ def main(argv=None):
         raise ConfigurationError(
             "jax_mnist trains an MLP on the CPU: leave --model at mlp and --device at cpu "
             "(mnist_mlp has the CNN and the GPU path)")
+    import jax  # importing jax starts nothing: mpitf.jax sets the platform and threads
+
+    from mpitf.jax import DistributedOptimizer
     server, path = start_job(args, config)
     if server.job_name == "ps":
         server.join()
