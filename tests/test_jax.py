@@ -202,3 +202,11 @@ def test_local_ranks_read_the_launchers_variables():
     assert local_ranks({"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}) == 4
     assert local_ranks({"SLURM_NTASKS_PER_NODE": "x"}) == 1
     assert local_ranks({}) == 1
+
+
+def test_jax_mnist_refuses_the_cnn_with_exit_2():
+    run = subprocess.run([sys.executable, "jobs/jax_mnist.py", "--model", "cnn"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2, run.stderr
+    assert "jax_mnist trains an MLP on the CPU: leave --model at mlp and --device at cpu" \
+        in run.stderr

@@ -15,7 +15,7 @@ from mpitf.cli.flags import add_training_arguments, config_from_args, report_fin
 from mpitf.cli.side_tasks import run_side_task
 from mpitf.data.sharded import ShardedDataset, load_split
 from mpitf.errors import ConfigurationError
-from mpitf.runtime.exits import RankParser, run_job
+from mpitf.runtime.exits import RankParser, collective, run_job
 
 # jax loads inside the functions (after mpitf.jax, in main): --help and a bad flag answer
 # without it, seconds sooner.
@@ -70,9 +70,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     config = config_from_args(args)
     if args.model != "mlp" or args.device != "cpu":
-        raise ConfigurationError(
+        raise collective(ConfigurationError(  # alike on every rank: each exits 2
             "jax_mnist trains an MLP on the CPU: leave --model at mlp and --device at cpu "
-            "(mnist_mlp has the CNN and the GPU path)")
+            "(mnist_mlp has the CNN and the GPU path)"))
     import jax  # importing jax starts nothing: mpitf.jax sets the platform and threads
 
     from mpitf.jax import DistributedOptimizer
