@@ -54,6 +54,9 @@ def main():
     p.add_argument("--num-ps", type=int, default=1)
     p.add_argument("--clip", type=float, default=None)
     p.add_argument("--mode", default="sync")
+    p.add_argument("--bucket-bytes", type=int, default=0)
+    p.add_argument("--accumulate-from", type=int, default=None,
+                   help="from this step on, two backward calls (half batches) per step")
     args = p.parse_args()
     with abort_on_error():
         import mpi4py.MPI as MPI
@@ -77,7 +80,7 @@ def main():
                                     deterministic=args.mode == "sync",
                                     last_step=args.steps, checkpoint_dir=args.checkpoint_dir,
                                     save_checkpoint_steps=args.save_steps, log_every=1,
-                                    clip_norm=args.clip)
+                                    clip_norm=args.clip, bucket_bytes=args.bucket_bytes)
         if args.brk == "to":
             model.to(torch.float64)
         elif args.brk == "load":
@@ -92,11 +95,16 @@ def main():
                 opt.zero_grad()  # torch's: sets every .grad to None
             else:
                 dist.zero_grad()
-            out = model(x[k].to(next(model.parameters()).dtype))
-            if args.brk == "unused" and s == 3:
-                out = out.detach() + model[2].bias  # the first layer gets no gradient
-            loss = torch.nn.functional.cross_entropy(out, y[k])
-            loss.backward()
+            if args.accumulate_from is not None and s >= args.accumulate_from:
+                for half in (slice(0, 5), slice(5, 10)):  # gradient accumulation
+                    loss = torch.nn.functional.cross_entropy(model(x[k, half]), y[k, half]) / 2
+                    loss.backward()
+            else:
+                out = model(x[k].to(next(model.parameters()).dtype))
+                if args.brk == "unused" and s == 3:
+                    out = out.detach() + model[2].bias  # the first layer gets no gradient
+                loss = torch.nn.functional.cross_entropy(out, y[k])
+                loss.backward()
             dist.step(loss)
             time.sleep(args.sleep)
             if sched is not None:
