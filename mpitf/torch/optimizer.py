@@ -270,6 +270,7 @@ class DistributedOptimizer:
 
     def close(self):
         """Checkpoint at the end (chief), tell every ps this worker is done; return exit_code."""
+        self._hooks_push = False  # a backward after training (evaluation) pushes nothing
         self.session.close()
         return self.exit_code
 
