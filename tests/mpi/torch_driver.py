@@ -85,7 +85,7 @@ def main():
             model.to(torch.float64)
         elif args.brk == "load":
             model.load_state_dict(ref.state_dict())
-        start = dist.global_step
+        start, early = dist.global_step, 0
         for s in range(start):  # a resumed run: bring the reference to the same step
             ref_step(ref, ref_opt, ref_sched, s, workers, args.clip)
         while not dist.should_stop():
@@ -105,6 +105,9 @@ def main():
                     out = out.detach() + model[2].bias  # the first layer gets no gradient
                 loss = torch.nn.functional.cross_entropy(out, y[k])
                 loss.backward()
+            bucketed = dist.client.bucketed_push
+            if bucketed is not None and bucketed.reply_value is None:  # a step under way
+                early += sum(bucketed.next)  # buckets the hooks pushed during backward
             dist.step(loss)
             time.sleep(args.sleep)
             if sched is not None:
@@ -122,6 +125,7 @@ def main():
             digest = hashlib.sha256(b"".join(q.detach().numpy().tobytes()
                                              for q in model.parameters())).hexdigest()
             print("keys:", ",".join(model.state_dict()), "digest:", digest[:16], flush=True)
+            print(f"buckets pushed during backward: {early}", flush=True)
         sys.exit(dist.exit_code)
 
 
