@@ -149,6 +149,7 @@ class DistributedOptimizer:
                 "shows whether gradients accumulate over several backward calls; accumulate "
                 "from the first step on, or set bucket_bytes=0")
         if self._handle is None:
+            self._check_loaded()
             self.client.learning_rate = self._learning_rate()
             self._handle = self.session.start_push()
         self._check_param(i)
@@ -181,13 +182,16 @@ class DistributedOptimizer:
 
     def _check(self):
         """Refuse a broken parameter alias; re-bind a gradient torch replaced (one copy)."""
+        self._check_loaded()
+        for i in range(len(self._views)):
+            self._check_param(i)
+
+    def _check_loaded(self):
         if self._loaded:
             raise ConfigurationError(
                 "model.load_state_dict() was called after DistributedOptimizer wrapped the "
                 "model: it changes this worker's copy only (the ps holds the parameters); load "
                 "before wrapping, or resume from a checkpoint_dir")
-        for i in range(len(self._views)):
-            self._check_param(i)
 
     def _check_param(self, i):
         """Check parameter ``i``'s views (see :meth:`_check`)."""
