@@ -123,6 +123,26 @@ def test_overlap_json(mpirun, tmp_path):
 
 
 @pytest.mark.mpi
+def test_frameworks_json(mpirun, tmp_path):
+    # torch MLP and CNN against torch alone + raw MPI, and buckets against one (quick mode)
+    out = tmp_path / "fw.json"
+    run = mpirun(2, REPO / "benchmarks" / "frameworks.py", "--quick", "--json", out,
+                 timeout=120)
+    assert run.returncode == 0, run.output
+    data = json.loads(out.read_text())
+    for name in ("mlp", "cnn"):
+        row = data[name]
+        assert all(row[k] > 0 for k in ("torch_ms", "raw_ms", "mpitf_ms", "bytes")), row
+        assert row["ratio"] == pytest.approx(row["mpitf_ms"] / (row["torch_ms"] +
+                                                                row["raw_ms"]))
+    ov = data["overlap"]
+    assert ov["buckets"] == ov["layers"] == 3 and ov["one_bucket_ms"] > 0
+    assert ov["ratio"] == pytest.approx(ov["buckets_ms"] / ov["one_bucket_ms"])
+    assert "3 buckets leave as backward produces them" in run.stdout, run.output
+    assert data["repeats"] == 1 and len(data["load_average"]) == 3
+
+
+@pytest.mark.mpi
 def test_timeline_covers_every_rank_and_step(mpirun, tmp_path):
     trace, steps = tmp_path / "tl.json", 6
     run = mpirun(3, REPO / "jobs" / "mnist_mlp.py", "--num-ps", 1, "--steps", steps,

@@ -56,10 +56,31 @@ def test_one_worker_equals_torch_optim_with_its_lr_scheduler(optimizer):
     assert "keys: 0.weight,0.bias,2.weight,2.bias" in run.stdout  # state_dict names
 
 
-def test_two_workers_equal_torch_on_the_mean_gradient():
+def test_two_workers_equal_torch_on_the_mean_gradient_with_and_without_buckets():
     run = drive(3, "--optimizer", "adamw", "--schedule", "--steps", 30)
     maxrels, _ = results(run, 30, 2)
     assert max(maxrels) < 1e-5, run.output
+    # 64 bytes: four buckets, pushed from backward's hooks from the second step on
+    hooks = drive(3, "--optimizer", "adamw", "--schedule", "--steps", 30, "--bucket-bytes", 64)
+    assert results(hooks, 30, 2)[0] == maxrels, hooks.output
+    assert "4 buckets leave as backward produces them" in hooks.stdout, hooks.output
+    assert "buckets pushed during backward: 116" in hooks.stdout  # 4 a step from the 2nd
+    assert DIGEST.findall(hooks.stdout) == DIGEST.findall(run.stdout) != [], hooks.output
+
+
+def test_gradient_accumulation_with_buckets():
+    # two backward calls per step from the first: the hooks see it and push at step()
+    run = drive(3, "--bucket-bytes", 64, "--accumulate-from", 0, "--steps", 8)
+    maxrels, _ = results(run, 8, 2)
+    assert max(maxrels) < 1e-5, run.output
+    assert "backward ran 2 times before step() (gradient accumulation): the 4 buckets leave " \
+           "at step()" in run.stdout, run.output
+    assert "buckets pushed during backward: 0" in run.stdout, run.output
+    # ... but only from step 3: buckets had left, so every rank ends naming the parameter
+    late = drive(3, "--bucket-bytes", 64, "--accumulate-from", 3, "--steps", 8)
+    assert late.returncode != 0 and "maxrel" not in late.stdout, late.output
+    assert "backward reached '2.bias' twice before step() at step 3, but its bucket had " \
+           "already been pushed" in late.output, late.output
 
 
 @pytest.mark.parametrize("n,num_ps,mode", [(4, 2, "sync"), (2, 1, "async")])

@@ -5,6 +5,13 @@ the model's parameters and gradients are zero-copy torch views of the flat buffe
 the :class:`~mpitf.worker.client.Client` inside a :class:`~mpitf.worker.session.TrainingSession`,
 so backward writes the gradient where the push sends it from and the pull lands where
 the model reads its parameters. Every step checks that the views are still bound.
+
+With ``bucket_bytes`` a post-accumulate-grad hook pushes each bucket as soon as backward
+has finished all its parameters (the layout puts the last layers' buckets first, the
+order backward produces them, as DDP guesses), and ``step()`` pushes the rest and waits.
+The first step pushes at ``step()`` and counts the backward calls: with one per step the
+hooks push from the second step on; with more (gradient accumulation) every step pushes
+at ``step()``, since a bucket must not leave before its last backward.
 """
 
 import logging
@@ -91,7 +98,9 @@ class DistributedOptimizer:
             are every worker's starting values, unless a checkpoint is restored.
         server: this rank's :class:`~mpitf.runtime.server.Server` (a chief or worker task).
         session_options: :class:`~mpitf.worker.session.TrainingSession`'s (mode,
-            checkpoint_dir, save_checkpoint_steps, last_step, hooks, ...).
+            checkpoint_dir, save_checkpoint_steps, last_step, bucket_bytes, hooks, ...).
+            With ``bucket_bytes`` gradients leave during backward: change ``.grad`` and
+            the learning rate before ``backward()``, not between it and ``step()``.
     """
 
     def __init__(self, optimizer, model, server, **session_options):
@@ -108,6 +117,11 @@ class DistributedOptimizer:
         model.register_load_state_dict_post_hook(self._on_load)
         self._reached = [False] * len(self._named)
         self._need_all = True  # as after zero_grad(set_to_none=True): torch's grads are None
+        self._fired = [0] * len(self._named)  # hook calls since the last step()
+        self._handle = None  # the bucketed push that backward's hooks started
+        # the hooks push once the first step has shown one backward per step (see step())
+        self._hooks_push = False
+        self._learning = self.client.bucketed and not self.session.config.skip_nonfinite
         self._bind()
 
     def _bind(self):
@@ -118,9 +132,28 @@ class DistributedOptimizer:
             grad = torch.from_numpy(self.client.grads[name])
             p.data = data
             p.grad = grad
-            # Where a per-bucket push will start; for now it notes that backward reached p.
-            p.register_post_accumulate_grad_hook(lambda _, i=i: self._reached.__setitem__(i, True))
+            p.register_post_accumulate_grad_hook(lambda _, i=i: self._on_grad(i))
             self._views.append((name, p, data, grad))
+
+    def _on_grad(self, i):
+        """Backward finished parameter ``i``'s gradient: push its bucket if it is complete."""
+        self._reached[i] = True
+        self._fired[i] += 1
+        if not self._hooks_push:
+            return
+        name = self._views[i][0]
+        if self._fired[i] > 1:
+            raise ConfigurationError(
+                f"backward reached {name!r} twice before step() at step {self.global_step}, "
+                "but its bucket had already been pushed: with bucket_bytes the first step "
+                "shows whether gradients accumulate over several backward calls; accumulate "
+                "from the first step on, or set bucket_bytes=0")
+        if self._handle is None:
+            self._check_loaded()
+            self.client.learning_rate = self._learning_rate()
+            self._handle = self.session.start_push()
+        self._check_param(i)
+        self._handle.final((name,))
 
     def _on_load(self, module, incompatible):
         self._loaded = True
@@ -136,6 +169,10 @@ class DistributedOptimizer:
         With ``set_to_none`` (torch's default) a parameter that the next backward does not
         reach is an error at step(), as its None gradient would be in torch.
         """
+        if self._handle is not None:
+            raise ConfigurationError(
+                "zero_grad() between backward() and step(): with bucket_bytes backward has "
+                "already pushed part of the gradient; call zero_grad() before backward()")
         for _, p, _, grad in self._views:
             grad.zero_()
             p.grad = grad
@@ -145,39 +182,43 @@ class DistributedOptimizer:
 
     def _check(self):
         """Refuse a broken parameter alias; re-bind a gradient torch replaced (one copy)."""
-        step = self.global_step
+        self._check_loaded()
+        for i in range(len(self._views)):
+            self._check_param(i)
+
+    def _check_loaded(self):
         if self._loaded:
             raise ConfigurationError(
                 "model.load_state_dict() was called after DistributedOptimizer wrapped the "
                 "model: it changes this worker's copy only (the ps holds the parameters); load "
                 "before wrapping, or resume from a checkpoint_dir")
-        for i, (name, p, data, grad) in enumerate(self._views):
-            if p.data_ptr() != data.data_ptr() or p.dtype != data.dtype or p.shape != data.shape:
-                raise ConfigurationError(
-                    f"parameter {name!r} no longer lies in mpitf's buffer at step {step} (its "
-                    f"data is now {p.dtype} {tuple(p.shape)} on {p.device}): model.to(), "
-                    "load_state_dict(assign=True) or a new .data after wrapping; do those "
-                    "before DistributedOptimizer")
-            g = p.grad
-            if g is None or (self._need_all and not self._reached[i]):
-                raise ConfigurationError(
-                    f"parameter {name!r} requires grad but backward left its gradient None "
-                    f"at step {step}: compute the loss from it, or set its requires_grad to "
-                    "False before wrapping")
-            if g.data_ptr() != grad.data_ptr():
-                if g.shape != grad.shape or g.dtype != grad.dtype:
-                    raise ConfigurationError(
-                        f"the gradient of {name!r} is {g.dtype} {tuple(g.shape)}, its "
-                        f"parameter {grad.dtype} {tuple(grad.shape)}")
-                grad.copy_(g)  # torch's own zero_grad() set it to None: bind it again
-                p.grad = grad
 
-    def step(self, loss=None):
-        """Push the gradients, apply the update on the ps, and pull: the model is updated.
+    def _check_param(self, i):
+        """Check parameter ``i``'s views (see :meth:`_check`)."""
+        step = self.global_step
+        name, p, data, grad = self._views[i]
+        if p.data_ptr() != data.data_ptr() or p.dtype != data.dtype or p.shape != data.shape:
+            raise ConfigurationError(
+                f"parameter {name!r} no longer lies in mpitf's buffer at step {step} (its "
+                f"data is now {p.dtype} {tuple(p.shape)} on {p.device}): model.to(), "
+                "load_state_dict(assign=True) or a new .data after wrapping; do those "
+                "before DistributedOptimizer")
+        g = p.grad
+        if g is None or (self._need_all and not self._reached[i]):
+            raise ConfigurationError(
+                f"parameter {name!r} requires grad but backward left its gradient None "
+                f"at step {step}: compute the loss from it, or set its requires_grad to "
+                "False before wrapping")
+        if g.data_ptr() != grad.data_ptr():
+            if g.shape != grad.shape or g.dtype != grad.dtype:
+                raise ConfigurationError(
+                    f"the gradient of {name!r} is {g.dtype} {tuple(g.shape)}, its "
+                    f"parameter {grad.dtype} {tuple(grad.shape)}")
+            grad.copy_(g)  # torch's own zero_grad() set it to None: bind it again
+            p.grad = grad
 
-        ``loss`` (a number or a scalar tensor) is only reported (logs, metrics).
-        """
-        self._check()
+    def _learning_rate(self):
+        """Return the param groups' learning rate, refusing any other change to them."""
         groups = self.optimizer.param_groups
         lr = learning_rate(groups[0])
         for k, group in enumerate(groups):
@@ -185,12 +226,47 @@ class DistributedOptimizer:
                 raise ConfigurationError(
                     f"param group {k}'s options changed after wrapping (or its lr differs "
                     "from group 0's): only the learning rate may change while training")
+        return lr
+
+    def step(self, loss=None):
+        """Push the gradients, apply the update on the ps, and pull: the model is updated.
+
+        ``loss`` (a number or a scalar tensor) is only reported (logs, metrics).
+        """
+        lr = self._learning_rate()
+        handle, self._handle = self._handle, None
+        if handle is not None and lr != self.client.learning_rate:
+            raise ConfigurationError(
+                f"the learning rate changed from {self.client.learning_rate} to {lr} between "
+                "backward() and step(): with bucket_bytes backward pushes the gradient with "
+                "the rate it finds, so set the rate before backward()")
+        self._check()
         self.client.learning_rate = lr
         self._variables.loss = float("nan") if loss is None else float(
             loss.detach() if isinstance(loss, torch.Tensor) else loss)
         self.optimizer._opt_called = True  # torch's LR schedulers look for a step() call
-        self.session.run(_BATCH)
+        if handle is not None:
+            self.session.loss = self._variables.loss
+            self.session.finish_push(handle)
+        else:
+            self.session.run(_BATCH)
+        if self._learning:
+            self._learn()
+        self._fired = [0] * len(self._views)
         return loss
+
+    def _learn(self):
+        """After the first step: let the hooks push unless backward ran more than once."""
+        self._learning = False
+        most = max(self._fired)
+        buckets = sum(len(b) for b in self.client.buckets)
+        self._hooks_push = most <= 1
+        if self.session.server.is_chief:
+            print(f"mpitf.torch: {buckets} buckets leave as backward produces them"
+                  if self._hooks_push else
+                  f"mpitf.torch: backward ran {most} times before step() (gradient "
+                  f"accumulation): the {buckets} buckets leave at step(), not during backward",
+                  flush=True)
 
     def should_stop(self):
         """Return True once the last step is reached or a signal asked to stop."""
@@ -198,6 +274,7 @@ class DistributedOptimizer:
 
     def close(self):
         """Checkpoint at the end (chief), tell every ps this worker is done; return exit_code."""
+        self._hooks_push = False  # a backward after training (evaluation) pushes nothing
         self.session.close()
         return self.exit_code
 

@@ -231,21 +231,30 @@ class TrainingSession:
 
     def _run_layerwise(self, batch):
         """One step whose buckets leave as backward finishes them (see ``layerwise``)."""
-        tl = self.timeline
-        with tl.span("compute", step=self.global_step):
+        with self.timeline.span("compute", step=self.global_step):
             if batch is None:
                 batch = self.dataset.next_batch()
-            state = self.dataset.state() if self.dataset is not None else \
-                {"epoch": 0, "cursor": 0}
-            if self.server.is_chief and self._cut_due():
-                self._send_save(self.global_step + 1)
-            handle = self.client.start_push((state["epoch"], state["cursor"]))
+            handle = self.start_push()
             self.loss = self.model.loss_and_grads(self.client.params, batch,
                                                   self.client.grads, final=handle.final)
+        return self.finish_push(handle)
+
+    def start_push(self):
+        """Begin a bucketed step whose backward runs outside :meth:`run` (mpitf.torch).
+
+        Call ``final(names)`` on the handle as backward finishes them, then finish_push.
+        """
+        state = self.dataset.state() if self.dataset is not None else {"epoch": 0, "cursor": 0}
+        if self.server.is_chief and self._cut_due():
+            self._send_save(self.global_step + 1)
+        return self.client.start_push((state["epoch"], state["cursor"]))
+
+    def finish_push(self, handle):
+        """End a :meth:`start_push` step: push the rest, wait for every reply, run hooks."""
         bad = self.client.nonfinite_gradient()
         if bad is not None:
-            return self._skip(bad)  # raises: without skip_nonfinite
-        with tl.span("push_pull", step=self.global_step):
+            return self._skip(bad)  # raises: buckets may have left, so nothing can be skipped
+        with self.timeline.span("push_pull", step=self.global_step):
             return self._finish_step(handle.wait())
 
     def _skip(self, variable):

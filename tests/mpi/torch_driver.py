@@ -54,6 +54,9 @@ def main():
     p.add_argument("--num-ps", type=int, default=1)
     p.add_argument("--clip", type=float, default=None)
     p.add_argument("--mode", default="sync")
+    p.add_argument("--bucket-bytes", type=int, default=0)
+    p.add_argument("--accumulate-from", type=int, default=None,
+                   help="from this step on, two backward calls (half batches) per step")
     args = p.parse_args()
     with abort_on_error():
         import mpi4py.MPI as MPI
@@ -77,12 +80,12 @@ def main():
                                     deterministic=args.mode == "sync",
                                     last_step=args.steps, checkpoint_dir=args.checkpoint_dir,
                                     save_checkpoint_steps=args.save_steps, log_every=1,
-                                    clip_norm=args.clip)
+                                    clip_norm=args.clip, bucket_bytes=args.bucket_bytes)
         if args.brk == "to":
             model.to(torch.float64)
         elif args.brk == "load":
             model.load_state_dict(ref.state_dict())
-        start = dist.global_step
+        start, early = dist.global_step, 0
         for s in range(start):  # a resumed run: bring the reference to the same step
             ref_step(ref, ref_opt, ref_sched, s, workers, args.clip)
         while not dist.should_stop():
@@ -92,11 +95,19 @@ def main():
                 opt.zero_grad()  # torch's: sets every .grad to None
             else:
                 dist.zero_grad()
-            out = model(x[k].to(next(model.parameters()).dtype))
-            if args.brk == "unused" and s == 3:
-                out = out.detach() + model[2].bias  # the first layer gets no gradient
-            loss = torch.nn.functional.cross_entropy(out, y[k])
-            loss.backward()
+            if args.accumulate_from is not None and s >= args.accumulate_from:
+                for half in (slice(0, 5), slice(5, 10)):  # gradient accumulation
+                    loss = torch.nn.functional.cross_entropy(model(x[k, half]), y[k, half]) / 2
+                    loss.backward()
+            else:
+                out = model(x[k].to(next(model.parameters()).dtype))
+                if args.brk == "unused" and s == 3:
+                    out = out.detach() + model[2].bias  # the first layer gets no gradient
+                loss = torch.nn.functional.cross_entropy(out, y[k])
+                loss.backward()
+            bucketed = dist.client.bucketed_push
+            if bucketed is not None and bucketed.reply_value is None:  # a step under way
+                early += sum(bucketed.next)  # buckets the hooks pushed during backward
             dist.step(loss)
             time.sleep(args.sleep)
             if sched is not None:
@@ -114,6 +125,7 @@ def main():
             digest = hashlib.sha256(b"".join(q.detach().numpy().tobytes()
                                              for q in model.parameters())).hexdigest()
             print("keys:", ",".join(model.state_dict()), "digest:", digest[:16], flush=True)
+            print(f"buckets pushed during backward: {early}", flush=True)
         sys.exit(dist.exit_code)
 
 
