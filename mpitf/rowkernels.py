@@ -1,0 +1,229 @@
+"""Compiled loops over embedding rows: dedup by hash table, sum per id, gather and scatter.
+
+A batch's ids are deduplicated in one pass over a preallocated open-addressing hash table
+(no sort of the ids, as TensorFlow's ``Unique`` op; or a direct index when the ids' bound
+is small), which also checks each id lies in ``[0, bound)``; the few unique ids are then
+mapped to their owner-major keys (:meth:`~mpitf.rows.RowPlacement.keys`, the routing)
+and radix sorted, so the result is exactly ``np.unique``'s of the keys (sorted unique
+values, inverse). Compiled by
+numba (``cache=True``: loaded from the cache after the first run) and warmed up by
+:func:`warm_up` when a worker or ps builds its buffers, so no step pays for compiling.
+No ``fastmath``: a sum per id adds in the order of the rows, in float64, as
+``np.bincount`` does, so every result is the same bits as the numpy passes it replaces.
+"""
+
+import numpy as np
+from numba import njit
+
+__all__ = ["EMPTY", "RADIX_BITS", "direct_unique", "hash_unique", "local_rows", "put_rows",
+           "row_words", "segment_sum_rows", "sort_unique", "take_rows", "warm_up"]
+
+_jit = njit(nogil=True, cache=True, error_model="numpy")
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: 2**64 / the golden ratio
+RADIX_BITS = 11  # bits per radix pass over the unique keys (2048 counters)
+EMPTY = -1  # an unused entry of the hash table (keys are never negative)
+
+
+@_jit
+def hash_unique(ids, bound, shift, table, firsts, where, inverse):
+    """Deduplicate ``ids`` through a hash table; return ``(unique count, first bad index)``.
+
+    ``firsts`` receives the unique ids in first-seen order, ``inverse`` each id's index in
+    ``firsts``. An id outside ``[0, bound)`` stops the pass and its index is returned
+    (else -1). ``table`` holds ``(id, index)`` pairs, ``1 << (64 - shift)`` of them, all
+    ``EMPTY`` on entry and again on return (``where`` keeps the entries used); it is at
+    least twice the ids, so a probe ends soon.
+    """
+    mask = table.shape[0] - 1
+    u, bad = 0, -1
+    for i in range(ids.shape[0]):
+        x = ids[i]
+        if x < 0 or x >= bound:
+            bad = i
+            break
+        h = np.int64((np.uint64(x) * _GOLDEN) >> np.uint64(shift))
+        while True:
+            k = table[h, 0]
+            if k == x:
+                inverse[i] = table[h, 1]
+                break
+            if k == EMPTY:
+                table[h, 0] = x
+                table[h, 1] = u
+                firsts[u] = x
+                where[u] = h
+                inverse[i] = u
+                u += 1
+                break
+            h = (h + 1) & mask
+    for j in range(u):
+        table[where[j], 0] = EMPTY
+    return u, bad
+
+
+@_jit
+def direct_unique(ids, bound, seen, firsts, inverse):
+    """:func:`hash_unique` through ``seen``, one int32 per id below ``bound`` (all 0).
+
+    ``seen[x]`` is one more than ``x``'s index in ``firsts``; no hashing and no probing,
+    and the popular ids, which are usually small, share cache lines.
+    """
+    u, bad = 0, -1
+    for i in range(ids.shape[0]):
+        x = ids[i]
+        if x < 0 or x >= bound:
+            bad = i
+            break
+        s = seen[x]
+        if s == 0:
+            firsts[u] = x
+            u += 1
+            seen[x] = u
+            inverse[i] = u - 1
+        else:
+            inverse[i] = s - 1
+    for j in range(u):
+        seen[firsts[j]] = 0
+    return u, bad
+
+
+@_jit
+def sort_unique(firsts, u, num_ps, mod, starts, keys, perm, rank, counts, unique, inverse, n):
+    """Sort the keys of the ``u`` unique ids into ``unique``; renumber ``inverse[:n]`` to match.
+
+    The key of id ``x`` is ``starts[x % num_ps] + x // num_ps`` when ``mod`` (rows i mod P:
+    ps p's rows get keys ``[starts[p], starts[p + 1])``), else ``x``. An LSD radix sort of
+    ``RADIX_BITS`` per pass over the unique keys only (as many passes as the largest key
+    has bits), then ``inverse`` through the rank of each first-seen id.
+    """
+    top = 0
+    for j in range(u):
+        x = firsts[j]
+        if mod:
+            q = x // num_ps
+            x = starts[x - q * num_ps] + q
+        keys[j] = x
+        top = max(top, x)
+        perm[j] = j
+    radix = np.int64(1) << RADIX_BITS
+    shift = 0
+    a, b = perm, rank
+    while shift == 0 or (shift < 63 and (top >> shift) > 0):
+        counts[:] = 0
+        for j in range(u):
+            counts[(keys[a[j]] >> shift) & (radix - 1)] += 1
+        total = 0
+        for d in range(radix):
+            c = counts[d]
+            counts[d] = total
+            total += c
+        for j in range(u):
+            d = (keys[a[j]] >> shift) & (radix - 1)
+            b[counts[d]] = a[j]
+            counts[d] += 1
+        a, b = b, a
+        shift += RADIX_BITS
+    # a: the first-seen index of each sorted key; b is free for the ranks
+    for j in range(u):
+        unique[j] = keys[a[j]]
+        b[a[j]] = j
+    for i in range(n):
+        inverse[i] = b[inverse[i]]
+
+
+@_jit
+def segment_sum_rows(values, segments, acc, out):
+    """``out[s] = sum of values[i] with segments[i] == s``, summed in order in ``acc`` (float64)."""
+    acc[:] = 0.0
+    dim = values.shape[1]
+    for i in range(values.shape[0]):
+        s = segments[i]
+        for d in range(dim):
+            acc[s, d] += values[i, d]
+    for s in range(out.shape[0]):
+        for d in range(dim):
+            out[s, d] = acc[s, d]
+
+
+@_jit
+def take_rows(src, index, out):
+    """``out[j] = src[index[j]]`` for every j (rows of any element type)."""
+    width = src.shape[1]
+    for j in range(index.shape[0]):
+        r = index[j]
+        for d in range(width):
+            out[j, d] = src[r, d]
+
+
+@_jit
+def put_rows(dst, index, src):
+    """``dst[index[j]] = src[j]`` for every j (rows of any element type)."""
+    width = dst.shape[1]
+    for j in range(index.shape[0]):
+        r = index[j]
+        for d in range(width):
+            dst[r, d] = src[j, d]
+
+
+@_jit
+def local_rows(ids, rows, num_ps, ps, mod, lo, hi, out):
+    """Write each id's local row on ps ``ps`` into ``out``; return the first foreign index.
+
+    ``mod``: id ``x`` is ps ``x % num_ps``'s local row ``x // num_ps``; else ps ``ps``
+    holds ``[lo, hi)`` and ``x`` is its row ``x - lo``. Returns -1 when every id is in
+    ``[0, rows)`` and held by ``ps``.
+    """
+    for j in range(ids.shape[0]):
+        x = ids[j]
+        if x < 0 or x >= rows:
+            return j
+        if mod:
+            if x % num_ps != ps:
+                return j
+            out[j] = x // num_ps
+        else:
+            if x < lo or x >= hi:
+                return j
+            out[j] = x - lo
+    return -1
+
+
+def row_words(a):
+    """Return 2-D C-contiguous ``a`` as rows of the widest unsigned words its rows fill (a view).
+
+    The gather and scatter then copy whole rows as a few 8- or 4-byte words, whatever the
+    table's dtype (float16 included, which numba does not compute with).
+    """
+    width = a.shape[1] * a.itemsize
+    for word in (np.uint64, np.uint32, np.uint16):
+        if width % np.dtype(word).itemsize == 0:
+            return a.view(word)
+    return a.view(np.uint8)
+
+
+_warm = False
+
+
+def warm_up():
+    """Compile (or load from numba's cache) the kernels for the common types; once a process."""
+    global _warm
+    if _warm:
+        return
+    ids = np.zeros(2, np.int64)
+    table = np.full((16, 2), EMPTY, np.int64)
+    firsts, where, perm, rank = (np.empty(2, np.int64) for _ in range(4))
+    inverse, counts = np.empty(2, np.intp), np.empty(1 << RADIX_BITS, np.int64)
+    starts = np.zeros(2, np.int64)
+    u, _ = hash_unique(ids, 1, 60, table, firsts, where, inverse)
+    u, _ = direct_unique(ids, 1, np.zeros(1, np.int32), firsts, inverse)
+    sort_unique(firsts, u, 1, False, starts, where, perm, rank, counts, firsts.copy(),
+                inverse, 2)
+    local_rows(ids, 1, 1, 0, True, 0, 1, firsts)
+    for dtype in (np.float32, np.float64):
+        v = np.zeros((2, 2), dtype)
+        segment_sum_rows(v, inverse, np.zeros((1, 2)), v[:1])
+    for word in (np.uint64, np.uint32):
+        w = np.zeros((2, 2), word)
+        take_rows(w, ids[:1], w[1:].copy())
+        put_rows(w, ids[:1], w[1:].copy())
+    _warm = True
