@@ -1,11 +1,11 @@
 """Compiled loops over embedding rows: dedup by hash table, sum per id, gather and scatter.
 
 A batch's ids are deduplicated in one pass over a preallocated open-addressing hash table
-(no sort of the ids, as TensorFlow's ``Unique`` op; or a direct index when the ids' bound
-is small), which also checks each id lies in ``[0, bound)``; the few unique ids are then
-mapped to their owner-major keys (:meth:`~mpitf.rows.RowPlacement.keys`, the routing)
-and radix sorted, so the result is exactly ``np.unique``'s of the keys (sorted unique
-values, inverse). Compiled by
+(no sort of the ids, as TensorFlow's ``Unique`` op), or, when the ids' bound is small
+enough, through a bitmap with one bit per id (sorted for free); either checks that each
+id lies in ``[0, bound)``. The unique ids are then ordered by their owner-major keys
+(:meth:`~mpitf.rows.RowPlacement.keys`, the routing), so the result is exactly
+``np.unique``'s of the keys (sorted unique values, inverse). Compiled by
 numba (``cache=True``: loaded from the cache after the first run) and warmed up by
 :func:`warm_up` when a worker or ps builds its buffers, so no step pays for compiling.
 No ``fastmath``: a sum per id adds in the order of the rows, in float64, as
@@ -13,9 +13,11 @@ No ``fastmath``: a sum per id adds in the order of the rows, in float64, as
 """
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
-__all__ = ["EMPTY", "RADIX_BITS", "direct_unique", "hash_unique", "local_rows", "put_rows",
+__all__ = ["EMPTY", "RADIX_BITS", "bitmap_unique", "hash_unique", "local_rows", "put_rows",
            "row_words", "segment_sum_rows", "sort_unique", "take_rows", "warm_up"]
 
 _jit = njit(nogil=True, cache=True, error_model="numpy")
@@ -61,30 +63,89 @@ def hash_unique(ids, bound, shift, table, firsts, where, inverse):
     return u, bad
 
 
-@_jit
-def direct_unique(ids, bound, seen, firsts, inverse):
-    """:func:`hash_unique` through ``seen``, one int32 per id below ``bound`` (all 0).
+@intrinsic
+def _popcount(typingctx, x):
+    if x != types.uint64:
+        return None
 
-    ``seen[x]`` is one more than ``x``'s index in ``firsts``; no hashing and no probing,
-    and the popular ids, which are usually small, share cache lines.
+    def codegen(context, builder, sig, args):
+        return builder.ctpop(args[0])
+    return types.uint64(types.uint64), codegen
+
+
+@intrinsic
+def _trailing_zeros(typingctx, x):
+    if x != types.uint64:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.cttz(args[0], ir.Constant(ir.IntType(1), 0))
+    return types.uint64(types.uint64), codegen
+
+
+@_jit
+def bitmap_unique(ids, bound, num_ps, mod, starts, bits, prefix, pos, keys, counts, unique,
+                  inverse):
+    """Deduplicate ``ids`` through one bit per id below ``bound``; return ``(u, bad)``.
+
+    Sets each id's bit, then one scan of the words from the smallest id's to the largest's
+    writes the unique ids in ascending order, and each word's count of the bits before it
+    (``prefix``), so an id's index among them is ``prefix`` plus the bits below it in its
+    word: no hashing and no sort, and the bits of a million ids (128 KiB) stay in cache.
+    With ``mod`` the unique ids are then ordered by their keys (a counting sort by owner:
+    ``pos`` is each ascending id's place) and ``unique`` receives the keys, as
+    :func:`sort_unique`. ``bits`` is all zero on entry and on return. An id outside
+    ``[0, bound)`` stops the pass: its index is returned as ``bad`` (else -1).
     """
-    u, bad = 0, -1
-    for i in range(ids.shape[0]):
+    n = ids.shape[0]
+    if n == 0:
+        return 0, -1
+    lo, hi = ids[0], ids[0]
+    for i in range(n):  # a separate pass: it vectorizes
+        lo, hi = min(lo, ids[i]), max(hi, ids[i])
+    if lo < 0 or hi >= bound:
+        for i in range(n):
+            if ids[i] < 0 or ids[i] >= bound:
+                return 0, i
+    for i in range(n):
         x = ids[i]
-        if x < 0 or x >= bound:
-            bad = i
-            break
-        s = seen[x]
-        if s == 0:
-            firsts[u] = x
+        m = np.uint64(1) << np.uint64(x & 63)
+        v = bits[x >> 6]
+        if not (v & m):  # no store for an id seen before: no chain through memory
+            bits[x >> 6] = v | m
+    u = 0
+    for w in range(lo >> 6, (hi >> 6) + 1):
+        prefix[w] = u
+        b = bits[w]
+        while b:
+            unique[u] = (w << 6) + np.int64(_trailing_zeros(b))
             u += 1
-            seen[x] = u
-            inverse[i] = u - 1
-        else:
-            inverse[i] = s - 1
-    for j in range(u):
-        seen[firsts[j]] = 0
-    return u, bad
+            b &= b - np.uint64(1)
+    if mod:  # ps p's ids first (ascending within each), as their keys sort
+        counts[:num_ps + 1] = 0
+        for j in range(u):
+            counts[unique[j] % num_ps + 1] += 1
+        for p in range(num_ps):
+            counts[p + 1] += counts[p]
+        for j in range(u):
+            x = unique[j]
+            q = x // num_ps
+            p = x - q * num_ps
+            k = counts[p]
+            counts[p] = k + 1
+            pos[j] = k
+            keys[k] = starts[p] + q
+    for i in range(n):
+        x = ids[i]
+        w = x >> 6
+        below = bits[w] & ((np.uint64(1) << np.uint64(x & 63)) - np.uint64(1))
+        r = prefix[w] + np.int64(_popcount(below))
+        inverse[i] = pos[r] if mod else r
+    for w in range(lo >> 6, (hi >> 6) + 1):
+        bits[w] = 0
+    if mod:
+        unique[:u] = keys[:u]
+    return u, -1
 
 
 @_jit
@@ -215,7 +276,8 @@ def warm_up():
     inverse, counts = np.empty(2, np.intp), np.empty(1 << RADIX_BITS, np.int64)
     starts = np.zeros(2, np.int64)
     u, _ = hash_unique(ids, 1, 60, table, firsts, where, inverse)
-    u, _ = direct_unique(ids, 1, np.zeros(1, np.int32), firsts, inverse)
+    bitmap_unique(ids, 1, 2, True, starts, np.zeros(1, np.uint64), np.empty(1, np.int64),
+                  perm, rank, counts, firsts.copy(), inverse)
     sort_unique(firsts, u, 1, False, starts, where, perm, rank, counts, firsts.copy(),
                 inverse, 2)
     local_rows(ids, 1, 1, 0, True, 0, 1, firsts)

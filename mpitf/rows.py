@@ -14,10 +14,20 @@ Everything here takes and returns int64 numpy arrays; the loops over ids are com
 
 import numpy as np
 
-from . import rowkernels as K
 from .errors import ConfigurationError
 
 ROW_PLACEMENTS = ("mod", "range")
+
+
+def _kernels():
+    """Return :mod:`mpitf.rowkernels`, imported on first use.
+
+    numba then loads only in a process that has embedding tables: a dense worker never
+    imports it.
+    """
+    from . import rowkernels
+
+    return rowkernels
 
 
 class RowPlacement:
@@ -99,6 +109,23 @@ def row_view(a):
     return a.view(np.dtype((np.void, a.shape[1] * a.itemsize))).reshape(-1)
 
 
+def take_rows(src, index, out):
+    """Write rows ``src[index]`` of a 2-D C-contiguous array into ``out``; return ``out``.
+
+    A compiled loop copying each row as a few words (faster than ``np.take``, which copies
+    a row per item, by 1.4-2x measured on 20 418 rows of 16 float32).
+    """
+    k = _kernels()
+    k.take_rows(k.row_words(src), index, k.row_words(out))
+    return out
+
+
+def put_rows(dst, index, src):
+    """Write the rows of ``src`` into rows ``index`` of 2-D C-contiguous ``dst``."""
+    k = _kernels()
+    k.put_rows(k.row_words(dst), index, k.row_words(src))
+
+
 def segment_sum(values, segments, out, scratch=None):
     """Sum the rows of ``values`` into ``out[segments[i]]``; return ``out`` (overwritten).
 
@@ -115,7 +142,7 @@ def segment_sum(values, segments, out, scratch=None):
             out[:, d] = np.bincount(segments, weights=values[:, d], minlength=n)
         return out
     acc = np.empty((n, dim)) if scratch is None else scratch.reshape(-1)[:n * dim].reshape(n, dim)
-    K.segment_sum_rows(values, segments, acc, out)
+    _kernels().segment_sum_rows(values, segments, acc, out)
     return out
 
 
@@ -125,28 +152,30 @@ _COMPILED = (np.dtype(np.float32), np.dtype(np.float64))
 class Dedup:
     """Deduplicate up to ``capacity`` ids: sorted unique values and inverse, as ``np.unique``.
 
-    One pass over the ids through a hash table of ``(id, index)`` pairs, at least twice
-    ``capacity`` (:func:`~mpitf.rowkernels.hash_unique`), or, when the ids' bound is at most
-    four times that table's entries, through one int32 per possible id, the same memory
-    (:func:`~mpitf.rowkernels.direct_unique`); then the unique ids alone are mapped to
-    their keys (:meth:`route`) and radix sorted. Everything is made once, for ``capacity``
-    ids; the returned arrays are views, valid until the next call. Measured (4096 x 26
-    Zipf(1.2) ids below 10**6, 20 418 unique; benchmarks/README.md): 0.3-0.5 ms, against
-    2.1-3.6 ms for the numpy radix argsort it replaces and 17 ms for ``np.unique``.
+    When the ids' bound is known and its bitmap (one bit per id, and a count per 64) is no
+    larger than a hash table for ``capacity`` ids: one bit per id, sorted for free
+    (:func:`~mpitf.rowkernels.bitmap_unique`); else a hash table of ``(id, index)`` pairs
+    at least twice ``capacity`` and a radix sort of the unique keys alone
+    (:func:`~mpitf.rowkernels.hash_unique`, :func:`~mpitf.rowkernels.sort_unique`). Every
+    buffer is made once (on first use), for ``capacity`` ids; the returned arrays are
+    views, valid until the next call. Measured (4096 x 26 Zipf(1.2) ids below 10**6,
+    20 418 unique; benchmarks/README.md): about 0.2 ms, against 2.1-3.6 ms for the numpy
+    radix argsort it replaces and 17 ms for ``np.unique(return_inverse=True)``.
     """
 
     def __init__(self, capacity):
         n = max(1, int(capacity))
         bits = max(4, (2 * n - 1).bit_length())  # at least twice the ids: short probes
         self.shift, self.entries = 64 - bits, 1 << bits
-        self.table = np.full((self.entries, 2), K.EMPTY, np.int64)
-        self.seen = {}  # bound -> its direct index (one int32 per id), made on first use
+        self.table = None  # the hash table, made on first use
+        self.bitmaps = {}  # bound -> (bits, prefix), made on first use
         self.firsts, self.where = np.empty(n, np.int64), np.empty(n, np.int64)
         self.perm, self.rank = np.empty(n, np.int64), np.empty(n, np.int64)
         self.unique, self.inverse = np.empty(n, np.int64), np.empty(n, np.intp)
-        self.counts = np.empty(1 << K.RADIX_BITS, np.int64)
+        self.k = _kernels()
+        self.counts = np.empty(1 << self.k.RADIX_BITS, np.int64)
         self.capacity = n
-        K.warm_up()
+        self.k.warm_up()
 
     def __call__(self, ids, bound=None):
         """Return ``(unique ids, inverse)`` of 1-D ``ids`` in ``[0, bound)`` as ``np.unique``.
@@ -155,7 +184,8 @@ class Dedup:
         """
         keys, inverse, bad = self._run(ids, bound, 1, False, _NO_STARTS)
         if bad >= 0:
-            raise ValueError(f"id {int(np.ravel(ids)[bad])} is outside [0, {bound})")
+            x = int(np.ravel(ids)[bad])
+            raise ValueError(f"id {x} is outside [0, {bound})" if bound else f"id {x} is negative")
         return keys, inverse
 
     def route(self, ids, placement):
@@ -166,6 +196,8 @@ class Dedup:
         first id outside ``[0, placement.rows)`` (then the other two are empty), else -1.
         """
         mod = placement.kind == "mod" and placement.num_ps > 1
+        if placement.num_ps >= len(self.counts):
+            self.counts = np.empty(placement.num_ps + 1, np.int64)
         return self._run(ids, placement.rows, placement.num_ps, mod, placement.starts)
 
     def _run(self, ids, bound, num_ps, mod, starts):
@@ -174,17 +206,23 @@ class Dedup:
         if n > self.capacity:
             raise ValueError(f"{n} ids, but this Dedup was made for at most {self.capacity}")
         inverse = self.inverse[:n]
-        if bound is not None and int(bound) <= 4 * self.entries:  # no more memory than the table
-            seen = self.seen.get(int(bound))
-            if seen is None:
-                seen = self.seen[int(bound)] = np.zeros(int(bound), np.int32)
-            u, bad = K.direct_unique(ids, int(bound), seen, self.firsts, inverse)
-        else:
-            u, bad = K.hash_unique(ids, _ANY if bound is None else int(bound), self.shift,
-                                   self.table, self.firsts, self.where, inverse)
+        if bound is not None and -(-int(bound) // 64) <= self.entries:  # no larger
+            bitmap = self.bitmaps.get(int(bound))
+            if bitmap is None:
+                words = -(-int(bound) // 64)
+                bitmap = self.bitmaps[int(bound)] = (np.zeros(words, np.uint64),
+                                                     np.empty(words, np.int64))
+            u, bad = self.k.bitmap_unique(ids, int(bound), num_ps, mod, starts, *bitmap, self.perm,
+                                     self.rank, self.counts, self.unique, inverse)
+            return (self.unique[:0], self.inverse[:0], bad) if bad >= 0 else \
+                (self.unique[:u], inverse, -1)
+        if self.table is None:
+            self.table = np.full((self.entries, 2), self.k.EMPTY, np.int64)
+        u, bad = self.k.hash_unique(ids, _ANY if bound is None else int(bound), self.shift,
+                               self.table, self.firsts, self.where, inverse)
         if bad >= 0:
             return self.unique[:0], self.inverse[:0], bad
-        K.sort_unique(self.firsts, u, num_ps, mod, starts, self.where, self.perm, self.rank,
+        self.k.sort_unique(self.firsts, u, num_ps, mod, starts, self.where, self.perm, self.rank,
                       self.counts, self.unique, inverse, n)
         return self.unique[:u], inverse, -1
 

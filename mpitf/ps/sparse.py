@@ -22,8 +22,8 @@ import numpy as np
 
 from ..errors import PeerError
 from ..models.embedding import initial_rows
-from ..rowkernels import local_rows, put_rows, row_words, take_rows
-from ..rows import Dedup, RowPlacement, segment_sum
+from ..rowkernels import local_rows
+from ..rows import Dedup, RowPlacement, put_rows, segment_sum, take_rows
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.sparse import SparseLayout
@@ -62,8 +62,6 @@ class _Table:
         self.rows_buf = np.empty((rows, dim), dtype)
         self.grad_buf = np.empty((rows, dim), dtype)
         self.local = np.empty(rows, np.int64)
-        self.words = {k: row_words(v) for k, v in self.slots.items()}
-        self.words[None] = row_words(self.params)
         self.mod = placement.kind == "mod" and placement.num_ps > 1
         self.lo, self.hi = (0, n) if self.mod else (int(placement.starts[ps]),
                                                     int(placement.starts[ps + 1]))
@@ -86,23 +84,22 @@ class _Table:
 
     def gather(self, ids, out, worker_desc):
         """Write the rows of ``ids`` into ``out`` (a reply's rows)."""
-        take_rows(self.words[None], self.locate(ids, worker_desc), row_words(out))
+        take_rows(self.params, self.locate(ids, worker_desc), out)
 
     def apply(self, optimizer, ids, grads, step):
         """Apply row gradients ``grads`` of unique ``ids`` at global ``step``."""
         u = len(ids)
         local = self.locate(ids, {})
-        p = self.rows_buf[:u]
-        take_rows(self.words[None], local, row_words(p))
+        p = take_rows(self.params, local, self.rows_buf[:u])
         slots = {}
         for k, buf in self.gathered.items():
             if k in self.slots:
-                take_rows(self.words[k], local, row_words(buf[:u]))
+                take_rows(self.slots[k], local, buf[:u])
             slots[k] = buf[:u].reshape(-1)
         optimizer.apply(p.reshape(-1), grads.reshape(-1), slots, step)
-        put_rows(self.words[None], local, row_words(p))
+        put_rows(self.params, local, p)
         for k in self.slots:
-            put_rows(self.words[k], local, row_words(self.gathered[k][:u]))
+            put_rows(self.slots[k], local, self.gathered[k][:u])
 
 
 class SparseTables:

@@ -20,8 +20,7 @@ import numpy as np
 
 from ..errors import DataError, PeerError
 from ..models.embedding import check_tables
-from ..rowkernels import row_words, take_rows
-from ..rows import Dedup, RowPlacement, segment_sum
+from ..rows import Dedup, RowPlacement, segment_sum, take_rows
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.sparse import SparseLayout
@@ -60,9 +59,8 @@ class Lookup:
         """Return each occurrence's row (ids.shape + (dim,)), gathered on first use."""
         if self._rows is None:
             out = self._occurrences(self._rows_buf)
-            rows = np.ascontiguousarray(self.unique_rows)
-            take_rows(row_words(rows), self.inverse.reshape(-1),
-                      row_words(out.reshape(-1, out.shape[-1])))
+            take_rows(np.ascontiguousarray(self.unique_rows), self.inverse.reshape(-1),
+                      out.reshape(-1, out.shape[-1]))
             self._rows = out
         return self._rows
 
