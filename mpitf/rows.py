@@ -8,7 +8,8 @@ function of (rows, num_ps) alone, so every rank computes the same map:
 - ``"range"``: contiguous ranges, TensorFlow's slice sizes (the first ``rows % P`` ps get
   one row more); row ``i`` lives on the ps whose range holds it, at ``i - start``.
 
-Everything here takes and returns int64 numpy arrays (vectorised, no loop per row).
+Everything here takes and returns int64 numpy arrays; the loops over ids are compiled
+(:mod:`mpitf.rowkernels`) or numpy's, never one Python step per row.
 """
 
 import numpy as np
@@ -16,6 +17,17 @@ import numpy as np
 from .errors import ConfigurationError
 
 ROW_PLACEMENTS = ("mod", "range")
+
+
+def _kernels():
+    """Return :mod:`mpitf.rowkernels`, imported on first use.
+
+    numba then loads only in a process that has embedding tables: a dense worker never
+    imports it.
+    """
+    from . import rowkernels
+
+    return rowkernels
 
 
 class RowPlacement:
@@ -97,72 +109,126 @@ def row_view(a):
     return a.view(np.dtype((np.void, a.shape[1] * a.itemsize))).reshape(-1)
 
 
-def segment_sum(values, segments, out):
-    """Sum the rows of ``values`` into ``out[segments[i]]``; return ``out`` (overwritten).
+def take_rows(src, index, out):
+    """Write rows ``src[index]`` of a 2-D C-contiguous array into ``out``; return ``out``.
 
-    One ``np.bincount`` per column: it adds in the order of the rows, in float64, so a sum
-    is the same on every run and in any process that sums the same rows in the same order
-    (the worker's sum per unique id, the ps's sum over workers in worker order). Measured
-    (benchmarks/sparse.py, 4096 x 26 ids of dim 16): 4-35x faster than ``np.add.at`` on
-    numpy 2.4, whose loop over 2-D rows is slow.
+    A compiled loop copying each row as a few words (faster than ``np.take``, which copies
+    a row per item, by 1.4-2x measured on 20 418 rows of 16 float32).
     """
-    n = len(out)
-    for d in range(out.shape[1]):
-        out[:, d] = np.bincount(segments, weights=values[:, d], minlength=n)
+    k = _kernels()
+    k.take_rows(k.row_words(src), index, k.row_words(out))
     return out
 
 
-class Dedup:
-    """Deduplicate up to ``capacity`` non-negative ints: sorted unique values and inverse.
+def put_rows(dst, index, src):
+    """Write the rows of ``src`` into rows ``index`` of 2-D C-contiguous ``dst``."""
+    k = _kernels()
+    k.put_rows(k.row_words(dst), index, k.row_words(src))
 
-    One stable sort of the ids with numpy's radix sort (16-bit digits: one pass for ids
-    below 2**16, two below 2**32, numpy's merge sort above), then the places where the
-    value changes and a running count scattered back to each id's position. Scratch is
-    made once; the returned arrays are views of it, valid until the next call. Measured
-    (4096 x 26 Zipf(1.2) ids below 10**6): 2.4 ms against 16 ms for ``np.sort`` and a
-    ``searchsorted`` of every id, and 6.7 ms for ``np.unique(return_inverse=True)``.
+
+def segment_sum(values, segments, out, scratch=None):
+    """Sum the rows of ``values`` into ``out[segments[i]]``; return ``out`` (overwritten).
+
+    Adds in the order of the rows, in float64 (``scratch``: a float64 array of at least
+    ``out``'s shape, made here when None), as ``np.bincount`` with weights does, so a sum
+    is the same on every run and in any process that sums the same rows in the same order
+    (the worker's sum per unique id, the ps's sum over workers in worker order). Compiled
+    (:func:`~mpitf.rowkernels.segment_sum_rows`) for float32 and float64 rows; other
+    dtypes take one ``np.bincount`` per column, the same sums.
+    """
+    n, dim = out.shape
+    if values.dtype not in _COMPILED or out.dtype != values.dtype:
+        for d in range(dim):
+            out[:, d] = np.bincount(segments, weights=values[:, d], minlength=n)
+        return out
+    acc = np.empty((n, dim)) if scratch is None else scratch.reshape(-1)[:n * dim].reshape(n, dim)
+    _kernels().segment_sum_rows(values, segments, acc, out)
+    return out
+
+
+_COMPILED = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+class Dedup:
+    """Deduplicate up to ``capacity`` ids: sorted unique values and inverse, as ``np.unique``.
+
+    When the ids' bound is known and its bitmap (one bit per id, and a count per 64) is no
+    larger than a hash table for ``capacity`` ids: one bit per id, sorted for free
+    (:func:`~mpitf.rowkernels.bitmap_unique`); else a hash table of ``(id, index)`` pairs
+    at least twice ``capacity`` and a radix sort of the unique keys alone
+    (:func:`~mpitf.rowkernels.hash_unique`, :func:`~mpitf.rowkernels.sort_unique`). Every
+    buffer is made once (on first use), for ``capacity`` ids; the returned arrays are
+    views, valid until the next call. Measured (4096 x 26 Zipf(1.2) ids below 10**6,
+    20 418 unique, at load 12; benchmarks/README.md): 0.28-0.52 ms, against 3.0 ms for
+    the numpy radix argsort it replaces and 17 ms for ``np.unique(return_inverse=True)``.
     """
 
     def __init__(self, capacity):
-        n = int(capacity)
-        self.low, self.high = np.empty(n, np.uint16), np.empty(n, np.uint16)
-        self.sorted, self.unique = np.empty(n, np.int64), np.empty(n, np.int64)
-        self.keep, self.count = np.empty(n, bool), np.empty(n, np.intp)
-        self.inverse = np.empty(n, np.intp)
+        n = max(1, int(capacity))
+        bits = max(4, (2 * n - 1).bit_length())  # at least twice the ids: short probes
+        self.shift, self.entries = 64 - bits, 1 << bits
+        self.table = None  # the hash table, made on first use
+        self.bitmaps = {}  # bound -> (bits, prefix), made on first use
+        self.firsts, self.where = np.empty(n, np.int64), np.empty(n, np.int64)
+        self.perm, self.rank = np.empty(n, np.int64), np.empty(n, np.int64)
+        self.unique, self.inverse = np.empty(n, np.int64), np.empty(n, np.intp)
+        self.k = _kernels()
+        self.counts = np.empty(1 << self.k.RADIX_BITS, np.int64)
+        self.capacity = n
+        self.k.warm_up()
 
     def __call__(self, ids, bound=None):
         """Return ``(unique ids, inverse)`` of 1-D ``ids`` in ``[0, bound)`` as ``np.unique``.
 
-        ``bound`` (one more than the largest id) picks the passes; None: ``ids.max() + 1``.
+        ``bound`` None: any non-negative int64. An id outside raises ``ValueError``.
         """
-        n = len(ids)
-        if n == 0:
-            return self.unique[:0], self.inverse[:0]
-        bound = int(ids.max()) + 1 if bound is None else int(bound)
-        order = self._order(ids, n, bound)
-        s, keep, count = self.sorted[:n], self.keep[:n], self.count[:n]
-        np.take(ids, order, out=s)
-        keep[0] = True
-        np.not_equal(s[1:], s[:-1], out=keep[1:])
-        np.cumsum(keep, out=count)
-        np.subtract(count, 1, out=count)
-        inverse = self.inverse[:n]
-        inverse[order] = count
-        u = int(count[-1]) + 1
-        return np.compress(keep, s, out=self.unique[:u]), inverse
+        keys, inverse, bad = self._run(ids, bound, 1, False, _NO_STARTS)
+        if bad >= 0:
+            x = int(np.ravel(ids)[bad])
+            raise ValueError(f"id {x} is outside [0, {bound})" if bound else f"id {x} is negative")
+        return keys, inverse
 
-    def _order(self, ids, n, bound):
-        if bound > 1 << 32:
-            return np.argsort(ids, kind="stable")
-        low = self.low[:n]
-        np.bitwise_and(ids, 0xFFFF, out=low, casting="unsafe")
-        order = np.argsort(low, kind="stable")  # radix sort for 16-bit ints
-        if bound <= 1 << 16:
-            return order
-        high = self.high[:n]
-        np.right_shift(ids, 16, out=low, casting="unsafe")
-        np.take(low, order, out=high)
-        return order[np.argsort(high, kind="stable")]
+    def route(self, ids, placement):
+        """Return ``(unique keys, inverse, bad)`` of ``ids`` under ``placement``.
+
+        The keys are :meth:`RowPlacement.keys` of the ids, sorted: ps ``p``'s are
+        ``keys[searchsorted(keys, starts)[p]:...[p + 1]]``. ``bad`` is the index of the
+        first id outside ``[0, placement.rows)`` (then the other two are empty), else -1.
+        """
+        mod = placement.kind == "mod" and placement.num_ps > 1
+        if placement.num_ps >= len(self.counts):
+            self.counts = np.empty(placement.num_ps + 1, np.int64)
+        return self._run(ids, placement.rows, placement.num_ps, mod, placement.starts)
+
+    def _run(self, ids, bound, num_ps, mod, starts):
+        ids = np.ascontiguousarray(ids, np.int64).reshape(-1)
+        n = len(ids)
+        if n > self.capacity:
+            raise ValueError(f"{n} ids, but this Dedup was made for at most {self.capacity}")
+        inverse = self.inverse[:n]
+        if bound is not None and -(-int(bound) // 64) <= self.entries:  # no larger
+            bitmap = self.bitmaps.get(int(bound))
+            if bitmap is None:
+                words = -(-int(bound) // 64)
+                bitmap = self.bitmaps[int(bound)] = (np.zeros(words, np.uint64),
+                                                     np.empty(words, np.int64))
+            u, bad = self.k.bitmap_unique(ids, int(bound), num_ps, mod, starts, *bitmap, self.perm,
+                                     self.rank, self.counts, self.unique, inverse)
+            return (self.unique[:0], self.inverse[:0], bad) if bad >= 0 else \
+                (self.unique[:u], inverse, -1)
+        if self.table is None:
+            self.table = np.full((self.entries, 2), self.k.EMPTY, np.int64)
+        u, bad = self.k.hash_unique(ids, _ANY if bound is None else int(bound), self.shift,
+                               self.table, self.firsts, self.where, inverse)
+        if bad >= 0:
+            return self.unique[:0], self.inverse[:0], bad
+        self.k.sort_unique(self.firsts, u, num_ps, mod, starts, self.where, self.perm, self.rank,
+                      self.counts, self.unique, inverse, n)
+        return self.unique[:u], inverse, -1
+
+
+_ANY = np.iinfo(np.int64).max
+_NO_STARTS = np.zeros(2, np.int64)
 
 
 def unique_inverse(ids):

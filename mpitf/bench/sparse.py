@@ -13,17 +13,20 @@ Zipf(A) with a fixed seed (``(zipf - 1) % R``). Measured in one run, on the work
 * step_occurrences_us: the same step with the model reading each occurrence's row and
   writing each occurrence's gradient (``Lookup.rows``/``.grad``: B x F rows gathered,
   then summed per id), as a model whose layers take one row per id looked up does.
-* dedup_us: :class:`mpitf.rows.Dedup` of one batch's B x F ids (the worker's sort).
+* dedup_us: :class:`mpitf.rows.Dedup` of one batch's B x F ids (the worker's, compiled).
 * raw_us: a raw MPI exchange of the same bytes with every ps, in the same two round
   trips (pull request -> rows; push + dense push -> dense reply).
 * dense_us: ``Client.push_pull`` of the whole table as one dense variable (SGD).
 * gather_scatter_us: numpy's gather of the step's unique rows and SGD scatter into a
   table of R x D (on ps task 0; ``np.take``/``np.put`` of whole rows, the fastest numpy
   way measured), the memory work a step cannot avoid.
-* segment_sum_us: summing B x F row gradients per unique id, ``np.add.at`` and a
-  ``np.bincount`` per column (:func:`mpitf.rows.segment_sum`, the one used).
+* segment_sum_us: summing B x F row gradients per unique id, with ``np.add.at`` and with
+  :func:`mpitf.rows.segment_sum` (compiled, the one used; the same bits as a
+  ``np.bincount`` per column).
 
 ``bytes_per_step`` counts both directions (headers included); rank 0 writes the JSON.
+Each time is the median over its repetitions; ``*_min_us`` (step, raw, dense) are the
+fastest repetition, the figure least moved by other processes on a shared machine.
 """
 
 import argparse
@@ -116,11 +119,13 @@ def _segment_sums(values, inverse, n):
         out[...] = 0
         np.add.at(out, inverse, values)
 
+    scratch = np.empty(out.size)
+
     def bincount():
-        segment_sum(values, inverse, out)
+        segment_sum(values, inverse, out, scratch)
 
     return {"add_at": _median_us(_timed(add_at, 10)),
-            "bincount": _median_us(_timed(bincount, 10))}
+            "segment_sum": _median_us(_timed(bincount, 10))}
 
 
 def main(argv=None):
@@ -150,7 +155,7 @@ def main(argv=None):
         times = _timed(lambda: session.run(batches[next(k) % BATCHES]), args.steps)
         steps = WARMUP + args.steps
         dense_bytes = 2 * (64 + 4) * len(ps_ranks)
-        row["step_us"] = _median_us(times)
+        row["step_us"], row["step_min_us"] = _median_us(times), min(times) * 1e6
         row["bytes_per_step"] = (emb.bytes_sent - b0 + emb.bytes_received - r0) / steps \
             + dense_bytes
         model.per_occurrence = True
@@ -191,7 +196,8 @@ def main(argv=None):
                          for bb, r in zip(bufs, ps_ranks)]
                 MPI.Request.Waitall(reqs)
 
-        row["raw_us"] = _median_us(_timed(exchange, args.steps))
+        times = _timed(exchange, args.steps)
+        row["raw_us"], row["raw_min_us"] = _median_us(times), min(times) * 1e6
     # -- numpy's gather and scatter of the same rows (ps task 0) -------------------------
     ids = raw.bcast(np.unique(batches[0]) if server.is_chief else None, root=worker)
     if is_ps and server.task_index == 0:
@@ -220,8 +226,8 @@ def main(argv=None):
         client.grads_flat[...] = 0
         client.start(TrainingConfig(mode="sync"), make_optimizer("sgd", LR).config(),
                      initial_values=client.params)
-        row["dense_us"] = _median_us(_timed(lambda: client.push_pull().wait(),
-                                            max(3, args.steps // 5)))
+        times = _timed(lambda: client.push_pull().wait(), max(3, args.steps // 5))
+        row["dense_us"], row["dense_min_us"] = _median_us(times), min(times) * 1e6
         client.done()
     if not server.is_chief:
         return 0

@@ -7,7 +7,10 @@ that worker's dense push, so the consistency policy decides for both (:meth:`app
 takes the workers whose gradients make the step).
 
 Sparse apply is the dense kernel on the rows present: gather the rows and their slots,
-run the optimizer's own arithmetic on them, scatter them back. Rows absent from a step
+run the optimizer's own arithmetic on them (its fused kernel), scatter them back. The
+check of the ids, the gathers and the scatters are compiled loops
+(:mod:`mpitf.rowkernels`) over buffers made at start-up; a lone push's gradients are
+applied where they lie in its stashed copy. Rows absent from a step
 keep their slots untouched; for Adam this is TensorFlow's ``LazyAdamOptimizer`` (only
 present rows update ``m`` and ``v``; the bias correction follows the global step). In
 sync mode each step's gradients are summed by id across workers in worker order
@@ -19,7 +22,8 @@ import numpy as np
 
 from ..errors import PeerError
 from ..models.embedding import initial_rows
-from ..rows import Dedup, RowPlacement, row_view, segment_sum
+from ..rowkernels import local_rows
+from ..rows import Dedup, RowPlacement, put_rows, segment_sum, take_rows
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.sparse import SparseLayout
@@ -57,30 +61,45 @@ class _Table:
                          for k, v in optimizer.make_slots(rows * dim, np, dtype).items()}
         self.rows_buf = np.empty((rows, dim), dtype)
         self.grad_buf = np.empty((rows, dim), dtype)
-        self.views = {k: row_view(v) for k, v in self.slots.items()}
-        self.views[None] = row_view(self.params)
+        self.local = np.empty(rows, np.int64)
+        self.mod = placement.kind == "mod" and placement.num_ps > 1
+        self.lo, self.hi = (0, n) if self.mod else (int(placement.starts[ps]),
+                                                    int(placement.starts[ps + 1]))
 
-    def check(self, ids, worker_desc):
-        """Refuse ids this ps does not hold (a worker routing bug, never user data)."""
-        if len(ids) and (ids.min() < 0 or ids.max() >= self.spec.rows or (
-                self.placement.num_ps > 1 and (self.placement.owner(ids) != self.ps).any())):
+    def locate(self, ids, worker_desc):
+        """Return the local rows of ``ids`` (a view of scratch); refuse ids not held here.
+
+        A message naming rows of another ps, or more rows than this ps holds (so some
+        twice), is a worker's routing bug, never user data.
+        """
+        pl, n = self.placement, len(ids)
+        bad = n > len(self.local)
+        if not bad:
+            bad = local_rows(ids, pl.rows, pl.num_ps, self.ps, self.mod, self.lo, self.hi,
+                             self.local[:n]) >= 0
+        if bad:
             raise PeerError(f"sparse message for table {self.spec.name!r} names rows this ps "
                             f"does not hold", **worker_desc)
+        return self.local[:n]
+
+    def gather(self, ids, out, worker_desc):
+        """Write the rows of ``ids`` into ``out`` (a reply's rows)."""
+        take_rows(self.params, self.locate(ids, worker_desc), out)
 
     def apply(self, optimizer, ids, grads, step):
-        """Apply row gradients ``grads`` of unique ``ids`` (sorted) at global ``step``."""
+        """Apply row gradients ``grads`` of unique ``ids`` at global ``step``."""
         u = len(ids)
-        local = self.placement.local(ids, self.ps)
-        p = np.take(self.params, local, axis=0, out=self.rows_buf[:u])
+        local = self.locate(ids, {})
+        p = take_rows(self.params, local, self.rows_buf[:u])
         slots = {}
         for k, buf in self.gathered.items():
             if k in self.slots:
-                np.take(self.slots[k], local, axis=0, out=buf[:u])
+                take_rows(self.slots[k], local, buf[:u])
             slots[k] = buf[:u].reshape(-1)
         optimizer.apply(p.reshape(-1), grads.reshape(-1), slots, step)
-        np.put(self.views[None], local, row_view(p))
+        put_rows(self.params, local, p)
         for k in self.slots:
-            np.put(self.views[k], local, row_view(self.gathered[k][:u]))
+            put_rows(self.slots[k], local, self.gathered[k][:u])
 
 
 class SparseTables:
@@ -109,6 +128,7 @@ class SparseTables:
         self.cat_ids = [np.empty(n, np.int64) for n in total]
         self.dedup = [Dedup(n) for n in total]
         self.cat_grads = [np.empty((n, t.dim), t.dtype) for n, t in zip(total, self.specs)]
+        self.scratch = [np.empty(len(t.grad_buf) * t.spec.dim) for t in self.tables]
 
     def saved(self):
         """Return this ps's rows of every table as a checkpoint writes them."""
@@ -132,8 +152,7 @@ class SparseTables:
         self._check_counts(counts, describe)
         for table, ids, rows in zip(self.tables, lay.ids(message, counts),
                                     lay.reply_rows(reply, counts)):
-            table.check(ids, describe)
-            np.take(table.params, table.placement.local(ids, self.ps), axis=0, out=rows)
+            table.gather(ids, rows, describe)
         H.pack_reply(lay.header(reply), step, self.ps, 0, 0, 0, 0, 0, kind=P.SPARSE_REPLY)
         return reply[:lay.reply_end(counts)]
 
@@ -143,7 +162,7 @@ class SparseTables:
         counts = lay.counts(message).tolist()
         self._check_counts(counts, describe)
         for table, ids in zip(self.tables, lay.ids(message, counts)):
-            table.check(ids, describe)
+            table.locate(ids, describe)
         size = lay.end(counts)
         self.pending[worker][:size] = message[:size]
         self.has_pending[worker] = True
@@ -175,11 +194,8 @@ class SparseTables:
     def _sum(self, t, parts):
         """Return (unique ids, summed rows) of one table over the parts, in their order."""
         table = self.tables[t]
-        if len(parts) == 1:
-            ids, grads = parts[0]
-            out = table.grad_buf[:len(ids)]
-            out[...] = grads
-            return ids, out
+        if len(parts) == 1:  # the stashed copy is this ps's: divided and read in place
+            return parts[0]
         n = 0
         cat_ids, cat_grads = self.cat_ids[t], self.cat_grads[t]
         for ids, grads in parts:
@@ -187,7 +203,8 @@ class SparseTables:
             cat_grads[n:n + len(ids)] = grads
             n += len(ids)
         uids, inverse = self.dedup[t](cat_ids[:n], table.spec.rows)
-        return uids, segment_sum(cat_grads[:n], inverse, table.grad_buf[:len(uids)])
+        return uids, segment_sum(cat_grads[:n], inverse, table.grad_buf[:len(uids)],
+                                 self.scratch[t])
 
     def _check_counts(self, counts, describe):
         if any(c < 0 or c > m for c, m in zip(counts, self.layout.max_ids)):

@@ -1,8 +1,9 @@
 """A worker's embedding lookups: pull the rows a batch uses, push their summed gradients.
 
-Per step and table: the batch's ids are mapped to keys that number each ps's rows
-together (:meth:`~mpitf.rows.RowPlacement.keys`) and deduplicated with one sort
-(:class:`~mpitf.rows.Dedup`), which also groups them by the ps that holds them; each ps
+Per step and table: the batch's ids are deduplicated in one compiled pass
+(:meth:`~mpitf.rows.Dedup.route`), which checks their range and sorts the unique ids'
+keys (:meth:`~mpitf.rows.RowPlacement.keys`, numbering each ps's rows together), so they
+come grouped by the ps that holds them; each ps
 gets one sparse pull with its ids in every table and answers their rows, all ps at once,
 nonblocking. The model runs forward and backward on the pulled rows (:class:`Lookup`):
 per occurrence (``rows``, ``grad``: gathered and summed per id by the worker) or per
@@ -10,14 +11,16 @@ pulled row (``unique_rows``, ``inverse``, ``unique_grad``). The summed row gradi
 pushed with their ids, one message per ps, just before the dense push (same tag, so MPI
 keeps them in order and the ps applies both under one policy decision). Buffers are made
 once for the largest batch (``batch_size * lookups`` ids per table); messages are views
-of them. A worker never holds more of a table than one batch's rows.
+of them; with one ps the model reads the rows in the reply and writes their gradients
+into the push itself (no copy either way). A worker never holds more of a table than one
+batch's rows.
 """
 
 import numpy as np
 
 from ..errors import DataError, PeerError
 from ..models.embedding import check_tables
-from ..rows import Dedup, RowPlacement, segment_sum
+from ..rows import Dedup, RowPlacement, segment_sum, take_rows
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.sparse import SparseLayout
@@ -35,14 +38,14 @@ class Lookup:
     """
 
     __slots__ = ("ids", "unique_rows", "inverse", "_unique_grad", "_rows_buf", "_grad_buf",
-                 "_rows", "_grad", "_wrote_unique")
+                 "_scratch", "_rows", "_grad", "_wrote_unique")
 
     def __init__(self, ids, unique_rows, inverse, unique_grad=None, rows_buf=None,
-                 grad_buf=None):
+                 grad_buf=None, scratch=None):
         self.ids, self.unique_rows = ids, unique_rows
         self.inverse = inverse.reshape(np.shape(ids))
         self._unique_grad = np.zeros_like(unique_rows) if unique_grad is None else unique_grad
-        self._rows_buf, self._grad_buf = rows_buf, grad_buf
+        self._rows_buf, self._grad_buf, self._scratch = rows_buf, grad_buf, scratch
         self._rows = self._grad = None
         self._wrote_unique = False
 
@@ -56,8 +59,8 @@ class Lookup:
         """Return each occurrence's row (ids.shape + (dim,)), gathered on first use."""
         if self._rows is None:
             out = self._occurrences(self._rows_buf)
-            np.take(self.unique_rows, self.inverse.reshape(-1), axis=0,
-                    out=out.reshape(-1, out.shape[-1]))
+            take_rows(np.ascontiguousarray(self.unique_rows), self.inverse.reshape(-1),
+                      out.reshape(-1, out.shape[-1]))
             self._rows = out
         return self._rows
 
@@ -78,7 +81,7 @@ class Lookup:
         """Return the row gradients summed per pulled row (u x dim)."""
         if self._grad is not None:
             return segment_sum(self._grad.reshape(-1, self._grad.shape[-1]),
-                               self.inverse.reshape(-1), self._unique_grad)
+                               self.inverse.reshape(-1), self._unique_grad, self._scratch)
         if not self._wrote_unique:
             raise DataError(f"the model wrote no gradient for table {name!r}: fill "
                             "lookups[name].grad (per id looked up) or .unique_grad (per "
@@ -87,7 +90,12 @@ class Lookup:
 
 
 class _TableState:
-    """One table's buffers and the routing of the current batch."""
+    """One table's buffers and the routing of the current batch.
+
+    ``pulled`` and ``summed`` are the current batch's rows and their gradients (u x dim):
+    with one ps, views of the reply and of the push (nothing copied); else ``rows`` and
+    ``grads``, gathered from and scattered to each ps's messages.
+    """
 
     def __init__(self, spec, num_ps, batch_size):
         self.spec = spec
@@ -99,7 +107,8 @@ class _TableState:
         self.grads = np.zeros((self.max_ids, spec.dim), spec.dtype)
         self.occ_rows = np.zeros((occurrences, spec.dim), spec.dtype)
         self.occ_grads = np.zeros((occurrences, spec.dim), spec.dtype)
-        self.keys = self.inverse = self.offsets = None
+        self.scratch = np.empty(self.max_ids * spec.dim)  # float64 sums per id, pages on use
+        self.keys = self.inverse = self.offsets = self.pulled = self.summed = None
 
     def route(self, ids):
         """Deduplicate ``ids`` and group them by ps (keys ascending within each)."""
@@ -108,13 +117,10 @@ class _TableState:
             raise DataError(f"table {spec.name!r}: a batch looks up {flat.size} ids, more than "
                             f"batch_size x lookups = {len(self.occ_rows)}; raise the table's "
                             "lookups")
-        if flat.size:
-            lo, hi = int(flat.min()), int(flat.max())
-            if lo < 0 or hi >= spec.rows:
-                bad = lo if lo < 0 else hi
-                raise DataError(f"table {spec.name!r}: id {bad} is outside [0, {spec.rows}) "
-                                "(ids are never wrapped or clipped)")
-        self.keys, self.inverse = self.dedup(self.placement.keys(flat), spec.rows)
+        self.keys, self.inverse, bad = self.dedup.route(flat, self.placement)
+        if bad >= 0:
+            raise DataError(f"table {spec.name!r}: id {int(flat[bad])} is outside "
+                            f"[0, {spec.rows}) (ids are never wrapped or clipped)")
         self.offsets = np.searchsorted(self.keys, self.placement.starts)
 
     def ids_to(self, p, out):
@@ -124,9 +130,8 @@ class _TableState:
 
     def lookup(self, ids):
         """Return the :class:`Lookup` of ``ids`` over the pulled rows."""
-        n = self.offsets[-1]
-        return Lookup(ids, self.rows[:n], self.inverse, self.grads[:n], self.occ_rows,
-                      self.occ_grads)
+        return Lookup(ids, self.pulled, self.inverse, self.summed, self.occ_rows,
+                      self.occ_grads, self.scratch)
 
 
 class Embeddings:
@@ -199,8 +204,18 @@ class Embeddings:
             if H.unpack_reply(lay.header(reply)).kind != P.SPARSE_REPLY:
                 raise PeerError("unexpected answer to a sparse pull", **client._describe_ps(p))
             self.bytes_received += lay.reply_end(self.counts[p])
-            for table, rows in zip(self.tables, lay.reply_rows(reply, self.counts[p])):
-                table.rows[table.offsets[p]:table.offsets[p + 1]] = rows
+            rows = lay.reply_rows(reply, self.counts[p])
+            if nps == 1:  # the reply's rows and the push's are the batch's: no copies
+                grads = lay.rows(self.requests[0], self.counts[0])
+                for table, r, g in zip(self.tables, rows, grads):
+                    table.pulled, table.summed = r, g
+                continue
+            for table, r in zip(self.tables, rows):
+                table.rows[table.offsets[p]:table.offsets[p + 1]] = r
+        if nps > 1:
+            for table in self.tables:
+                n = table.offsets[-1]
+                table.pulled, table.summed = table.rows[:n], table.grads[:n]
         self.lookups = {t.spec.name: t.lookup(v) for t, v in zip(self.tables, values)}
         return self.lookups
 
@@ -212,8 +227,8 @@ class Embeddings:
     def nonfinite(self):
         """Return the name of a table whose row gradients hold NaN or Inf, or None."""
         for table in self.tables:
-            if not np.isfinite(np.add.reduce(table.grads[:table.offsets[-1]], axis=None)):
-                if not np.isfinite(table.grads[:table.offsets[-1]]).all():
+            if not np.isfinite(np.add.reduce(table.summed, axis=None)):
+                if not np.isfinite(table.summed).all():
                     return table.spec.name
         return None
 
@@ -225,8 +240,9 @@ class Embeddings:
         lay, client = self.layout, self.client
         for p, rank in enumerate(client.ps_ranks):
             buf, counts = self.requests[p], self.counts[p]
-            for table, dest in zip(self.tables, lay.rows(buf, counts)):
-                dest[...] = table.grads[table.offsets[p]:table.offsets[p + 1]]
+            if len(client.ps_ranks) > 1:  # one ps: the model wrote into the push already
+                for table, dest in zip(self.tables, lay.rows(buf, counts)):
+                    dest[...] = table.grads[table.offsets[p]:table.offsets[p + 1]]
             H.pack_request(lay.header(buf), P.SPARSE_PUSH, client.ps_steps[p], client.worker,
                            int(counts.sum()), client.request_flags)
             end = lay.end(counts)
