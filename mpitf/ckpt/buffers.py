@@ -36,7 +36,7 @@ def write_buffers(ckpt_dir, arrays):
             if "/" in name or name in ("", ".", ".."):
                 raise CheckpointError(f"buffer name {name!r} cannot be stored: use names "
                                       "without '/'")
-            data = np.ascontiguousarray(value)
+            data = np.array(value, order="C")  # ascontiguousarray makes a 0-d array 1-d
             ds = f.create_dataset(name, data=data)
             ds.attrs["crc32"] = crc32(data, data.dtype)
         f.flush()

@@ -27,9 +27,8 @@ def check_model(model, named):
             mixed = f", but {first_name!r} is {first.dtype}" if p.dtype != first.dtype else ""
             raise ConfigurationError(
                 f"parameter {name!r} is {p.dtype}{mixed}: mpitf.torch trains parameters of "
-                "one dtype, float32 or float64 (float16/bfloat16 parameters are not supported; "
-                "integer and other untrained tensors may be buffers); call model.float() "
-                "before DistributedOptimizer")
+                "one dtype, float32 or float64 (buffers, such as BatchNorm's int64 count, may "
+                "be any dtype but bfloat16); call model.float() before DistributedOptimizer")
     trained = {name for name, _ in named}
     for name, t in model.state_dict(keep_vars=True).items():
         if name in trained:

@@ -37,7 +37,8 @@ class TrainingSession:
     Args:
         server: this rank's :class:`~mpitf.runtime.server.Server` (a chief or worker task).
         model: an object with ``variables()``, ``init(rng)`` and
-            ``loss_and_grads(params, batch, grads)`` (see :mod:`mpitf.models`).
+            ``loss_and_grads(params, batch, grads)`` (see :mod:`mpitf.models`); with
+            ``buffers()``, its untrained state is the chief's (:mod:`.buffers`).
         optimizer: an :class:`~mpitf.ps.optimizers.Optimizer`; it runs on the ps.
         mode: "sync", "async" or "ssp" (bounded staleness); default: the config's.
         dataset: a :class:`~mpitf.data.sharded.ShardedDataset`; its position is checkpointed.
