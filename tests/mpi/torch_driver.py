@@ -38,8 +38,6 @@ def build(kind="mlp", hidden=16):
                                 torch.nn.Linear(hidden, 3))
     if kind == "half":  # one float16 layer among float32 ones
         model[2].half()
-    elif kind == "meta":  # a parameter on a device mpitf does not serve
-        model[2].bias = torch.nn.Parameter(torch.empty(3, device="meta"))
     return model
 
 
@@ -75,7 +73,7 @@ def main():
     p.add_argument("--num-ps", type=int, default=1)
     p.add_argument("--clip", type=float, default=None)
     p.add_argument("--mode", default="sync")
-    p.add_argument("--model", default="mlp", choices=["mlp", "bn", "half", "meta"])
+    p.add_argument("--model", default="mlp", choices=["mlp", "bn", "half"])
     p.add_argument("--hidden", type=int, default=16)
     args = p.parse_args()
     with abort_on_error():
