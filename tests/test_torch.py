@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 DRIVER = "tests/mpi/torch_driver.py"
 RESULT = re.compile(r"worker (\d+): step (\d+) maxrel: (\S+) moved: (\S+) lr: ([0-9.e+-]+)")
 DIGEST = re.compile(r"digest: (\w+)")
+BUFFERS = re.compile(r"worker \d+: buffers (\w+) bufrel: (\S+)")
 
 
 def drive(n, *args, timeout=60):
@@ -94,9 +95,12 @@ def test_clip_norm_equals_torch_clip_grad_norm(n, num_ps, mode):
 
 
 def test_torch_zero_grad_set_to_none_is_bound_again():
-    run = drive(2, "--break", "torch_zero_grad")
+    # With BatchNorm: one worker's running statistics follow plain torch's.
+    run = drive(2, "--break", "torch_zero_grad", "--model", "bn")
     (maxrel,), _ = results(run, 20, 1)
     assert maxrel < 1e-5, run.output
+    ((_, bufrel),) = BUFFERS.findall(run.stdout)
+    assert float(bufrel) < 1e-5, run.output
 
 
 @pytest.mark.parametrize("brk,words", [
@@ -113,13 +117,15 @@ def test_a_broken_alias_ends_every_rank_naming_it(brk, words):
     assert "maxrel" not in run.stdout
 
 
-@pytest.mark.parametrize("optimizer,words", [
-    ("amsgrad", "Adam(amsgrad=True) is not supported on the ps: leave amsgrad off"),
-    ("lbfgs", "mpitf.torch cannot run LBFGS on the ps: use one of torch.optim's Adagrad, "
-              "Adam, AdamW, RMSprop, SGD"),
-])
-def test_an_unsupported_optimizer_is_refused_before_training(optimizer, words):
-    run = drive(3, "--optimizer", optimizer)
+@pytest.mark.parametrize("args,words", [
+    (["--optimizer", "lbfgs"], "mpitf.torch cannot run LBFGS on the ps: use one of "
+                               "torch.optim's Adagrad, Adam, AdamW, RMSprop, SGD"),
+    (["--model", "half"], "parameter '2.weight' is torch.float16, but '0.weight' is "
+                          "torch.float32: mpitf.torch trains parameters of one dtype, float32 "
+                          "or float64"),
+], ids=["lbfgs", "half"])
+def test_what_mpitf_cannot_run_is_refused_before_training(args, words):
+    run = drive(3, *args)
     assert run.returncode != 0, run.output
     assert words in run.output, run.output
     assert "step 1," not in run.output
@@ -134,24 +140,66 @@ def test_param_groups_that_differ_are_refused():
     with pytest.raises(ConfigurationError, match=r"param groups 0 and 1 differ in "
                                                  r"\['weight_decay'\]"):
         translate(opt)
+    with pytest.raises(ConfigurationError, match=r"Adam\(amsgrad=True\) is not supported on "
+                                                 r"the ps: leave amsgrad off"):
+        translate(torch.optim.Adam([a], lr=0.01, amsgrad=True))
     assert translate(torch.optim.AdamW([a], lr=0.1)).config() == {
         "name": "adamw", "learning_rate": 0.1, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
         "weight_decay": 0.01}
 
 
+def test_dtypes_devices_and_buffers_mpitf_holds():
+    # In-process: DistributedOptimizer runs these checks on every rank before the session,
+    # as test_what_mpitf_cannot_run_is_refused_before_training[half] shows under mpiexec.
+    from mpitf.errors import ConfigurationError
+    from mpitf.torch.buffers import buffer_views, check_model
+    from mpitf.torch.optimizer import _trainable
+
+    def named(m):
+        return list(m.named_parameters())
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Linear(4, 3))
+    model[1].bias = torch.nn.Parameter(torch.empty(3, device="meta"))
+    with pytest.raises(ConfigurationError, match=r"parameter '1.bias' is on meta: mpitf.torch "
+                                                 r"serves CPU tensors only"):
+        _trainable(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model = torch.nn.Sequential(torch.nn.Linear(2, 4).bfloat16())
+    with pytest.raises(ConfigurationError, match=r"parameter '0.weight' is torch.bfloat16: "
+                                                 r"mpitf.torch trains parameters of one dtype"):
+        check_model(model, named(model))
+    model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.BatchNorm1d(4))
+    model[1].weight.requires_grad_(False)  # frozen: a buffer to mpitf, as in the state_dict
+    trained = [(n, p) for n, p in named(model) if p.requires_grad]
+    check_model(model, trained)
+    views = buffer_views(model, {n for n, _ in trained})
+    assert list(views) == ["1.weight", "1.running_mean", "1.running_var",
+                           "1.num_batches_tracked"]
+    views["1.num_batches_tracked"][...] = 7  # the views are the model's memory
+    assert int(model[1].num_batches_tracked) == 7
+    model[1].running_mean.data = model[1].running_mean.bfloat16()
+    with pytest.raises(ConfigurationError, match=r"buffer '1.running_mean' is torch.bfloat16"):
+        check_model(model, trained)
+
+
 def test_sigterm_checkpoints_exits_75_and_resumes_bit_for_bit(tmp_path):
+    # A BatchNorm model on 2 workers: its running statistics (float32 and an int64 count)
+    # are checkpointed by the chief and every worker holds the chief's at the end.
     ckpt = tmp_path / "ckpt"
-    ref = drive(2, "--steps", 40)
-    (ref_rel,), _ = results(ref, 40, 1)
+    bn = ["--model", "bn"]
+    ref = drive(3, *bn, "--steps", 40)
+    ref_rel, _ = results(ref, 40, 2)
+    assert max(ref_rel) < 1e-5, ref.output
+    hexes = [h for h, _ in BUFFERS.findall(ref.stdout)]
+    assert len(hexes) == 2 and len(set(hexes)) == 1, ref.output  # the chief's, everywhere
     log = tmp_path / "out.log"
-    cmd = mpiexec_command(2, [sys.executable, DRIVER, "--steps", "100000", "--checkpoint-dir",
-                              ckpt, "--sleep", "0.02"])
+    cmd = mpiexec_command(3, [sys.executable, DRIVER, *bn, "--steps", "100000",
+                              "--checkpoint-dir", ckpt, "--sleep", "0.02"])
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=str(REPO),
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"),
                                 start_new_session=True, stdin=subprocess.DEVNULL)
     try:
-        end = time.monotonic() + 30
+        end = time.monotonic() + 90  # three ranks importing torch on a loaded box
         while "step 10," not in log.read_text() and time.monotonic() < end \
                 and proc.poll() is None:
             time.sleep(0.01)
@@ -164,21 +212,45 @@ def test_sigterm_checkpoints_exits_75_and_resumes_bit_for_bit(tmp_path):
     assert code == EXIT_REQUEUE, text
     (step,) = re.findall(r"SIGTERM: checkpointed at step (\d+); exiting with code 75", text)
     assert 10 <= int(step) < 40, text
-    resumed = drive(2, "--steps", 40, "--checkpoint-dir", ckpt)
+    resumed = drive(3, *bn, "--steps", 40, "--checkpoint-dir", ckpt)
     assert f"restored {ckpt}" in resumed.stdout and f"at step {step}" in resumed.stdout
-    (rel,), _ = results(resumed, 40, 1)
-    assert rel < 1e-5
+    rel, _ = results(resumed, 40, 2)
+    assert max(rel) < 1e-5
     assert DIGEST.findall(resumed.stdout) == DIGEST.findall(ref.stdout), resumed.output
-    # The export loads into the model as it is: its names are the state_dict keys.
+    assert sorted(BUFFERS.findall(resumed.stdout)) == sorted(BUFFERS.findall(ref.stdout))
+    # The export loads into the model as it is: its names are the state_dict keys,
+    # buffers included, and its values are the resumed chief's.
     out = tmp_path / "export.npz"
     subprocess.run([sys.executable, "-m", "mpitf.cli.main", "ckpt", "export", str(ckpt),
                     "--out", str(out)], check=True, timeout=60, cwd=str(REPO))
+    import hashlib
+
     import numpy as np
 
     exported = dict(np.load(out))
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.BatchNorm1d(16),
+                                torch.nn.Tanh(), torch.nn.Linear(16, 3))
     assert sorted(exported) == sorted(model.state_dict())
     model.load_state_dict({k: torch.from_numpy(v) for k, v in exported.items()})
+    state = hashlib.sha256(b"".join(v.numpy().tobytes() for v in model.state_dict().values()))
+    assert DIGEST.findall(ref.stdout) == [state.hexdigest()[:16]]
+    # A model that differs from the checkpoint: named with both shapes on every rank's
+    # exit, the checkpoint left as it was.
+    def listing():  # the lock an aborted job leaves is taken over by the next one
+        return sorted((p.name, p.stat().st_size) for p in ckpt.iterdir()
+                      if not p.name.startswith(".mpitf-lock"))
+
+    before = listing()
+    other = drive(2, *bn, "--steps", 40, "--checkpoint-dir", ckpt, "--hidden", 17)
+    assert other.returncode != 0, other.output
+    assert f"variable '0.weight' has shape (17, 8) in the model but (16, 8) in {ckpt}" \
+        in other.output, other.output
+    assert "maxrel" not in other.stdout
+    assert listing() == before
+    verify = subprocess.run([sys.executable, "-m", "mpitf.cli.main", "ckpt", "verify",
+                             str(ckpt)], capture_output=True, text=True, timeout=60,
+                            cwd=str(REPO))
+    assert verify.returncode == 0, verify.stdout
 
 
 def test_torch_mnist_job_reaches_95_percent(tmp_path):

@@ -12,6 +12,7 @@ import zipfile
 import numpy as np
 
 from ..errors import CheckpointError
+from .buffers import read_buffers
 from .files import commit_file
 from .names import (
     CKPT_RE,
@@ -57,6 +58,12 @@ def describe_checkpoint(ckpt_dir):
             where = " ".join(f"ps{p}:{n}" for p, n in sorted(shards[t["name"]]))
             lines.append(f"  {t['name']:<{width}}  {t['rows']} x {t['dim']:<10} "
                          f"{t['dtype']:<8} rows {where}")
+    buffers = (m.get("buffers") or {}).get("buffers", [])
+    if buffers:
+        lines.append(f"buffers ({len(buffers)}, the chief's, in {m['buffers']['file']}):")
+        width = max([len(b["name"]) for b in buffers] + [8])
+        lines += [f"  {b['name']:<{width}}  {str(tuple(b['shape'])):<16} "
+                  f"{np.dtype(b['dtype']).name}" for b in buffers]
     slots = sorted({slot for kind, slot, _ in groups if kind == "slots"})
     lines.append(f"slots: {', '.join(slots) or 'none'}")
     lines.append(f"average: {'yes' if any(k == 'average' for k, _, _ in groups) else 'no'}")
@@ -170,31 +177,36 @@ def cmd_verify(root_or_ckpt_dir):
 
 
 def cmd_export(root, out_npz, step=None):
-    """Write every variable and table of a checkpoint to ``out_npz`` by name.
+    """Write every variable, buffer and table of a checkpoint to ``out_npz`` by name.
 
     A table is one entry ``<table>`` of rows x dim, assembled from every ps's shard.
-    Returns the exit code.
+    A torch model's variables and buffers are its ``state_dict()`` keys. Returns the exit
+    code.
     """
     try:
         path = _choose(root, step)
-        variables = read_variables(path)
-        tables = read_tables(path, read_manifest(path))
+        manifest = read_manifest(path)
+        variables = read_variables(path, manifest)
+        buffers = read_buffers(path, manifest)
+        tables = read_tables(path, manifest)
     except CheckpointError as e:
         return _fail(e)
-    clash = sorted(set(variables) & set(tables))
+    clash = sorted((set(variables) & set(tables)) | (set(buffers) & (set(variables)
+                                                                     | set(tables))))
     if clash:
-        return _fail(f"{path}: {clash} name both a variable and a table; an npz entry "
-                     "holds one of them")
+        return _fail(f"{path}: {clash} name two of a variable, a buffer and a table; an "
+                     "npz entry holds one of them")
     tmp = out_npz + ".tmp"
     try:
         # np.savez(**variables) would clash with a variable named "file".
         with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
-            for name, value in {**variables, **tables}.items():
+            for name, value in {**variables, **buffers, **tables}.items():
                 with z.open(name + ".npy", "w", force_zip64=True) as f:
                     np.lib.format.write_array(f, value)
         commit_file(tmp, out_npz)
     except OSError as e:
         return _fail(f"cannot write {out_npz} ({e})")
-    what = f" and {len(tables)} tables" if tables else ""
+    what = (f", {len(buffers)} buffers" if buffers else "") + (
+        f" and {len(tables)} tables" if tables else "")
     print(f"wrote {len(variables)} variables{what} of {os.path.basename(path)} to {out_npz}")
     return 0

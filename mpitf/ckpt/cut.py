@@ -22,6 +22,8 @@ why the cut is consistent.
 import logging
 
 from ..wire import protocol as P
+from .buffers import FILE as BUFFERS
+from .buffers import write_buffers
 from .files import writing
 from .lock import acquire
 from .names import MANIFEST, checkpoint_name, read_manifest, shard_name
@@ -80,20 +82,26 @@ def collect(comm, ps_ranks, deadline, host_of):
             for p, rank in enumerate(ps_ranks)]
 
 
-def commit(root, reports, variables, layout, max_to_keep):
+def commit(root, reports, variables, layout, max_to_keep, buffers=None):
     """Chief: check the shards, write the manifest, move ``latest``, prune; return the step.
 
     ``variables`` is ``[(name, shape, dtype)]``; ``layout`` is as
     :func:`~mpitf.ckpt.write.write_manifest` takes it. The data positions are the ones the
-    ps tasks recorded with the pushes they applied.
+    ps tasks recorded with the pushes they applied. ``buffers`` (name -> array, the chief's
+    untrained state) are written beside the shards, before the manifest.
     """
     steps = {r["global_step"] for r in reports}
     if len(steps) > 1:
         _log.warning("ps tasks cut the checkpoint at different steps %s", sorted(steps))
     step = reports[0]["global_step"]
+    entry = None
+    if buffers:
+        with writing(f"{root}/{checkpoint_name(step)}/{BUFFERS}", "checkpoint buffers"):
+            entry = write_buffers(f"{root}/{checkpoint_name(step)}", buffers)
     with writing(f"{root}/{checkpoint_name(step)}/{MANIFEST}", "checkpoint manifest"):
         path = write_manifest(root, step, [r["entry"] for r in reports], variables, layout,
-                              reports[0]["positions"], max_to_keep=max_to_keep)
+                              reports[0]["positions"], max_to_keep=max_to_keep,
+                              buffers=entry)
     print(f"checkpoint {path} at step {step}", flush=True)
     return step
 

@@ -10,6 +10,7 @@ from collections import defaultdict
 import numpy as np
 
 from ..errors import CheckpointError
+from .buffers import check_buffers
 from .files import sha256
 from .names import MANIFEST, list_checkpoints, read_latest, read_manifest
 from .pieces import cover, read_piece, walk
@@ -42,8 +43,8 @@ def _check_shard(f, entry, manifest, variables, found):
 def verify_checkpoint(ckpt_dir):
     """Return the problems of the checkpoint in ``ckpt_dir``; an empty list means it is whole.
 
-    Checks the manifest, every shard's sha256, every dataset's crc32 and attributes, and
-    that the pieces of every variable cover it exactly once.
+    Checks the manifest, every shard's sha256, every dataset's crc32 and attributes, that
+    the pieces of every variable cover it exactly once, and the buffers file if any.
     """
     import h5py
 
@@ -72,6 +73,7 @@ def verify_checkpoint(ckpt_dir):
         if sha256(path) != entry["sha256"]:
             found.append("sha256 mismatch")
         problems += [f"{fname}: {p}" for p in found]
+    problems += check_buffers(ckpt_dir, manifest)
     if lost:
         return problems  # checking coverage would only repeat that a shard is gone
     problems += check_counts(manifest, rows)

@@ -134,7 +134,7 @@ def _set_aside(path):
 
 
 def write_manifest(root, global_step, shard_entries, variables, layout, workers, extra=None,
-                   max_to_keep=5):
+                   max_to_keep=5, buffers=None):
     """Check the shards, write ``manifest.json``, move ``latest``, prune; return the dir.
 
     ``shard_entries`` are what every ps's :func:`write_shard` returned; ``variables`` is
@@ -142,6 +142,7 @@ def write_manifest(root, global_step, shard_entries, variables, layout, workers,
     ``{"num_ps", "num_workers", "cluster", "mode", "optimizer"}``; ``workers`` maps each
     worker task to its data position ``{"epoch", "cursor", ...}``; ``extra`` is any
     JSON-able dict. ``max_to_keep`` complete checkpoints are kept (None or 0 keeps all).
+    ``buffers`` is the entry :func:`~mpitf.ckpt.buffers.write_buffers` returned, or None.
     """
     ckpt_dir = os.path.join(root, checkpoint_name(global_step))
     entries = sorted((dict(e) for e in shard_entries), key=lambda e: e["ps_task"])
@@ -168,6 +169,8 @@ def write_manifest(root, global_step, shard_entries, variables, layout, workers,
                     sorted(workers.items(), key=lambda kv: (len(str(kv[0])), str(kv[0])))},
         "extra": dict(extra or {}), "time": time.time(),
     }
+    if buffers:
+        manifest["buffers"] = dict(buffers)
     write_text(os.path.join(ckpt_dir, MANIFEST), json.dumps(manifest, indent=1) + "\n")
     latest = os.path.join(root, LATEST)
     if os.path.isdir(latest) and not os.path.islink(latest):  # garbage; never deleted

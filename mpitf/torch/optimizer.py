@@ -21,6 +21,7 @@ import torch
 
 from ..errors import ConfigurationError
 from ..worker.session import TrainingSession
+from .buffers import buffer_views, check_model
 from .translate import group_options, learning_rate, translate
 
 __all__ = ["DistributedOptimizer", "share_threads"]
@@ -30,11 +31,15 @@ _BATCH = ()  # the session's batch: backward already ran, so there is nothing to
 
 
 class _TorchVariables:
-    """The model as the session sees it: names, shapes, dtype, and the chief's values."""
+    """The model as the session sees it: names, shapes, dtype, the chief's values, buffers."""
 
-    def __init__(self, named):
-        self.named = named
+    def __init__(self, named, module):
+        self.named, self.module = named, module
         self.loss = None
+
+    def buffers(self):
+        """Return the untrained state_dict entries as numpy views (see .buffers)."""
+        return buffer_views(self.module, {name for name, _ in self.named})
 
     def variables(self):
         return [(name, tuple(p.shape), p.detach().numpy().dtype) for name, p in self.named]
@@ -95,7 +100,10 @@ class DistributedOptimizer:
         optimizer: a torch.optim SGD, Adam, AdamW, Adagrad or RMSprop over the model's
             trainable parameters; anything the ps cannot run exactly is refused here.
         model: the ``torch.nn.Module`` (on the CPU). The chief's parameters at this call
-            are every worker's starting values, unless a checkpoint is restored.
+            are every worker's starting values, unless a checkpoint is restored. Its
+            buffers (BatchNorm statistics, anything in ``state_dict()`` that is not
+            trained) are the chief's: checkpointed by the chief and given to every worker
+            at the start, at each checkpoint and at close (see :mod:`mpitf.worker.buffers`).
         server: this rank's :class:`~mpitf.runtime.server.Server` (a chief or worker task).
         session_options: :class:`~mpitf.worker.session.TrainingSession`'s (mode,
             checkpoint_dir, save_checkpoint_steps, last_step, bucket_bytes, hooks, ...).
@@ -107,9 +115,10 @@ class DistributedOptimizer:
         self.ps_optimizer = translate(optimizer)
         self.optimizer, self.model = optimizer, model
         self._named = _trainable(model, optimizer)
+        check_model(model, self._named)
         self._options = group_options(optimizer.param_groups[0])
         share_threads(server)
-        self._variables = _TorchVariables(self._named)
+        self._variables = _TorchVariables(self._named, model)
         self.session = TrainingSession(server, self._variables, self.ps_optimizer,
                                        **session_options)
         self.client = self.session.client

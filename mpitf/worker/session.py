@@ -23,6 +23,7 @@ from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
 from ..runtime.stall import StepClock
 from ..runtime.timeline import Timeline
 from ..wire import protocol as P
+from .buffers import model_buffers
 from .client import Client
 from .embedding import Embeddings
 from .hooks import CheckpointSaverHook, LoggingHook, StopAtStepHook
@@ -36,7 +37,8 @@ class TrainingSession:
     Args:
         server: this rank's :class:`~mpitf.runtime.server.Server` (a chief or worker task).
         model: an object with ``variables()``, ``init(rng)`` and
-            ``loss_and_grads(params, batch, grads)`` (see :mod:`mpitf.models`).
+            ``loss_and_grads(params, batch, grads)`` (see :mod:`mpitf.models`); with
+            ``buffers()``, its untrained state is the chief's (:mod:`.buffers`).
         optimizer: an :class:`~mpitf.ps.optimizers.Optimizer`; it runs on the ps.
         mode: "sync", "async" or "ssp" (bounded staleness); default: the config's.
         dataset: a :class:`~mpitf.data.sharded.ShardedDataset`; its position is checkpointed.
@@ -100,6 +102,7 @@ class TrainingSession:
         self.layerwise = self.client.bucketed and not config.skip_nonfinite and not tables \
             and "final" in inspect.signature(model.loss_and_grads).parameters
         self.embeddings = Embeddings(self.client, tables, self.batch_size) if tables else None
+        self.buffers = model_buffers(model, server, self.clients)  # see worker/buffers.py
         self.hooks = []
         if config.last_step is not None:
             self.hooks.append(StopAtStepHook(config.last_step))
@@ -137,10 +140,12 @@ class TrainingSession:
         # silent worker; the ps can. Its allowance (the clock's, scaled) runs out first, so
         # the message names the right rank.
         self.client.deadline = self.stall.allowance
-        if restore is not None:
-            self._restore_position(restore)
-            if self.server.is_chief:
-                print(f"restored {restore} at step {self.global_step}", flush=True)
+        if self.buffers is not None:
+            self.buffers.start(restore)
+        if restore is not None and self.dataset is not None:
+            self.dataset.restore(cut.data_position(restore, self.server.replica_index))
+        if restore is not None and self.server.is_chief:
+            print(f"restored {restore} at step {self.global_step}", flush=True)
         for hook in self.hooks:
             hook.begin(self)
         self._started = time.monotonic()
@@ -155,10 +160,6 @@ class TrainingSession:
     def examples_seen(self):
         """Return the examples all workers fed into applied steps since the start."""
         return (self.global_step - self._start_step) * self.examples_per_global_step
-
-    def _restore_position(self, restore):
-        if self.dataset is not None:
-            self.dataset.restore(cut.data_position(restore, self.server.replica_index))
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -310,6 +311,8 @@ class TrainingSession:
             else:
                 message = cut.wait_for_release(self.server.comm, self.client_ranks[0],
                                                self.server.deadline, self.server.peer)
+                if self.buffers is not None:
+                    self.buffers.load(message["buffers"])
         if message.get("stop"):
             self.requeue = True
 
@@ -320,8 +323,9 @@ class TrainingSession:
                       cluster=repr(self.server.cluster), optimizer=self.optimizer.config())
         if self.embeddings is not None:
             layout["tables"] = table_dicts(self.embeddings.specs)
+        buffers = self.buffers.copy() if self.buffers is not None else None
         step = cut.commit(self.checkpoint_dir, reports, self.placement.variables, layout,
-                          max_to_keep=self.config.max_to_keep)
+                          max_to_keep=self.config.max_to_keep, buffers=buffers)
         self.committed.append(step)
         if self.saver is not None:
             self.saver.saved(self)
@@ -329,7 +333,7 @@ class TrainingSession:
         if stop:
             print(f"{self.signals.received}: checkpointed at step {step}; exiting with code "
                   f"{EXIT_REQUEUE} so the job is requeued", flush=True)
-        message = {"stop": stop, "step": step}
+        message = {"stop": stop, "step": step, "buffers": buffers}
         cut.release(self.server.comm, reports, self.client_ranks, self.server.rank, message)
         return message
 
@@ -371,6 +375,8 @@ class TrainingSession:
             path = self.config.timeline
             if path:  # collective with the ps tasks, which gather after serving
                 self.timeline.gather_and_write(self.server.comm, path)
+        if self.buffers is not None:
+            self.buffers.share()
 
     def _end_evaluators(self):
         """Chief: tell every evaluator task that training ended, and its last checkpoint."""

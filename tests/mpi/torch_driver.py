@@ -1,6 +1,7 @@
 """mpitf.torch under mpiexec: 1 ps + W workers train a small torch MLP; each worker also
 trains the same model with plain torch on the W batches' mean gradient and prints how far
-the two are apart (``maxrel: X``). ``--break`` breaks the parameter alias one way."""
+the two are apart (``maxrel: X``). ``--break`` breaks the parameter alias one way;
+``--model bn`` puts a BatchNorm layer in (its buffers are checkpointed and shared)."""
 
 import argparse
 import hashlib
@@ -26,9 +27,27 @@ OPTIMIZERS = {
 }
 
 
-def build():
+def build(kind="mlp", hidden=16):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    if kind == "bn":
+        # No bias before BatchNorm: its gradient is rounding noise, which Adam would amplify.
+        return torch.nn.Sequential(torch.nn.Linear(8, hidden, bias=False),
+                                   torch.nn.BatchNorm1d(hidden),
+                                   torch.nn.Tanh(), torch.nn.Linear(hidden, 3))
+    model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Tanh(),
+                                torch.nn.Linear(hidden, 3))
+    if kind == "half":  # one float16 layer among float32 ones
+        model[2].half()
+    return model
+
+
+def untrained(model):
+    trained = dict(model.named_parameters())
+    return [v for name, v in model.state_dict().items() if name not in trained]
+
+
+def digest(tensors):
+    return hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in tensors)).hexdigest()
 
 
 def batches(step, workers):
@@ -57,6 +76,8 @@ def main():
     p.add_argument("--bucket-bytes", type=int, default=0)
     p.add_argument("--accumulate-from", type=int, default=None,
                    help="from this step on, two backward calls (half batches) per step")
+    p.add_argument("--model", default="mlp", choices=["mlp", "bn", "half"])
+    p.add_argument("--hidden", type=int, default=16)
     args = p.parse_args()
     with abort_on_error():
         import mpi4py.MPI as MPI
@@ -67,11 +88,11 @@ def main():
             server.join()
             sys.exit(server.exit_code)
         k = server.replica_index
-        model, ref = build(), build()
+        model, ref = build(args.model, args.hidden), build(args.model, args.hidden)
         if k != 0:  # the chief's values must win
             with torch.no_grad():
-                for q in model.parameters():
-                    q.add_(1.0)
+                for q in model.state_dict().values():
+                    q.add_(1)  # parameters and buffers: the chief's win
         opt = OPTIMIZERS[args.optimizer](model.parameters())
         ref_opt = OPTIMIZERS[args.optimizer](ref.parameters())
         sched = scheduler(opt) if args.schedule else None
@@ -118,13 +139,17 @@ def main():
         worst = max(float((a.detach() - b.detach()).norm() / b.detach().norm())
                     for a, b in zip(model.parameters(), ref.parameters()))
         moved = max(float((a.detach() - b.detach()).abs().max())
-                    for a, b in zip(ref.parameters(), build().parameters()))
+                    for a, b in zip(ref.parameters(), build(args.model).parameters()))
         print(f"worker {k}: step {dist.global_step} maxrel: {worst:.3g} moved: {moved:.3g} "
               f"lr: {opt.param_groups[0]['lr']:.6g}", flush=True)
+        state = model.state_dict()
+        buffers, ref_buffers = untrained(model), untrained(ref)
+        if buffers:  # every worker holds the chief's at close; one worker: near torch's own
+            rel = max(float((a.double() - b.double()).norm() / b.double().norm())
+                      for a, b in zip(buffers, ref_buffers))
+            print(f"worker {k}: buffers {digest(buffers)[:16]} bufrel: {rel:.3g}", flush=True)
         if k == 0:
-            digest = hashlib.sha256(b"".join(q.detach().numpy().tobytes()
-                                             for q in model.parameters())).hexdigest()
-            print("keys:", ",".join(model.state_dict()), "digest:", digest[:16], flush=True)
+            print("keys:", ",".join(state), "digest:", digest(state.values())[:16], flush=True)
             print(f"buckets pushed during backward: {early}", flush=True)
         sys.exit(dist.exit_code)
 
