@@ -178,11 +178,7 @@ class TrainingSession:
         self._stop = True
 
     def should_stop(self):
-        """Return True once a hook or a signal asked to stop.
-
-        With a checkpoint directory a signal first leads to a cut (then ``requeue``);
-        without one there is nothing to save, so the signal stops training at once.
-        """
+        """True once a hook or a signal asked to stop (a signal cuts a checkpoint first)."""
         return self._stop or self.requeue or (
             self.signals.requested and not self.checkpoint_dir)
 
@@ -241,10 +237,7 @@ class TrainingSession:
         return self.finish_push(handle)
 
     def start_push(self):
-        """Begin a bucketed step whose backward runs outside :meth:`run` (mpitf.torch).
-
-        Call ``final(names)`` on the handle as backward finishes them, then finish_push.
-        """
+        """Begin a bucketed step whose backward runs outside ``run`` (as in mpitf.torch)."""
         state = self.dataset.state() if self.dataset is not None else {"epoch": 0, "cursor": 0}
         if self.server.is_chief and self._cut_due():
             self._send_save(self.global_step + 1)
