@@ -317,6 +317,8 @@ def build_parser():
                    help="which benchmarks (default: all; fabric: a two-rank ping-pong, "
                         "written to OUT/fabric.json for --plan)")
     p.add_argument("-n", type=int, default=None, help="MPI ranks (default: the suite's own)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs per scaling point and of the 1-worker modes (median taken)")
     g = p.add_argument_group("planning (no benchmark runs; see docs/costmodel.md)")
     g.add_argument("--plan", action="store_true",
                    help="recommend ps count, buckets and aggregation for a cluster")

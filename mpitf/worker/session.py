@@ -9,6 +9,7 @@ The replicas are the chief task (if any) and the worker tasks (``server.replica_
 
 import inspect
 import logging
+import os
 import time
 
 import numpy as np
@@ -26,6 +27,7 @@ from ..wire import protocol as P
 from .client import Client
 from .embedding import Embeddings
 from .hooks import CheckpointSaverHook, LoggingHook, StopAtStepHook
+from .profile import ProfileHook
 
 _log = logging.getLogger("mpitf")
 
@@ -113,6 +115,9 @@ class TrainingSession:
                 self.saver = CheckpointSaverHook(config.save_checkpoint_steps,
                                                  config.save_checkpoint_secs)
                 self.hooks.append(self.saver)
+            if config.profile_steps:
+                self.hooks.append(ProfileHook(config.profile_steps, os.path.join(
+                    config.run_dir or ".", "profile.json")))
         self.hooks.extend(hooks)
         self._start(optimizer)
 
