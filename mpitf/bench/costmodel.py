@@ -156,9 +156,10 @@ def project(fabric, work, ps, layout):
         bound = "ps (async pushes)" if cap < n / cycle else _bound(t, cycle, c, cycle - c)
         return Projection(n / rate, eps, min(1.0, eps / ideal), bound, dict(t, step=n / rate))
     t = comm_terms(fabric, work, ps, layout, senders(layout))
-    comm = pipelined(t) + t["latency"] + t["aggregate"]
+    pipe = pipelined(t)
     hidden = BACKWARD_SHARE * c * (1 - 1 / t["buckets"])
-    exposed = max(comm - hidden, comm / t["buckets"])
+    exposed = max(pipe - hidden, pipe / t["buckets"]) + t["latency"] + t["aggregate"]
+    comm = pipe + t["latency"] + t["aggregate"]
     r = n if layout.mode == "sync" else (layout.replicas or max(1, n - 1))
     compute = kth_fastest(c, work.straggle, n, r)
     step = compute + work.overhead + exposed

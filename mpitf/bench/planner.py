@@ -31,15 +31,19 @@ def parse_size(text, flag="--model-bytes"):
     return value
 
 
-def parse_positive(value, flag, integer=False):
-    """Return ``value`` checked to be a positive (integer) number; raise naming ``flag``."""
-    if value is None:
+def parse_positive(text, flag, integer=False):
+    """Return ``text`` as a positive number (a whole one if ``integer``); raise naming ``flag``."""
+    if text is None:
         raise ConfigurationError(f"--plan needs {flag}")
-    if integer and (int(value) != value):
-        raise ConfigurationError(f"{flag} {value}: expecting a whole number")
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
     if not value > 0 or math.isinf(value):
-        raise ConfigurationError(f"{flag} {value}: expecting a number above zero")
-    return int(value) if integer else float(value)
+        raise ConfigurationError(f"{flag} {text}: expecting a number above zero")
+    if integer and int(value) != value:
+        raise ConfigurationError(f"{flag} {text}: expecting a whole number")
+    return int(value) if integer else value
 
 
 def parse_fabric(text):
@@ -86,30 +90,41 @@ def _ps_counts(limit, needed):
     return sorted(counts)
 
 
+def node_efficiency(projection, layout):
+    """Return the efficiency per node used: the ps run on nodes of their own (own links)."""
+    return projection.efficiency * layout.nodes / (layout.nodes + layout.num_ps)
+
+
 def plan(fabric, work, ps, nodes, workers_per_node, max_ps=None, mode="sync"):
     """Return the recommended layout as a dict (see :func:`format_plan` for its lines).
 
     Tries every ps count (powers of two up to ``max_ps``, default ``nodes``, and the fewest
-    whose links keep up), bucket size (:data:`BUCKETS`) and aggregation (sync, G > 1); keeps
-    the fewest ps, then the fewest buckets, within 1 % of the best efficiency.
+    whose links keep up), bucket size (:data:`BUCKETS`) and aggregation (sync, G > 1). Each
+    ps has a link, so a node, of its own: the pick is the best efficiency per node used
+    (worker nodes + ps), the fewest ps, then the largest buckets within 1 % of it.
     """
     limit = max_ps or nodes
     aggs = (False, True) if workers_per_node > 1 and mode in ("sync", "backup") else (False,)
-    best = []
+    best, counts = [], set()
     for agg in aggs:
-        base = cm.Layout(nodes, workers_per_node, 1, 0, agg, mode)
-        needed = cm.ps_for_links(fabric, work, base)
-        for p in _ps_counts(limit, needed):
+        counts.update(_ps_counts(limit, cm.ps_for_links(
+            fabric, work, cm.Layout(nodes, workers_per_node, 1, 0, agg, mode))))
+    for agg in aggs:
+        for p in sorted(counts):
             for k in BUCKETS:
                 if k and k >= work.model_bytes / p:
                     continue  # one bucket is no bucket
                 lay = cm.Layout(nodes, workers_per_node, p, k, agg, mode)
                 best.append((cm.project(fabric, work, ps, lay), lay))
-    top = max(pr.efficiency for pr, _ in best)
-    pick_pr, pick = min(((pr, lay) for pr, lay in best if pr.efficiency >= 0.99 * top),
+    by_ps = {}
+    for pr, lay in best:
+        by_ps[lay.num_ps] = max(by_ps.get(lay.num_ps, 0.0), pr.efficiency)
+    top = max(node_efficiency(pr, lay) for pr, lay in best)
+    pick_pr, pick = min(((pr, lay) for pr, lay in best
+                         if node_efficiency(pr, lay) >= 0.99 * top),
                         key=lambda x: (x[1].num_ps, x[1].aggregate, -x[1].bucket_bytes))
     needed = cm.ps_for_links(fabric, work, pick)
-    return dict(layout=pick, projection=pick_pr, ps_for_links=needed,
+    return dict(layout=pick, projection=pick_pr, ps_for_links=needed, by_ps=by_ps,
                 ps_for_links_without_agg=cm.ps_for_links(
                     fabric, work, cm.Layout(nodes, workers_per_node, 1, 0, False, mode)),
                 fabric=fabric, work=work, ps=ps)
@@ -144,7 +159,8 @@ def format_plan(result):
         "node-local aggregation:  " + ("on (--aggregate-per-node)" if lay.aggregate else "off"),
         f"expected step:           {_t(pr.step_time)} (compute {_t(w.compute)}, exposed "
         f"communication {_t(t.get('exposed', pr.step_time - w.compute))})",
-        f"expected efficiency:     {pr.efficiency:.3f} of {n} workers computing alone",
+        f"expected efficiency:     {pr.efficiency:.3f} of {n} workers computing alone; "
+        f"{node_efficiency(pr, lay):.3f} per node counting the {lay.num_ps} ps nodes",
         f"bounded by:              {pr.bound}",
         f"ps link load:            {pushes} pushes x {_b(w.model_bytes)} / {lay.num_ps} ps = "
         f"{_b(per_link)} per direction per ps link per step = {_t(t['ps_link'])}",
@@ -159,6 +175,8 @@ def format_plan(result):
                      f" ({'met' if ok else 'NOT met: the step is link-bound'})"
                      + (f"; without aggregation {result['ps_for_links_without_agg']}"
                         if lay.aggregate else ""))
+    lines.append("best efficiency by ps:   " + ", ".join(
+        f"{p}: {e:.3f}" for p, e in sorted(result["by_ps"].items())))
     lines.append(f"terms (per step):        worker link {_t(t['worker_link'])}, ps link "
                  f"{_t(t['ps_link'])}, ps messages {_t(t['messages'])}, ps apply "
                  f"{_t(t['apply'])}, latency {_t(t['latency'])}, aggregation "
@@ -176,7 +194,9 @@ def main(args):
     work = cm.Workload(parse_size(args.model_bytes),
                        parse_positive(args.compute_ms, "--compute-ms") / 1e3)
     ps = cm.PsNode(apply_rate=parse_size(args.apply_rate, "--apply-rate"),
-                   threads=parse_positive(args.ps_threads, "--ps-threads", integer=True))
+                   threads=parse_positive(args.ps_threads, "--ps-threads", integer=True),
+                   msg_overhead=parse_positive(args.msg_us, "--msg-us") * 1e-6,
+                   shm_bandwidth=parse_size(args.shm_rate, "--shm-rate"))
     max_ps = None if args.max_ps is None else parse_positive(args.max_ps, "--max-ps",
                                                              integer=True)
     for line in format_plan(plan(fabric, work, ps, nodes, g, max_ps, args.plan_mode)):

@@ -322,17 +322,21 @@ def build_parser():
     g = p.add_argument_group("planning (no benchmark runs; see docs/costmodel.md)")
     g.add_argument("--plan", action="store_true",
                    help="recommend ps count, buckets and aggregation for a cluster")
-    g.add_argument("--nodes", type=float, default=None, help="nodes running workers")
-    g.add_argument("--workers-per-node", type=float, default=1, help="workers per node")
+    g.add_argument("--nodes", default=None, help="nodes running workers")
+    g.add_argument("--workers-per-node", default="1", help="workers per node")
     g.add_argument("--model-bytes", default=None, help="model size, e.g. 100M, 2.5G")
-    g.add_argument("--compute-ms", type=float, default=None,
+    g.add_argument("--compute-ms", default=None,
                    help="compute per step per worker (forward + backward), milliseconds")
     g.add_argument("--fabric", default=None,
                    help="a fabric file (mpitf bench --suite fabric) or LATENCY_S,BYTES_PER_S")
     g.add_argument("--apply-rate", default="2G",
                    help="ps apply bytes/s per thread (kernels suite; default 2G)")
-    g.add_argument("--ps-threads", type=float, default=8, help="threads per ps (default 8)")
-    g.add_argument("--max-ps", type=float, default=None, help="most ps (default: --nodes)")
+    g.add_argument("--ps-threads", default="8", help="threads per ps (default 8)")
+    g.add_argument("--msg-us", default="10",
+                   help="ps software time per message, microseconds (default 10)")
+    g.add_argument("--shm-rate", default="10G",
+                   help="node-local aggregation: shared-memory bytes/s (default 10G)")
+    g.add_argument("--max-ps", default=None, help="most ps (default: --nodes)")
     g.add_argument("--plan-mode", choices=("sync", "backup", "async", "ssp"), default="sync",
                    help="consistency mode to plan for (default: sync)")
     p.set_defaults(handler=cmd_bench)
