@@ -184,3 +184,18 @@ def test_validation_entries_count_only_predicted_points_within_the_cores():
                for e in entries)
     counted, worst, ok = val.claim(entries)
     assert worst == max(abs(e["error_pct"]) for e in counted)
+
+
+def test_the_docs_worked_example_is_what_the_planner_prints(capsys):
+    import re
+    import shlex
+    from pathlib import Path
+
+    from mpitf.cli.main import main
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "costmodel.md").read_text()
+    blocks = re.findall(r"```\n\$ (mpitf bench --plan[^\n]*)\n(.*?)```", doc, re.S)
+    assert len(blocks) == 2
+    for command, printed in blocks:
+        assert main(shlex.split(command)[1:]) == 0
+        assert capsys.readouterr().out == printed

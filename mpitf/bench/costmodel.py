@@ -170,13 +170,19 @@ def project(fabric, work, ps, layout):
 
 
 def _bound(terms, step, compute, exposed):
-    """Name what sets the step's pace: compute, or the largest communication term."""
+    """Name what sets the step's pace: compute, or the largest share of the exposed time.
+
+    The node-local sum and the latency are exposed whole; the rest of the exposed time is
+    the ps pipeline's, named after its slowest stage's largest part.
+    """
     if exposed <= 0.1 * step:
         return "compute"
-    names = {"worker_link": "worker link", "ps_link": "ps link", "messages":
-             "ps message handling", "apply": "ps apply", "latency": "latency",
-             "aggregate": "node-local aggregation"}
-    return names[max(names, key=lambda k: terms[k])]
+    parts = {"worker link": terms["worker_link"], "ps link": terms["ps_link"],
+             "ps message handling": terms["messages"], "ps apply": terms["apply"]}
+    slowest = max(parts, key=parts.get)
+    shares = {"node-local aggregation": terms["aggregate"], "latency": terms["latency"],
+              slowest: exposed - terms["aggregate"] - terms["latency"]}
+    return max(shares, key=shares.get)
 
 
 def ps_for_links(fabric, work, layout):
