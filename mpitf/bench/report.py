@@ -223,10 +223,10 @@ def model_section(results):
               "marked `*` have more ranks than cores and are left out of the error claim, "
               "as are fitted points. Load average at the end: "
               + " ".join(f"{x:.2f}" for x in results.get("loadavg", ())) + ".", "",
-              _table(["suite", "point", "ranks", "cores", "measured", "projected", "error %",
-                      "basis"],
+              _table(["suite", "point", "ranks", "cores", "measured", "projected", "unit",
+                      "error %", "basis"],
                      [[e["suite"], e["point"] + ("" if e["ranks"] <= e["cores"] else " *"),
-                       e["ranks"], e["cores"], e["measured"], e["projected"],
+                       e["ranks"], e["cores"], e["measured"], e["projected"], e["unit"],
                        f"{e['error_pct']:+.1f}", e["basis"]] for e in val]), "",
               f"Counted points: {len(counted)}; worst error "
               + ("-" if worst is None else f"{worst:.1f} %")

@@ -1,7 +1,7 @@
 """The cost model against every measured point of ``mpitf bench``: the ``validation`` list.
 
 Each entry is ``{"suite", "point", "ranks", "cores", "measured", "projected", "error_pct",
-"basis", "counted"}``. ``basis`` says where the projection's inputs come from:
+"unit", "basis", "counted"}`` (unit: examples/s for jobs, s for a push+pull round trip). ``basis`` says where the projection's inputs come from:
 ``predicted`` (measured elsewhere: the fabric ping-pong, a separate profiled run of the
 job, the kernels suite) or ``fitted`` (the point itself took part in a fit; never
 counted). Points with more ranks than cores are marked and not counted either.
@@ -47,12 +47,12 @@ def job_inputs(fabric, profile, rate):
     return workload, ps
 
 
-def entry(suite, point, ranks, measured, projected, basis="predicted"):
+def entry(suite, point, ranks, measured, projected, basis="predicted", unit="examples/s"):
     """Return one validation entry; ``counted`` is False past the cores or when fitted."""
     cores = os.cpu_count() or 1
     err = cm.error_percent(measured, projected)
     return dict(suite=suite, point=point, ranks=ranks, cores=cores, measured=measured,
-                projected=projected, error_pct=err, basis=basis,
+                projected=projected, error_pct=err, unit=unit, basis=basis,
                 counted=ranks <= cores and basis == "predicted")
 
 
@@ -104,7 +104,7 @@ def validate_pushpull(results):
         projected = link if r["optimizer"] == "none" else link + r["axpy_us"] * 1e-6
         out.append(entry("pushpull", f"{r['bytes']} B ps {r['optimizer']}", ranks,
                          r["mpitf_us"] * 1e-6, projected,
-                         "fitted" if r["optimizer"] == "none" else "predicted"))
+                         "fitted" if r["optimizer"] == "none" else "predicted", "s"))
     return out
 
 
