@@ -1,9 +1,10 @@
 """The cost model against every measured point of ``mpitf bench``: the ``validation`` list.
 
 Each entry is ``{"suite", "point", "ranks", "cores", "measured", "projected", "error_pct",
-"unit", "basis", "counted"}`` (unit: examples/s for jobs, s for a push+pull round trip). ``basis`` says where the projection's inputs come from:
-``predicted`` (measured elsewhere: the fabric ping-pong, a separate profiled run of the
-job, the kernels suite) or ``fitted`` (the point itself took part in a fit; never
+"unit", "basis", "counted"}`` (unit: examples/s for jobs, s for a push+pull round
+trip). ``basis`` says where the projection's inputs come from: ``predicted`` (measured
+elsewhere: the fabric ping-pong, a separate profiled run of the job, the kernels suite)
+or ``fitted`` (the point itself took part in a fit; never
 counted). Points with more ranks than cores are marked and not counted either.
 """
 
