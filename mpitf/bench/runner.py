@@ -109,7 +109,11 @@ def run_suites(args, out, log):
     repeats = ["--repeats", str(args.repeats)] if args.repeats else []
     profiles = {"mlp": [], "cnn": []}
 
+    spread = not args.quick or args.repeats  # --quick alone: one profile round, not three
+
     def profile_round(i):  # the cost model's compute per model, spread over the suites
+        if i and not spread:
+            return
         for model, runs in profiles.items():
             run_dir = os.path.join(out, f"profile-{model}-{i}")
             if step(f"profile {model}", [*launch, "-n", "2", py, "-m", "mpitf.jobs.mnist_mlp",
