@@ -165,7 +165,8 @@ def test_validation_entries_count_only_predicted_points_within_the_cores():
     prof = dict(model_bytes=40000, compute_s=1e-3, compute_s_per_example=1e-3 / 32,
                 batch_size=32, num_ps=1, push_pull_s=5e-4, overhead_s=1e-4)
     results = dict(
-        fabric=dict(latency_s=2e-6, bytes_per_s=5e9), profiles={"mlp": prof},
+        fabric=dict(latency_s=2e-6, bytes_per_s=5e9),
+        profiles={"mlp": {"32": prof, "96": dict(prof, batch_size=96, compute_s=1)}},
         scaling=dict(results=[
             dict(model="mlp", scaling="weak", workers=w, ps=1, batch=32,
                  examples_per_sec=32 / (1.5e-3 + 1e-4 * w)) for w in (1, 2)]),

@@ -210,7 +210,8 @@ def model_section(results):
                           "compute us/example", "push+pull ms", "overhead ms", "steps"],
                          [[m, p["model_bytes"], p["batch_size"], p["compute_s"] * 1e3,
                            p["compute_s_per_example"] * 1e6, p["push_pull_s"] * 1e3,
-                           p["overhead_s"] * 1e3, p["steps"]] for m, p in profiles.items()]),
+                           p["overhead_s"] * 1e3, p["steps"]]
+                          for m, by_batch in profiles.items() for p in by_batch.values()]),
                   ""]
     val = results.get("validation") or []
     if not val:

@@ -107,20 +107,20 @@ def run_suites(args, out, log):
     common = [*quick, "--launcher", shlex.join(launch)]
     jobs = "scaling" in suites or "modes" in suites
     repeats = ["--repeats", str(args.repeats)] if args.repeats else []
-    profiles = {"mlp": [], "cnn": []}
+    profiles = {(m, b): [] for m in ("mlp", "cnn") for b in (32, 96)}  # the W=1 batches
 
     spread = not args.quick or args.repeats  # --quick alone: one profile round, not three
 
     def profile_round(i):  # the cost model's compute per model, spread over the suites
         if i and not spread:
             return
-        for model, runs in profiles.items():
-            run_dir = os.path.join(out, f"profile-{model}-{i}")
+        for (model, batch), runs in profiles.items():
+            run_dir = os.path.join(out, f"profile-{model}-{batch}-{i}")
             if step(f"profile {model}", [*launch, "-n", "2", py, "-m", "mpitf.jobs.mnist_mlp",
                                          "--model", model, "--num-ps", "1", "--steps",
                                          "230" if args.quick else "630", "--profile-steps",
                                          "200" if args.quick else "600", "--log-every", "0",
-                                         "--run-dir", run_dir]):
+                                         "--batch-size", str(batch), "--run-dir", run_dir]):
                 runs.append(_load(os.path.join(run_dir, "profile.json")))
     if jobs:
         profile_round(0)
@@ -148,7 +148,10 @@ def run_suites(args, out, log):
             res["modes_w1"] = median_modes(w1)
     if jobs:
         profile_round(2)
-        res["profiles"] = {m: median_profile(r) for m, r in profiles.items() if r}
+        res["profiles"] = {}
+        for (model, batch), runs in profiles.items():
+            if runs:
+                res["profiles"].setdefault(model, {})[str(batch)] = median_profile(runs)
     if "kernels" in suites:
         path = os.path.join(out, "kernels.json")
         if step("kernels", [py, "-m", "mpitf.bench.kernels", "--json", path, *quick]):

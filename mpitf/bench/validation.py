@@ -8,6 +8,7 @@ or ``fitted`` (the point itself took part in a fit; never
 counted). Points with more ranks than cores are marked and not counted either.
 """
 
+import math
 import os
 
 from . import costmodel as cm
@@ -48,6 +49,17 @@ def job_inputs(fabric, profile, rate):
     return workload, ps
 
 
+def nearest_profile(by_batch, batch):
+    """Return the profile (of ``{batch: profile}``) whose batch is nearest ``batch``, by ratio.
+
+    Compute per example is not constant in the batch (BLAS changes kernels and threads),
+    so each point takes the profile taken at, or nearest, its own batch.
+    """
+    if not by_batch:
+        return None
+    return min(by_batch.values(), key=lambda p: abs(math.log(p["batch_size"] / batch)))
+
+
 def entry(suite, point, ranks, measured, projected, basis="predicted", unit="examples/s"):
     """Return one validation entry; ``counted`` is False past the cores or when fitted."""
     cores = os.cpu_count() or 1
@@ -67,11 +79,11 @@ def validate_jobs(results, fabric):
     for suite, r, kind in rows:
         model = r.get("model", (results.get("modes") or {}).get("metadata", {}).get("model",
                                                                                     "mlp"))
-        prof = profiles.get(model)
+        batch = r.get("batch", 32)
+        prof = nearest_profile(profiles.get(model), batch)
         if prof is None:
             continue
         workload, ps = job_inputs(fabric, prof, rate)
-        batch = r.get("batch", prof["batch_size"])
         mode = r.get("mode", "sync")
         lay = cm.Layout(r["workers"], 1, r["ps"], 0, False, mode)
         pr = cm.project(fabric, workload(batch), ps, lay)
