@@ -2,7 +2,8 @@
 
 After ``WARM_UP`` steps the chief's compute (forward + backward, the batch read, and
 with buckets the pushes that leave during backward) and push+pull wait are timed for N
-steps from the session's timeline spans; medians go to ``RUN_DIR/profile.json``:
+steps from the session's timeline spans; the means (what throughput sees) and medians go
+to ``RUN_DIR/profile.json``:
 ``model_bytes``, ``bytes_per_ps``, ``compute_s`` per step and per example, ``push_pull_s``,
 ``step_s`` and ``overhead_s`` (the rest of a step: checks, hooks). ``mpitf bench --plan
 --model-bytes B --compute-ms C`` takes ``model_bytes`` and ``compute_s`` (scaled to the
@@ -60,20 +61,22 @@ class ProfileHook(Hook):
         events = session.timeline.events[self.mark:]
         spans = {k: [e["dur"] * 1e-6 for e in events if e["name"] == k][WARM_UP:]
                  for k in ("compute", "push_pull")}
-        steps = [b - a for a, b in zip(self.ticks, self.ticks[1:])][WARM_UP:]
+        spans["step"] = [b - a for a, b in zip(self.ticks, self.ticks[1:])][WARM_UP:]
+        mean = {k: statistics.fmean(v) if v else 0.0 for k, v in spans.items()}
         med = {k: statistics.median(v) if v else 0.0 for k, v in spans.items()}
-        step = statistics.median(steps)
-        batch = session.batch_size
+        step, batch = mean["step"], session.batch_size
         per_ps = session.placement.bytes_per_ps()
         return dict(
             model_bytes=sum(per_ps), bytes_per_ps=per_ps, num_ps=len(per_ps),
             workers=session.num_workers, batch_size=batch, mode=session.mode,
             bucket_bytes=session.config.bucket_bytes, layerwise=session.layerwise,
-            compute_s=med["compute"], compute_s_per_example=med["compute"] / batch,
-            push_pull_s=med["push_pull"], step_s=step,
-            overhead_s=max(0.0, step - med["compute"] - med["push_pull"]),
+            compute_s=mean["compute"], compute_s_per_example=mean["compute"] / batch,
+            push_pull_s=mean["push_pull"], step_s=step,
+            overhead_s=max(0.0, step - mean["compute"] - mean["push_pull"]),
             examples_per_sec_per_worker=batch / step if step > 0 else 0.0,
-            steps=len(steps), warm_up=WARM_UP, statistic="median",
+            compute_s_median=med["compute"], push_pull_s_median=med["push_pull"],
+            step_s_median=med["step"], steps=len(spans["step"]), warm_up=WARM_UP,
+            statistic="mean (what throughput sees; the medians alongside)",
             device=str(session.server.device), hostname=socket.gethostname(),
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             plan_flags=f"--model-bytes {sum(per_ps)} --compute-ms {med['compute'] * 1e3:.4g}")
