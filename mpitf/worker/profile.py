@@ -7,7 +7,8 @@ to ``RUN_DIR/profile.json``:
 ``model_bytes``, ``bytes_per_ps``, ``compute_s`` per step and per example, ``push_pull_s``,
 ``step_s`` and ``overhead_s`` (the rest of a step: checks, hooks). ``mpitf bench --plan
 --model-bytes B --compute-ms C`` takes ``model_bytes`` and ``compute_s`` (scaled to the
-batch a worker will run). The timeline records only while profiling unless --timeline.
+batch a worker will run). ``model_bytes`` counts the dense variables (embedding tables
+travel by rows). The timeline records only while profiling unless --timeline.
 """
 
 import datetime
