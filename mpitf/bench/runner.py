@@ -119,7 +119,8 @@ def run_suites(args, out, log):
             if step(f"profile {model}", [*launch, "-n", "2", py, "-m", "mpitf.jobs.mnist_mlp",
                                          "--model", model, "--num-ps", "1", "--steps",
                                          "230" if args.quick else "630", "--profile-steps",
-                                         "200" if args.quick else "600", "--log-every", "0",
+                                         "200" if args.quick else "600", "--log-every",
+                                         "230" if args.quick else "630",  # as scaling's
                                          "--batch-size", str(batch), "--run-dir", run_dir]):
                 runs.append(_load(os.path.join(run_dir, "profile.json")))
     if jobs:
