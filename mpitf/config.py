@@ -209,6 +209,8 @@ class TrainingConfig:
         clients: in-graph replication: the worker tasks that talk to the ps (None: all).
         ps_threads: threads each ps applies the optimizer with (None: the cores the ps
             rank may use, shared among the ranks on its node; see ps/threads.py).
+        profile_steps: the chief times this many steps and writes RUN_DIR/profile.json
+            (0: no profile; see worker/profile.py).
     """
 
     mode: str = "sync"
@@ -234,6 +236,7 @@ class TrainingConfig:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     clients: tuple = None
     ps_threads: int = None
+    profile_steps: int = 0
 
     def __post_init__(self):
         check_choice("mode", self.mode, MODES)
@@ -269,6 +272,7 @@ class TrainingConfig:
         check_int("log_every", self.log_every, 0)
         check_int("summary_every (--summary-every)", self.summary_every, 0)
         check_int("bucket_bytes (--bucket-bytes; 0 for one frame per ps)", self.bucket_bytes, 0)
+        check_int("profile_steps (--profile-steps; 0 for none)", self.profile_steps, 0)
         if self.ps_threads is not None:
             check_int("ps_threads (--ps-threads)", self.ps_threads, 1)
             if self.ps_threads > MAX_PS_THREADS:
@@ -332,7 +336,7 @@ class JobConfig:
             moving_average_decay=args.moving_average_decay, ps_strategy=args.ps_strategy,
             seed=args.seed, log_every=args.log_every, summary_every=args.summary_every,
             run_dir=args.run_dir, timeline=args.timeline, bucket_bytes=args.bucket_bytes,
-            ps_threads=args.ps_threads)
+            ps_threads=args.ps_threads, profile_steps=args.profile_steps)
         return cls(training=training, model=args.model, hidden=args.hidden,
                    optimizer=args.optimizer, lr=args.lr, lr_decay=args.lr_decay,
                    lr_decay_steps=args.lr_decay_steps,

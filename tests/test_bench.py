@@ -1,89 +1,14 @@
-"""The cost model (pure), the push/pull benchmark's JSON, and the timeline of a training job."""
+"""The push/pull and overlap benchmarks' JSON, and the timeline of a training job.
+
+The cost model and the planner: tests/test_costmodel.py."""
 
 import json
-import math
 import sys
 from pathlib import Path
 
 import pytest
 
-from mpitf.bench import costmodel as cm
-
 REPO = Path(__file__).resolve().parent.parent
-
-
-def test_fit_recovers_known_alpha_beta():
-    alpha, beta = 7e-6, 2e-10
-    sizes = [4096 << (2 * k) for k in range(8)]
-    fit = cm.fit_alpha_beta(sizes, [alpha + beta * s for s in sizes])
-    assert fit.alpha == pytest.approx(alpha, rel=1e-6)
-    assert fit.beta == pytest.approx(beta, rel=1e-6)
-    assert fit.bandwidth == pytest.approx(2 / beta)
-    plain = cm.fit_alpha_beta(sizes, [alpha + beta * s for s in sizes], relative=False)
-    assert plain.beta == pytest.approx(beta, rel=1e-6)
-
-
-def test_fit_with_noise_and_bad_input():
-    sizes = [1e3, 1e4, 1e5, 1e6, 1e7]
-    noisy = [(5e-6 + 1e-10 * s) * f for s, f in zip(sizes, (1.02, 0.98, 1.01, 0.99, 1.0))]
-    fit = cm.fit_alpha_beta(sizes, noisy)
-    assert fit.alpha == pytest.approx(5e-6, rel=0.1)
-    assert fit.beta == pytest.approx(1e-10, rel=0.05)
-    assert fit.alpha >= 0 and fit.max_rel_error < 0.05
-    with pytest.raises(ValueError):
-        cm.fit_alpha_beta([1, 1], [1.0, 2.0])
-    with pytest.raises(ValueError):
-        cm.fit_alpha_beta([1], [1.0])
-
-
-def test_apply_cost_and_order_statistics():
-    fit = cm.with_apply_cost(cm.LinkFit(1e-6, 1e-10), [1e6, 2e6], [1e-4, 2e-4])
-    assert fit.gamma == pytest.approx(1e-10)
-    assert cm.kth_fastest(1.0, 0.0, 8, 8) == 1.0
-    assert cm.kth_fastest(1.0, 0.5, 8, 7) < cm.kth_fastest(1.0, 0.5, 8, 8)
-    with pytest.raises(ValueError):
-        cm.kth_fastest(1.0, 0.5, 4, 5)
-
-
-FIT = cm.LinkFit(alpha=10e-6, beta=2e-10, gamma=1e-10)
-
-
-@pytest.mark.parametrize("mode", cm.MODES)
-def test_projection_monotone(mode):
-    model, batch, per_ex = 40e6, 32, 50e-6
-    n_values = [2, 4, 16, 64, 256, 1024]
-    eps = [cm.project(FIT, mode, n, 4, model, batch, per_ex)["examples_per_sec"]
-           for n in n_values]
-    eff = [cm.project(FIT, mode, n, 4, model, batch, per_ex)["efficiency"] for n in n_values]
-    assert all(b >= a * (1 - 1e-12) for a, b in zip(eps, eps[1:]))  # more workers never slower
-    assert all(b <= a + 1e-12 for a, b in zip(eff, eff[1:]))  # ... but never more efficient
-    steps = [cm.project(FIT, mode, 64, p, model, batch, per_ex)["step_time"] for p in (1, 2, 8)]
-    assert steps[0] >= steps[1] >= steps[2]  # more ps never slower
-    one = cm.project(FIT, "sync", 1, 1, model, batch, per_ex)
-    assert one["efficiency"] == pytest.approx(1.0)
-
-
-def test_saturation_and_ps_needed():
-    model, compute = 40e6, 2e-3
-    n_sat = cm.saturation_workers(FIT, model, 1, compute)
-    assert cm.link_time(FIT, model, math.floor(n_sat), 1) - FIT.alpha <= compute
-    need = [cm.ps_needed(FIT, model, n, compute) for n in (1, 8, 64, 512)]
-    assert need == sorted(need) and need[0] >= 1
-    for n, p in zip((1, 8, 64, 512), need):
-        assert cm.link_time(FIT, model, n, p) < compute
-        if p > 1:
-            assert cm.link_time(FIT, model, n, p - 1) >= compute
-    assert cm.ps_needed(FIT, model, 8, FIT.alpha / 2) == math.inf
-    big = cm.project(FIT, "sync", 4096, 1, model, 32, 50e-6)
-    assert big["link_bound"]
-
-
-def test_compute_per_example_and_error():
-    model, batch = 4e5, 32
-    per_ex = 40e-6
-    eps = batch / (per_ex * batch + cm.link_time(FIT, model, 1, 1))
-    assert cm.compute_per_example(FIT, model, batch, eps) == pytest.approx(per_ex)
-    assert cm.error_percent(100.0, 110.0) == pytest.approx(10.0)
 
 
 @pytest.mark.mpi
@@ -189,3 +114,35 @@ def test_timeline_shows_push_apply_and_pull_per_bucket(mpirun, tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.mpi
+def test_profile_steps_writes_the_planner_figures(mpirun, tmp_path):
+    from mpitf.bench.scaling import model_bytes
+
+    run = mpirun(3, REPO / "jobs" / "mnist_mlp.py", "--num-ps", 2, "--steps", 16,
+                 "--profile-steps", 10, "--log-every", 0, "--run-dir", tmp_path / "run",
+                 timeout=60)
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("profile: 10 steps") == 1  # the chief only, once
+    prof = json.loads((tmp_path / "run" / "profile.json").read_text())
+    assert prof["model_bytes"] == model_bytes("mlp") == sum(prof["bytes_per_ps"])
+    assert prof["num_ps"] == len(prof["bytes_per_ps"]) == 2 and prof["workers"] == 1
+    assert prof["steps"] == 10 and prof["batch_size"] == 32 and prof["mode"] == "sync"
+    assert prof["compute_s"] > 0 and prof["push_pull_s"] > 0 and prof["overhead_s"] >= 0
+    assert prof["compute_s_per_example"] * 32 == pytest.approx(prof["compute_s"])
+    assert prof["step_s"] >= prof["compute_s"]
+    assert prof["plan_flags"].startswith(f"--model-bytes {prof['model_bytes']} --compute-ms ")
+    assert not (tmp_path / "run" / "timeline.json").exists()
+
+
+def test_histograms_alone_open_the_event_file_before_the_first_step(tmp_path):
+    # --log-every 0 with histograms on opened it (importing tensorboardX) inside the loop,
+    # a stall of a second that made a profiled step's mean 20-50x its median.
+    from types import SimpleNamespace
+
+    from mpitf.worker.hooks import LoggingHook
+
+    hook = LoggingHook(0, str(tmp_path), summary_every=100)
+    hook.begin(SimpleNamespace(global_step=0, steps_run=0))
+    assert hook.events._writer is not None

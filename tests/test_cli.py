@@ -149,7 +149,8 @@ def test_run_help_names_the_builtin_jobs(capsys):
 @pytest.mark.parametrize("script, module", [
     *((f"jobs/{name}.py", f"mpitf.jobs.{name}") for name in BUILTIN),
     *((f"benchmarks/{name}.py", f"mpitf.bench.{name}") for name in ("pushpull", "scaling",
-                                                                     "modes", "sparse")),
+                                                                     "modes", "sparse",
+                                                                     "fabric")),
 ])
 def test_checkout_scripts_launch_the_package_code(script, module):
     by_path = subprocess.run([sys.executable, str(REPO / script), "--help"], cwd=REPO,

@@ -94,3 +94,11 @@ def test_bench_quick_writes_its_report(installed):
     assert all(r["mpitf_us"] > 0 for r in results["pushpull_main"]["results"])
     for png in ("pushpull.png", "scaling.png", "modes.png"):
         assert (out / png).stat().st_size > 0
+    keys = {"suite", "point", "ranks", "cores", "measured", "projected", "error_pct"}
+    entries = results["validation"]
+    assert {e["suite"] for e in entries} == {"pushpull", "scaling", "modes"}
+    assert all(keys <= set(e) and e["measured"] > 0 and e["projected"] > 0 for e in entries)
+    assert all(e["counted"] == (e["ranks"] <= e["cores"] and e["basis"] == "predicted")
+               for e in entries)
+    assert "## Validation" in (out / "report.md").read_text()
+    assert json.loads((out / "fabric.json").read_text())["bytes_per_s"] > 0

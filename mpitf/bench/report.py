@@ -5,7 +5,7 @@ Measured and projected figures stand side by side, so the cost model's error is 
 
 import os
 
-from . import costmodel as cm
+from .validation import claim
 
 
 def _fmt(x, digits=3):
@@ -82,19 +82,6 @@ def plot_all(results, out):
         ax.grid(True, alpha=0.3)
         ax.legend()
         made.append(_save(fig, out, "modes.png"))
-    proj = results.get("projection")
-    if proj:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for p in sorted({r["ps"] for r in proj}):
-            rows = [r for r in proj if r["ps"] == p and r["mode"] == "sync" and
-                    r["model"] == proj[0]["model"]]
-            ax.plot([r["workers"] for r in rows], [r["efficiency"] for r in rows], "o-",
-                    label=f"P={p}")
-        ax.set(xscale="log", xlabel="workers", ylabel="projected sync efficiency",
-               title=f"projection, {proj[0]['model']}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-        made.append(_save(fig, out, "projection.png"))
     return made
 
 
@@ -119,7 +106,6 @@ def write_report(results, out):
              f"costs, not speed a cluster would see. Every figure is a median over "
              f"repetitions on a shared, noisy machine.", ""]
     pp = results.get("pushpull_main")
-    fit = results.get("fit")
     if pp:
         meta = pp["metadata"]
         parts += ["## Push+pull round trip", "",
@@ -132,40 +118,24 @@ def write_report(results, out):
                            r["raw_mpi_us"], r["raw_mpi_gbps"], r["ratio"], r["axpy_us"],
                            r["repetitions"]] for r in pp["results"]]), ""]
         parts += _targets(results)
-    if fit:
-        raw, ours = fit["raw"], fit["mpitf"]
-        parts += ["## Cost model", "",
-                  "Least squares (relative weights) of round-trip time against bytes:", "",
-                  _table(["link", "alpha (us)", "beta (ns/byte)", "GB/s both ways",
-                          "gamma apply (ns/byte)", "max fit error %"],
-                         [["raw MPI", raw["alpha"] * 1e6, raw["beta"] * 1e9,
-                           2 / raw["beta"] / 1e9 if raw["beta"] else None, raw["gamma"] * 1e9,
-                           raw["max_rel_error"] * 100],
-                          ["mpitf (ps: none)", ours["alpha"] * 1e6, ours["beta"] * 1e9,
-                           2 / ours["beta"] / 1e9 if ours["beta"] else None, None,
-                           ours["max_rel_error"] * 100]]), "",
-                  "Projections use the raw-MPI fit plus the ps apply cost (gamma), and the "
-                  "compute time per example implied by each 1-worker run (see "
-                  "`mpitf/bench/costmodel.py` for the formulas).", ""]
+    parts += model_section(results)
     sc = results.get("scaling")
     if sc:
         parts += ["## Scaling", "", "![scaling](scaling.png)", "",
                   _table(["model", "scaling", "W", "P", "batch", "measured ex/s",
-                          "projected ex/s", "error %", "efficiency", "proj. efficiency"],
+                          "efficiency", "runs"],
                          [[r["model"], r["scaling"], r["workers"], r["ps"], r["batch"],
-                           r["examples_per_sec"], r.get("projected_examples_per_sec"),
-                           r.get("error_percent"), r["efficiency"],
-                           r.get("projected_efficiency")] for r in sc["results"]]), ""]
+                           r["examples_per_sec"], r["efficiency"], len(r["runs"])]
+                          for r in sc["results"]]), ""]
     md = results.get("modes")
     if md:
         parts += ["## Consistency modes", "",
                   f"Loss compared at {md['wall_seconds']:.2f} s of training (the shortest "
-                  "run); ssp has no throughput model.", "", "![modes](modes.png)", "",
-                  _table(["mode", "W", "measured ex/s", "projected ex/s", "error %",
+                  "run).", "", "![modes](modes.png)", "",
+                  _table(["mode", "W", "measured ex/s",
                           f"loss at {md['wall_seconds']:.2f} s", "final loss",
                           "test accuracy", "stale dropped", "max staleness"],
                          [[r["mode"], r["workers"], r["examples_per_sec"],
-                           r.get("projected_examples_per_sec"), r.get("error_percent"),
                            r["loss_at_wall"], r["final_loss"], r["test_accuracy"],
                            r["stale_dropped"], r["max_staleness"]] for r in md["results"]]),
                   ""]
@@ -179,11 +149,7 @@ def write_report(results, out):
                          [[r["optimizer"], r["threads"], r["params_gbps"], r["traffic_gbps"],
                            r["copy_gbps"], r["ratio_to_copy"], r["reference_params_gbps"]]
                           for r in kn["results"]]), ""]
-    if fit and sc:
-        parts += _projection_section(results, fit, sc)
-    plots = plot_all(results, out)
-    if "projection.png" in plots:
-        parts += ["![projection](projection.png)", ""]
+    plot_all(results, out)
     if results.get("timeline"):
         parts += ["## Timeline", "",
                   "`timeline.json` is a Chrome trace of a 20-step run (1 ps, 2 workers): "
@@ -228,35 +194,43 @@ def _targets(results):
     return lines + [""]
 
 
-def _projection_section(results, fit, sc):
-    raw = cm.LinkFit(**fit["raw"])
-    base = next((r for r in sc["results"] if r["workers"] == 1 and r["ps"] == 1 and
-                 r["scaling"] == "weak" and r["model"] == "mlp"), None)
-    if base is None:
-        return []
-    per_ex = cm.compute_per_example(raw, sc["model_bytes"]["mlp"], base["batch"],
-                                    base["examples_per_sec"])
-    sizes = {"mlp": sc["model_bytes"]["mlp"], "100 MB": 100e6, "1 GB": 1e9}
-    proj = cm.projection_table(raw, per_ex, base["batch"], sizes)
-    results["projection"] = proj
-    c = per_ex * base["batch"]
-    lines = ["## Projection to larger clusters", "",
-             f"Compute {per_ex * 1e6:.2f} us per example (MLP, from the 1-worker run), "
-             f"batch {base['batch']} per worker, so {c * 1e3:.3f} ms per step; "
-             "no stragglers. `link` marks where the ps link, not compute, sets the pace.", "",
-             _table(["model", "N", "P", "sync step ms", "sync ex/s", "sync eff.",
-                     "async ex/s", "async eff.", "ps link bound"],
-                    [[r["model"], r["workers"], r["ps"], r["step_time"] * 1e3,
-                      r["examples_per_sec"], r["efficiency"], a["examples_per_sec"],
-                      a["efficiency"], "yes" if r["link_bound"] else ""]
-                     for r, a in zip([r for r in proj if r["mode"] == "sync"],
-                                     [r for r in proj if r["mode"] == "async"])]), "",
-             "ps needed so that the ps link time stays below the compute time "
-             "(same compute per step):", "",
-             _table(["model", *[f"N={n}" for n in (1, 8, 64, 512, 4096)],
-                     "N where 1 ps saturates"],
-                    [[name, *[cm.ps_needed(raw, b, n, c) for n in (1, 8, 64, 512, 4096)],
-                      cm.saturation_workers(raw, b, 1, c)] for name, b in sizes.items()]), ""]
+def model_section(results):
+    """Return the report lines of the cost model: its measured inputs and the validation."""
+    lines = []
+    f, profiles = results.get("fabric"), results.get("profiles") or {}
+    if f:
+        lines += ["## Cost model inputs", "",
+                  f"Fabric (ping-pong between {f['hosts'][0]} and {f['hosts'][1]}"
+                  + (", one node: shared memory, not a network" if f["same_node"] else "")
+                  + f"): latency {f['latency_s'] * 1e6:.2f} us, "
+                  f"{f['bytes_per_s'] / 1e9:.2f} GB/s per direction (fit error "
+                  f"{f['max_fit_error'] * 100:.0f} %).", ""]
+    if profiles:
+        lines += [_table(["profiled job", "model bytes", "batch", "compute ms",
+                          "compute us/example", "push+pull ms", "overhead ms", "steps"],
+                         [[m, p["model_bytes"], p["batch_size"], p["compute_s"] * 1e3,
+                           p["compute_s_per_example"] * 1e6, p["push_pull_s"] * 1e3,
+                           p["overhead_s"] * 1e3, p["steps"]]
+                          for m, by_batch in profiles.items() for p in by_batch.values()]),
+                  ""]
+    val = results.get("validation") or []
+    if not val:
+        return lines
+    counted, worst, ok = claim(val)
+    lines += ["## Validation: the cost model against every measured point", "",
+              "Projected from inputs measured elsewhere (`predicted`: the fabric suite, a "
+              "separate `--profile-steps` run of the job, the kernels suite; see "
+              "docs/costmodel.md) or from a fit that used the point (`fitted`). Points "
+              "marked `*` have more ranks than cores and are left out of the error claim, "
+              "as are fitted points. Load average at the end: "
+              + " ".join(f"{x:.2f}" for x in results.get("loadavg", ())) + ".", "",
+              _table(["suite", "point", "ranks", "cores", "measured", "projected", "unit",
+                      "error %", "basis"],
+                     [[e["suite"], e["point"] + ("" if e["ranks"] <= e["cores"] else " *"),
+                       e["ranks"], e["cores"], e["measured"], e["projected"], e["unit"],
+                       f"{e['error_pct']:+.1f}", e["basis"]] for e in val]), "",
+              f"Counted points: {len(counted)}; worst error "
+              + ("-" if worst is None else f"{worst:.1f} %")
+              + f" ({'within' if ok else 'NOT within'} the 15 % target). Plan a cluster "
+              "with `mpitf bench --plan` (docs/costmodel.md).", ""]
     return lines
-
-

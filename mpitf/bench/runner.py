@@ -12,16 +12,17 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import time
 
 from ..errors import MpitfError
-from . import costmodel as cm
 from .report import write_report
 from .scaling import default_launcher
+from .validation import validate
 
-SUITES = ("pushpull", "scaling", "modes", "kernels")
+SUITES = ("fabric", "pushpull", "scaling", "modes", "kernels")
 
 
 def require_matplotlib():
@@ -51,6 +52,25 @@ def _load(path):
         return json.load(f)
 
 
+def median_profile(runs):
+    """Return one profile whose numeric figures are the medians over ``runs``."""
+    out = dict(runs[0], rounds=len(runs))
+    for key, value in runs[0].items():
+        if isinstance(value, float):
+            out[key] = statistics.median(r[key] for r in runs)
+    return out
+
+
+def median_modes(runs):
+    """Return one modes result whose examples/sec per mode is the median over ``runs``."""
+    out = dict(runs[0], results=[dict(r) for r in runs[0]["results"]])
+    for row in out["results"]:
+        seen = [x["examples_per_sec"] for run in runs for x in run["results"]
+                if x["mode"] == row["mode"]]
+        row["examples_per_sec"], row["runs"] = statistics.median(seen), seen
+    return out
+
+
 def run_suites(args, out, log):
     """Run the chosen suites; return (results dict, commands run, errors)."""
     launch = default_launcher()
@@ -69,6 +89,11 @@ def run_suites(args, out, log):
             return False
 
     py = sys.executable
+    if "fabric" in suites:
+        path = os.path.join(out, "fabric.json")
+        if step("fabric", [*launch, "-n", "2", py, "-m", "mpitf.bench.fabric", "--json", path,
+                           *quick]):
+            res["fabric"] = _load(path)
     if "pushpull" in suites:
         runs = [("main", n, 1), ("workers3", 4, 1)] + ([] if args.quick else [("ps2", 3, 2)])
         for tag, ranks, ps in runs:
@@ -80,19 +105,54 @@ def run_suites(args, out, log):
                                         "--json", path, *quick]):
                 res[f"pushpull_{tag}"] = _load(path)
     common = [*quick, "--launcher", shlex.join(launch)]
+    jobs = "scaling" in suites or "modes" in suites
+    repeats = ["--repeats", str(args.repeats)] if args.repeats else []
+    profiles = {(m, b): [] for m in ("mlp", "cnn") for b in (32, 96)}  # the W=1 batches
+
+    spread = not args.quick or args.repeats  # --quick alone: one profile round, not three
+
+    def profile_round(i):  # the cost model's compute per model, spread over the suites
+        if i and not spread:
+            return
+        for (model, batch), runs in profiles.items():
+            run_dir = os.path.join(out, f"profile-{model}-{batch}-{i}")
+            if step(f"profile {model}", [*launch, "-n", "2", py, "-m", "mpitf.jobs.mnist_mlp",
+                                         "--model", model, "--num-ps", "1", "--steps",
+                                         "230" if args.quick else "630", "--profile-steps",
+                                         "200" if args.quick else "600", "--log-every",
+                                         "230" if args.quick else "630",  # as scaling's
+                                         "--batch-size", str(batch), "--run-dir", run_dir]):
+                runs.append(_load(os.path.join(run_dir, "profile.json")))
+    if jobs:
+        profile_round(0)
     if "scaling" in suites:
         path = os.path.join(out, "scaling.json")
         workers = [] if args.n is None else ["--workers", ",".join(
             str(w) for w in range(1, max(2, args.n - 1) + 1))]
         if step("scaling", [py, "-m", "mpitf.bench.scaling", "--json", path, *common,
-                            *workers]):
+                            *workers, *repeats]):
             res["scaling"] = _load(path)
+        profile_round(1)
     if "modes" in suites:
         path = os.path.join(out, "modes.json")
         workers = [] if args.n is None else ["--workers", str(max(2, args.n - 1))]
         if step("modes", [py, "-m", "mpitf.bench.modes", "--json", path, *common,
                           *workers]):
             res["modes"] = _load(path)
+        w1 = []  # 2 ranks: points the cores can hold; the median of the repeats
+        for i in range(args.repeats or 1):
+            path = os.path.join(out, f"modes-w1-{i}.json")
+            if step("modes 1 worker", [py, "-m", "mpitf.bench.modes", "--json", path,
+                                       *common, "--workers", "1", "--modes", "sync,async,ssp"]):
+                w1.append(_load(path))
+        if w1:
+            res["modes_w1"] = median_modes(w1)
+    if jobs:
+        profile_round(2)
+        res["profiles"] = {}
+        for (model, batch), runs in profiles.items():
+            if runs:
+                res["profiles"].setdefault(model, {})[str(batch)] = median_profile(runs)
     if "kernels" in suites:
         path = os.path.join(out, "kernels.json")
         if step("kernels", [py, "-m", "mpitf.bench.kernels", "--json", path, *quick]):
@@ -104,57 +164,6 @@ def run_suites(args, out, log):
                          "--timeline", trace]):
         res["timeline"] = trace
     return res, commands, errors
-
-
-# -- the cost model over the measurements ---------------------------------------------------
-
-def fit_link(pushpull):
-    """Return (raw-MPI fit with the apply cost, mpitf fit) from a pushpull result."""
-    rows = [r for r in pushpull["results"] if r["optimizer"] == "none"] or pushpull["results"]
-    sizes = [r["bytes"] for r in rows]
-    raw = cm.fit_alpha_beta(sizes, [r["raw_mpi_us"] * 1e-6 for r in rows])
-    raw = cm.with_apply_cost(raw, [b // r["num_ps"] for b, r in zip(sizes, rows)],
-                             [r["axpy_us"] * 1e-6 for r in rows])
-    ours = cm.fit_alpha_beta(sizes, [r["mpitf_us"] * 1e-6 for r in rows])
-    return raw, ours
-
-
-def project_scaling(fit, scaling):
-    """Add the projected examples/sec and its error to each scaling row; return the rows."""
-    rows = scaling["results"]
-    for r in rows:
-        base = next((b for b in rows if b["model"] == r["model"] and
-                     b["scaling"] == r["scaling"] and b["ps"] == r["ps"] and b["workers"] == 1),
-                    None)
-        if base is None:
-            continue
-        mbytes = scaling["model_bytes"][r["model"]]
-        per_ex = cm.compute_per_example(fit, mbytes, base["batch"], base["examples_per_sec"],
-                                        r["ps"])
-        p = cm.project(fit, "sync", r["workers"], r["ps"], mbytes, r["batch"], per_ex)
-        r["projected_examples_per_sec"] = p["examples_per_sec"]
-        r["projected_efficiency"] = p["efficiency"]
-        r["error_percent"] = cm.error_percent(r["examples_per_sec"], p["examples_per_sec"])
-        r["per_example_s"] = per_ex
-    return rows
-
-
-def project_modes(fit, modes, scaling):
-    """Add projected throughput to sync/backup/async rows (ssp has no model)."""
-    mbytes = scaling["model_bytes"].get("mlp") if scaling else None
-    base = next((r for r in (scaling or {}).get("results", []) if r["model"] == "mlp" and
-                 r["scaling"] == "weak" and r["workers"] == 1 and r["ps"] == 1), None)
-    if base is None or mbytes is None:
-        return modes["results"]
-    per_ex = cm.compute_per_example(fit, mbytes, base["batch"], base["examples_per_sec"])
-    for r in modes["results"]:
-        if r["mode"] in cm.MODES:
-            p = cm.project(fit, r["mode"], r["workers"], r["ps"], mbytes, base["batch"], per_ex)
-            r["projected_examples_per_sec"] = p["examples_per_sec"]
-            r["error_percent"] = cm.error_percent(r["examples_per_sec"],
-                                                  p["examples_per_sec"])
-    return modes["results"]
-
 
 
 def main(args):
@@ -169,14 +178,8 @@ def main(args):
     results = dict(res, commands=commands, errors=errors, quick=bool(args.quick),
                    machine=dict(host=platform.node(), cpus=os.cpu_count(),
                                 system=platform.platform(), python=platform.python_version()))
-    pp = res.get("pushpull_main")
-    if pp:
-        raw, ours = fit_link(pp)
-        results["fit"] = dict(raw=raw.__dict__, mpitf=ours.__dict__)
-        if "scaling" in res:
-            project_scaling(raw, res["scaling"])
-        if "modes" in res:
-            project_modes(raw, res["modes"], res.get("scaling"))
+    results["loadavg"] = os.getloadavg()
+    results["validation"] = validate(results)
     results["seconds"] = time.monotonic() - started
     write_report(results, out)
     with open(os.path.join(out, "results.json"), "w") as f:

@@ -5,13 +5,7 @@ import os
 
 from ..cluster import add_cluster_arguments
 from ..cluster_args import check_claimed_role, cluster_from_args
-from ..config import (
-    DEFAULT_DEADLINE,
-    DEFAULT_MAX_NONFINITE_SKIPS,
-    MODES,
-    JobConfig,
-    TrainingConfig,
-)
+from ..config import DEFAULT_DEADLINE, DEFAULT_MAX_NONFINITE_SKIPS, MODES, JobConfig, TrainingConfig
 from ..errors import ConfigurationError, MpitfError
 from ..roles import check_training_cluster
 from ..runtime.exits import collective, setup_logging
@@ -96,6 +90,9 @@ def add_training_arguments(parser, steps=300, batch_size=32, lr=_JOB["lr"]):
                         "so far) once a few steps have run, and start-up and checkpoints "
                         f"may take up to $MPITF_DEADLINE, else {DEFAULT_DEADLINE:g} s")
     g.add_argument("--timeline", default=None, help="write a Chrome trace of every rank here")
+    g.add_argument("--profile-steps", type=int, default=0,
+                   help="the chief times N steps and writes RUN_DIR/profile.json: model bytes, "
+                        "compute per step and example, push+pull (for mpitf bench --plan)")
     g.add_argument("--bucket-bytes", type=int, default=_TRAINING["bucket_bytes"],
                    help="push gradients per ps in buckets of about this many bytes, last "
                         "layers first, pipelined on the ps (0: one frame per ps)")

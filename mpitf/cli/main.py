@@ -7,6 +7,7 @@ Subcommands::
     mpitf data digits|mnist|synthetic-ctr|criteo ...        write an HDF5 data set
     mpitf ckpt ls|show|verify|export DIR ...                inspect checkpoints
     mpitf bench [--quick] [--suite S] [--out DIR] [-n N]    run the benchmarks
+    mpitf bench --plan --nodes N --model-bytes B --compute-ms C --fabric F   plan a cluster
 
 JOB is a built-in job's name (hello, mnist_mlp, in_graph, towers, ctr: ``mpitf run -n 3
 mnist_mlp --steps 50`` runs ``python -m mpitf.jobs.mnist_mlp --steps 50`` on 3 ranks), a
@@ -214,6 +215,10 @@ def cmd_bench(args):
         return _error("the benchmarks (mpitf.bench.runner) are not part of this mpitf installation;"
                       " update mpitf, or run the scripts under benchmarks/ directly",
                       EXIT_ERROR)
+    if args.plan:
+        from ..bench import planner
+
+        return planner.main(args)
     from ..bench import runner as bench
 
     code = bench.main(args)
@@ -307,10 +312,33 @@ def build_parser():
                        epilog="needs matplotlib for the plots: pip install 'mpitf[bench]'")
     p.add_argument("--quick", action="store_true", help="short runs, for a smoke test")
     p.add_argument("--out", default="benchmarks", help="report directory (default: benchmarks)")
-    p.add_argument("--suite", choices=("pushpull", "scaling", "modes", "kernels", "all"),
-                   default="all",
-                   help="which benchmarks (default: all)")
+    p.add_argument("--suite", choices=("pushpull", "scaling", "modes", "kernels", "fabric",
+                                       "all"), default="all",
+                   help="which benchmarks (default: all; fabric: a two-rank ping-pong, "
+                        "written to OUT/fabric.json for --plan)")
     p.add_argument("-n", type=int, default=None, help="MPI ranks (default: the suite's own)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs per scaling point and of the 1-worker modes (median taken)")
+    g = p.add_argument_group("planning (no benchmark runs; see docs/costmodel.md)")
+    g.add_argument("--plan", action="store_true",
+                   help="recommend ps count, buckets and aggregation for a cluster")
+    g.add_argument("--nodes", default=None, help="nodes running workers")
+    g.add_argument("--workers-per-node", default="1", help="workers per node")
+    g.add_argument("--model-bytes", default=None, help="model size, e.g. 100M, 2.5G")
+    g.add_argument("--compute-ms", default=None,
+                   help="compute per step per worker (forward + backward), milliseconds")
+    g.add_argument("--fabric", default=None,
+                   help="a fabric file (mpitf bench --suite fabric) or LATENCY_S,BYTES_PER_S")
+    g.add_argument("--apply-rate", default="2G",
+                   help="ps apply bytes/s per thread (kernels suite; default 2G)")
+    g.add_argument("--ps-threads", default="8", help="threads per ps (default 8)")
+    g.add_argument("--msg-us", default="10",
+                   help="ps software time per message, microseconds (default 10)")
+    g.add_argument("--shm-rate", default="10G",
+                   help="node-local aggregation: shared-memory bytes/s (default 10G)")
+    g.add_argument("--max-ps", default=None, help="most ps (default: --nodes)")
+    g.add_argument("--plan-mode", choices=("sync", "backup", "async", "ssp"), default="sync",
+                   help="consistency mode to plan for (default: sync)")
     p.set_defaults(handler=cmd_bench)
     return parser
 

@@ -89,7 +89,7 @@ class LoggingHook(Hook):
         if self.run_dir and self.every:
             os.makedirs(self.run_dir, exist_ok=True)
             self.metrics = open(os.path.join(self.run_dir, "metrics.jsonl"), "a")
-        if self.events is not None and self.every:
+        if self.events is not None and (self.every or self.summary_every):
             self.events.open()  # before the first step: not a stall inside the loop
         self._mark(session)
         self.last_logged = None

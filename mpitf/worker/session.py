@@ -9,6 +9,7 @@ The replicas are the chief task (if any) and the worker tasks (``server.replica_
 
 import inspect
 import logging
+import os
 import time
 
 import numpy as np
@@ -27,6 +28,7 @@ from .buffers import model_buffers
 from .client import Client
 from .embedding import Embeddings
 from .hooks import CheckpointSaverHook, LoggingHook, StopAtStepHook
+from .profile import ProfileHook
 
 _log = logging.getLogger("mpitf")
 
@@ -48,9 +50,9 @@ class TrainingSession:
             last_step, checkpoint_dir, save_checkpoint_steps, save_checkpoint_secs,
             replicas_to_aggregate, deterministic, staleness, moving_average_decay,
             skip_nonfinite, clip_norm, ps_strategy, seed, log_every, summary_every, run_dir,
-            max_to_keep, timeline, bucket_bytes, batch_size, clients) build one or change the
-            given one. A misspelt option is a TypeError that names it; a bad value a
-            ConfigurationError.
+            max_to_keep, timeline, bucket_bytes, batch_size, clients, profile_steps) build
+            one or change the given one. A misspelt option is a TypeError that names it; a
+            bad value a ConfigurationError.
     """
 
     def __init__(self, server, model, optimizer, mode=None, dataset=None, *, hooks=(),
@@ -116,6 +118,9 @@ class TrainingSession:
                 self.saver = CheckpointSaverHook(config.save_checkpoint_steps,
                                                  config.save_checkpoint_secs)
                 self.hooks.append(self.saver)
+            if config.profile_steps:
+                self.hooks.append(ProfileHook(config.profile_steps, os.path.join(
+                    config.run_dir or ".", "profile.json")))
         self.hooks.extend(hooks)
         self._start(optimizer)
 
