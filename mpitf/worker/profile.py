@@ -35,6 +35,13 @@ class ProfileHook(Hook):
         self.ticks = []
         self.written = False
 
+    @classmethod
+    def from_config(cls, config):
+        """The hook ``--profile-steps`` asks for (``RUN_DIR/profile.json``), or None."""
+        if config.profile_steps:
+            return cls(config.profile_steps, os.path.join(config.run_dir or ".", "profile.json"))
+        return None
+
     def begin(self, session):
         """Turn the session's timeline on for the profiled steps."""
         self.was_enabled = session.timeline.enabled

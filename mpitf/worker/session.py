@@ -9,7 +9,6 @@ The replicas are the chief task (if any) and the worker tasks (``server.replica_
 
 import inspect
 import logging
-import os
 import time
 
 import numpy as np
@@ -110,17 +109,13 @@ class TrainingSession:
             self.hooks.append(StopAtStepHook(config.last_step))
         self.saver = None
         if server.is_chief:
-            metrics = LoggingHook.from_config(config)
-            if metrics is not None:
-                self.hooks.append(metrics)
+            self.hooks += [hook for hook in (LoggingHook.from_config(config),
+                                             ProfileHook.from_config(config)) if hook]
             if self.checkpoint_dir and (config.save_checkpoint_steps or
                                         config.save_checkpoint_secs):
                 self.saver = CheckpointSaverHook(config.save_checkpoint_steps,
                                                  config.save_checkpoint_secs)
                 self.hooks.append(self.saver)
-            if config.profile_steps:
-                self.hooks.append(ProfileHook(config.profile_steps, os.path.join(
-                    config.run_dir or ".", "profile.json")))
         self.hooks.extend(hooks)
         self._start(optimizer)
 
