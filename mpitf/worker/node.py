@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 from ..config import SERVER_FIRST, check_aggregation
 from ..errors import ConfigurationError
+from ..runtime.exits import collective
 from ..wire import header as H
 from ..wire import protocol as P
 
@@ -173,6 +174,13 @@ class NodeGroup:
     def leader_rank(self):
         """Return the rank (in ``server.comm``) of this node's leader."""
         return self.ranks[0]
+
+
+def refuse_aggregation(config, job, why):
+    """Raise, alike on every rank, if ``job`` (which cannot aggregate per node) was asked to."""
+    if config.aggregate_per_node:
+        raise collective(ConfigurationError(
+            f"{job} does not support --aggregate-per-node ({why}); drop the flag"))
 
 
 def aggregation_problem(server, config, backend):
