@@ -47,9 +47,9 @@ class TrainingSession:
             last_step, checkpoint_dir, save_checkpoint_steps, save_checkpoint_secs,
             replicas_to_aggregate, deterministic, staleness, moving_average_decay,
             skip_nonfinite, clip_norm, ps_strategy, seed, log_every, summary_every, run_dir,
-            max_to_keep, timeline, bucket_bytes, batch_size, clients) build one or change the
-            given one. A misspelt option is a TypeError that names it; a bad value a
-            ConfigurationError.
+            max_to_keep, timeline, bucket_bytes, batch_size, clients, aggregate_per_node)
+            build one or change the given one. A misspelt option is a TypeError that names
+            it; a bad value a ConfigurationError.
     """
 
     def __init__(self, server, model, optimizer, mode=None, dataset=None, *, hooks=(),
