@@ -283,6 +283,8 @@ class Client:
         With node aggregation the leader says it for its node, with each member's data
         position; the other members say nothing.
         """
+        if self.node is not None:
+            self.node.fresh = True  # the step after a checkpoint may start late
         self._node_control(P.PAUSED, 0)
 
     def done(self, flags=0):

@@ -58,6 +58,8 @@ class NodeGroup:
         self.ranks = self.comm.allgather(server.rank)  # their ranks in server.comm
         self.win = None
         self._seq = 0
+        self.fresh = True  # the next reduction follows start-up or a checkpoint
+        self._pending = None  # the leader's share barrier, entered and not yet waited for
 
     @classmethod
     def for_session(cls, server, config, tables=()):
@@ -109,17 +111,28 @@ class NodeGroup:
 
     # -- a step --------------------------------------------------------------------------
 
-    def sync(self, deadline, operation):
+    def sync(self, deadline, operation, wait=True):
         """Barrier of the node's members, with a deadline that names a member not there.
 
         Memory written to the window before it is visible to every member after it.
+        ``wait=False`` enters the barrier without waiting: the next one waits for it first.
         """
+        self._finish_pending(deadline)
         self._seq += 1
         self.stamps[self.rank] = self._seq
         self.win.Sync()
         request = self.comm.Ibarrier()
+        if not wait:
+            self._pending = (request, operation)
+            return
         P.wait_all([request], deadline, lambda i: self._missing(operation))
         self.win.Sync()
+
+    def _finish_pending(self, deadline):
+        if self._pending is not None:
+            request, operation = self._pending
+            self._pending = None
+            P.wait_all([request], deadline, lambda i: self._missing(operation))
 
     def _missing(self, operation):
         """Name a member that has not reached the barrier this member waits at."""
@@ -133,11 +146,17 @@ class NodeGroup:
         ``frames`` are the segments ``(header, payload start, end)`` of the gradient
         layout: payloads are summed frame by frame in replica order (slot 0 += slot 1,
         += slot 2, ...), headers are left alone. Members wait 1/SERVER_FIRST of a ps's
-        allowance, so a silent member is named before the ps names the leader.
+        allowance, so a silent member is named before the ps names the leader; after
+        start-up or a checkpoint (``fresh``: the chief opens files, writes) as long as a ps
+        waits then.
         """
         start = time.perf_counter()
-        self.sync(None if deadline is None else deadline / SERVER_FIRST ** 2,
-                  "node reduction (its gradient)")
+        limit = deadline  # None: wait forever
+        if limit is not None:
+            fresh = self.fresh and self.deadline is not None
+            limit = self.deadline / SERVER_FIRST if fresh else deadline / SERVER_FIRST ** 2
+        self.fresh = False
+        self.sync(limit, "node reduction (its gradient)")
         if self.leader and self.size > 1:
             own = self.slots[0]
             for _, b, c in frames:
@@ -151,11 +170,12 @@ class NodeGroup:
         """Parameters out: the leader's pull is in the shared buffer; every member may read.
 
         The others wait SERVER_FIRST times a worker's allowance: the leader, waiting on
-        the ps, names a silent ps first.
+        the ps, names a silent ps first. The leader does not wait: the members' reading is
+        over when they reach the next reduction, whose barrier it waits for.
         """
         start = time.perf_counter()
         self.sync(None if deadline is None else deadline * SERVER_FIRST,
-                  "node share (the leader's pull)")
+                  "node share (the leader's pull)", wait=not self.leader)
         if timeline is not None and timeline.enabled:
             timeline.add("node_share", start, time.perf_counter(), replicas=self.size)
 
