@@ -28,6 +28,7 @@ __all__ = [
     "JobConfig",
     "PsAssignment",
     "TrainingConfig",
+    "check_aggregation",
     "check_batch_size",
     "check_choice",
     "check_deadline",
@@ -193,24 +194,21 @@ class TrainingConfig:
         max_nonfinite_skips: with skip_nonfinite, the job ends (naming the variable) when a
             worker has skipped this many gradients in a row.
         moving_average_decay: keep an exponential moving average (None: none).
-        clip_norm: clip the gradient to this global L2 norm (None: no clipping); in sync
-            mode the aggregated gradient, the ps tasks agreeing on its norm; in async and
-            ssp mode each push, on its worker.
+        clip_norm: clip to this global L2 norm (None: none): sync, the aggregated gradient
+            (the ps tasks agree on its norm); async and ssp, each push on its worker.
         ps_strategy: how variables go to ps tasks (None: the placement's default).
         seed: seed of the initial values.
-        log_every: the chief logs every N steps (0: never): a line, metrics.jsonl and
-            TensorBoard scalars.
-        summary_every: the chief writes TensorBoard histograms of the gradients and the
-            variables every N steps (0: never).
+        log_every: the chief logs a line, metrics.jsonl and TensorBoard scalars every N steps.
+        summary_every: TensorBoard histograms of gradients and variables every N steps.
         run_dir: where metrics.jsonl and the TensorBoard event files go (None: nowhere).
         timeline: write a Chrome trace of every rank to this path.
-        bucket_bytes: push gradients in buckets of about this many bytes per ps, last
-            layers first, and pipeline them on the ps (0: one frame per ps).
+        bucket_bytes: buckets of about this many bytes per ps, last layers first (0: one).
         clients: in-graph replication: the worker tasks that talk to the ps (None: all).
         ps_threads: threads each ps applies the optimizer with (None: the cores the ps
             rank may use, shared among the ranks on its node; see ps/threads.py).
-        profile_steps: the chief times this many steps and writes RUN_DIR/profile.json
-            (0: no profile; see worker/profile.py).
+        profile_steps: the chief times N steps into RUN_DIR/profile.json (worker/profile.py).
+        aggregate_per_node: sync: the replicas of a node sum their gradients in shared
+            memory and one leader per node pushes for them (see worker/node.py).
     """
 
     mode: str = "sync"
@@ -237,6 +235,7 @@ class TrainingConfig:
     clients: tuple = None
     ps_threads: int = None
     profile_steps: int = 0
+    aggregate_per_node: bool = False
 
     def __post_init__(self):
         check_choice("mode", self.mode, MODES)
@@ -282,10 +281,36 @@ class TrainingConfig:
         if self.clients is not None:
             object.__setattr__(self, "clients", tuple(
                 check_int("clients", c, 0) for c in self.clients))
+        if self.aggregate_per_node:
+            _check_aggregation(self)
 
     def replace(self, **changes):
         """Return a copy with ``changes`` applied (checked again; misspelt names raise)."""
         return dataclasses.replace(self, **changes)
+
+
+def _check_aggregation(config):
+    """Refuse what node-local aggregation does not support, naming the option to drop."""
+    for bad, what in (
+            (config.mode != "sync", f"mode {config.mode!r} (--mode): it sums each step's "
+             "gradients, which only sync mode has"),
+            (config.bucket_bytes, f"bucket_bytes={config.bucket_bytes} (--bucket-bytes): a "
+             "node pushes one frame per ps"),
+            (config.skip_nonfinite, "skip_nonfinite (--skip-nonfinite): a node pushes whole"),
+            (config.clients is not None, "in-graph replication (clients)")):
+        if bad:
+            raise ConfigurationError(f"aggregate_per_node (--aggregate-per-node) does not "
+                                     f"support {what}; drop one of them")
+
+
+def check_aggregation(config, num_replicas):
+    """Raise if ``config`` aggregates per node with backup workers (a node's push is whole)."""
+    r = config.replicas_to_aggregate
+    if config.aggregate_per_node and r is not None and r != num_replicas:
+        raise ConfigurationError(
+            f"aggregate_per_node (--aggregate-per-node) does not support backup workers "
+            f"(replicas_to_aggregate {r} of {num_replicas} replicas): a node's push stands "
+            "for all its replicas; leave --replicas-to-aggregate out or drop one of them")
 
 
 @dataclass(frozen=True)
@@ -336,7 +361,8 @@ class JobConfig:
             moving_average_decay=args.moving_average_decay, ps_strategy=args.ps_strategy,
             seed=args.seed, log_every=args.log_every, summary_every=args.summary_every,
             run_dir=args.run_dir, timeline=args.timeline, bucket_bytes=args.bucket_bytes,
-            ps_threads=args.ps_threads, profile_steps=args.profile_steps)
+            ps_threads=args.ps_threads, profile_steps=args.profile_steps,
+            aggregate_per_node=args.aggregate_per_node)
         return cls(training=training, model=args.model, hidden=args.hidden,
                    optimizer=args.optimizer, lr=args.lr, lr_decay=args.lr_decay,
                    lr_decay_steps=args.lr_decay_steps,
@@ -355,7 +381,8 @@ class PsAssignment:
     None), chief_rank, deadline (seconds, or None), adaptive (True: the deadline is an upper
     bound and waits adapt to the step time, see ``stall_allowance``), chunk_bytes (or None),
     total_num_replicas (the workers that push, or None: all), sparse (embedding tables:
-    ``tables``, ``batch_size``; None: none).
+    ``tables``, ``batch_size``; None: none), nodes (node-local aggregation: each node's
+    replica indices, its leader first, which pushes for all of them; None: none).
     """
 
     slices: tuple
@@ -370,3 +397,4 @@ class PsAssignment:
     chunk_bytes: int = None
     total_num_replicas: int = None
     sparse: dict = None
+    nodes: tuple = None

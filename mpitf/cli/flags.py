@@ -48,6 +48,8 @@ def add_training_arguments(parser, steps=300, batch_size=32, lr=_JOB["lr"]):
     g.add_argument("--ps-threads", type=int, default=None,
                    help="threads each ps applies the optimizer with (default: the cores the "
                         "ps rank may use, shared among the ranks on its node)")
+    g.add_argument("--aggregate-per-node", action="store_true",
+                   help="sync: sum a node's gradients in shared memory; one rank per node pushes")
     g.add_argument("--deterministic", action="store_true",
                    help="sync: sum gradients in worker order so runs are bit-for-bit equal")
     g.add_argument("--skip-nonfinite", action="store_true",
@@ -330,12 +332,7 @@ def report_final(config, summary, params=None, to_host=None):
 
 
 def evaluate_session(sess, config, path, **extra):
-    """Evaluate the newest parameters on the test split; return the summary dict.
-
-    The summary has at least step, loss, test_loss, test_accuracy and examples_per_sec,
-    plus the ps counters (stale drops, staleness, non-finite gradients skipped by all
-    workers) and ``extra``.
-    """
+    """Evaluate the newest parameters on the test split; return the summary (ps counters too)."""
     from ..data.sharded import load_split
 
     x_test, y_test = load_split(path, "test")
@@ -344,15 +341,16 @@ def evaluate_session(sess, config, path, **extra):
     elapsed = sess.elapsed
     counters = sess.client.ps_counters()
     summary = dict(step=sess.global_step, loss=sess.loss, test_loss=test_loss,
-                   test_accuracy=test_acc,
+                   test_accuracy=test_acc, ps=len(counters),
                    examples_per_sec=sess.examples_seen / elapsed if elapsed > 0 else 0.0,
-                   ps=len(counters),
                    # every ps counts each skip of every worker: one ps's count is the total
                    nonfinite_skipped=max((c["nonfinite_skipped"] for c in counters),
                                          default=sess.nonfinite_skipped),
                    stale_dropped=sum(c["stale_dropped"] for c in counters),
                    max_staleness=max((c["max_staleness"] for c in counters), default=0),
-                   max_lead=max((c["max_lead"] for c in counters), default=0))
+                   max_lead=max((c["max_lead"] for c in counters), default=0),
+                   fan_in=max(c["fan_in"] for c in counters),  # ranks pushing to a ps
+                   pushes_received=max(c["pushes_received"] for c in counters))
     summary.update(extra)
     if config.export:
         sess.client.pull()  # evaluation may have pulled the average
@@ -364,8 +362,7 @@ def start_job(args, config, check_cluster=None, check_data=None):
 
     ``args`` are the parsed flags (cluster and devices), ``config`` their
     :class:`~mpitf.config.JobConfig` (see :func:`config_from_args`).
-    ``check_cluster(cluster)`` may refuse a cluster the job cannot run; its errors, like
-    every error here, are the same on every rank (``check_data``: see check_inputs).
+    ``check_cluster(cluster)`` may refuse a cluster; every error here is alike on every rank.
     """
     from mpi4py import MPI
 
@@ -384,7 +381,10 @@ def start_job(args, config, check_cluster=None, check_data=None):
     check_roles(args, server)
     if args.log_device_placement:
         server.describe()  # rank 0 prints the rank -> task -> host table
-    setup_backend(args, server)
+    backend = setup_backend(args, server)
+    if config.training.aggregate_per_node:  # before training, one message, every rank
+        from ..worker.node import aggregation_problem
+        raise_shared(server.comm, aggregation_problem(server, config.training, backend))
     path = check_inputs(config, server.comm, chief_rank(server),
                         num_shards=server.num_replicas, check_data=check_data)
     if config.training.checkpoint_dir:

@@ -23,6 +23,7 @@ from mpitf.data.ctr import CtrDataset, auc, load_ctr
 from mpitf.errors import ConfigurationError
 from mpitf.models.ctr import CTR, logistic_loss
 from mpitf.runtime.exits import RankParser, collective, run_job
+from mpitf.worker.node import refuse_aggregation
 
 
 def _check_cluster(cluster):
@@ -65,6 +66,7 @@ def main(argv=None):
                         help="the chief logs test AUC and log loss every N steps (0: never)")
     args = parser.parse_args(argv)
     config = config_from_args(args)
+    refuse_aggregation(config.training, "ctr", "its embedding rows are pushed by id")
     if not config.data:
         raise collective(ConfigurationError("ctr needs --data FILE (write one with `mpitf "
                                             "data synthetic-ctr --out FILE`)"))

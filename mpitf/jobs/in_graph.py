@@ -28,6 +28,7 @@ from mpitf.runtime.exits import (
 )
 from mpitf.runtime.timeline import Timeline
 from mpitf.wire.layout import FlatLayout
+from mpitf.worker.node import refuse_aggregation
 from mpitf.worker.replication import InGraphBatches, InGraphReplica, InGraphWorker
 
 
@@ -38,6 +39,7 @@ def main(argv=None):
     if args.mode != "sync":
         parser.error("in-graph replication has a single client, so only --mode sync applies")
     config = config_from_args(args)  # every value checked, alike on every rank
+    refuse_aggregation(config.training, "in_graph", "its replicas already push through one client")
     training = config.training
     server, path = start_job(args, config, _check_cluster)
     if server.job_name == "ps":

@@ -35,6 +35,7 @@ from mpitf.runtime.backend import describe_backend
 from mpitf.runtime.exits import RankParser, collective, run_job, setup_logging
 from mpitf.runtime.server import Server
 from mpitf.worker.hooks import LoggingHook
+from mpitf.worker.node import refuse_aggregation
 from mpitf.worker.towers import LocalSession, Towers, parse_devices, tower_backend
 
 
@@ -46,6 +47,7 @@ def main(argv=None):
     parser.set_defaults(num_ps=0)  # one process trains alone unless asked for a ps
     args = parser.parse_args(argv)
     config = config_from_args(args)  # every value checked, alike on every rank
+    refuse_aggregation(config.training, "towers", "its towers already average in one process")
     training = config.training
     setup_logging()
     world = MPI.COMM_WORLD

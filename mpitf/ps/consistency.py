@@ -1,11 +1,19 @@
 """Consistency modes: small policies that decide what the ps does with each pushed gradient.
 
 The service loop is the same for every mode; a policy only answers "a push arrived" and
-"a worker left", calling back into the service to apply, reply, drop or hold.
+"a worker left", calling back into the service to apply, reply, drop or hold. Who pushes
+(:class:`Senders`) is every replica, the in-graph clients, or one leader per node: with
+node-local aggregation (``PsAssignment.nodes``, see mpitf/worker/node.py) a leader pushes
+its node's summed gradients, so each push counts as that many replicas (``weights``), and
+the leader's paused and done requests carry each replica's data position.
 """
+
+import numpy as np
 
 from ..config import check_int
 from ..errors import ConfigurationError, PeerError
+from ..wire import header as H
+from ..wire import protocol as P
 
 
 class SyncReplicas:
@@ -15,12 +23,15 @@ class SyncReplicas:
     step is dropped (its sender still gets fresh parameters), and with
     ``total_num_replicas > replicas_to_aggregate`` the slowest workers are not waited for.
     ``deterministic`` sums in worker order, so runs are bit-for-bit equal; it holds one
-    receive buffer per worker to do so and needs every worker in every step.
+    receive buffer per worker to do so and needs every worker in every step. ``weights``
+    (node-local aggregation) is the replicas each worker's push sums: the mean divides by
+    their total, not by the pushes.
     """
 
     name = "sync"
 
-    def __init__(self, replicas_to_aggregate, total_num_replicas, deterministic=False):
+    def __init__(self, replicas_to_aggregate, total_num_replicas, deterministic=False,
+                 weights=None):
         if not 1 <= replicas_to_aggregate <= total_num_replicas:
             raise ConfigurationError(
                 f"replicas_to_aggregate must be between 1 and total_num_replicas "
@@ -32,6 +43,7 @@ class SyncReplicas:
         self.replicas_to_aggregate = replicas_to_aggregate
         self.total_num_replicas = total_num_replicas
         self.deterministic = deterministic
+        self.weights = weights
         # per bucket (one without buckets): the workers whose gradient is in the
         # accumulator, in arrival order; deterministic: worker -> (gradient, pool index or
         # None), summed in worker order
@@ -87,7 +99,7 @@ class SyncReplicas:
             waiting.append(worker)
             self.maybe_step(svc, bucket)
             return pipe.bucketed
-        if not waiting and self.needed(svc) == 1:
+        if not waiting and self.needed(svc) == 1 and self.weights is None:
             svc.apply(grad, (worker,), bucket)  # one gradient: no need to copy it first
             svc.reply(worker, bucket=bucket)
             return True
@@ -122,6 +134,8 @@ class SyncReplicas:
                 if held[w][1] is not None:
                     svc.repost(held[w][1])
             held.clear()
+        if self.weights is not None:
+            count = sum(self.weights[w] for w in waiting)
         if count > 1:
             svc.xp.divide(accum, count, out=accum)
         self.waiting[bucket] = []
@@ -235,13 +249,20 @@ class BoundedStaleness(Async):
         return worker in self.held
 
 
-def make_policy(config, num_workers, total_num_replicas=None):
+def make_policy(config, num_workers, total_num_replicas=None, weights=None):
     """Return the policy object for ``config`` (a :class:`~mpitf.config.TrainingConfig`).
 
     Its ``mode`` picks the policy ("sync", "async" or "ssp"); sync takes its
     ``replicas_to_aggregate`` (None: every worker) and ``deterministic``, ssp its
-    ``staleness``. ``total_num_replicas`` is the number of workers that push (None: all).
+    ``staleness``. ``total_num_replicas`` is the number of replicas (None: all workers);
+    ``weights`` (node-local aggregation, sync only) the replicas each worker's push sums.
     """
+    if weights is not None:
+        if config.mode != "sync" or (total_num_replicas or sum(weights)) != sum(weights):
+            raise ConfigurationError(
+                f"node-local aggregation needs sync mode and pushes for every replica: mode "
+                f"{config.mode!r}, {sum(weights)} of {total_num_replicas} replicas")
+        return SyncReplicas(len(weights), len(weights), config.deterministic, list(weights))
     if config.mode == "sync":
         total = total_num_replicas or num_workers
         if total != num_workers:
@@ -253,3 +274,39 @@ def make_policy(config, num_workers, total_num_replicas=None):
     if config.mode == "ssp":
         return BoundedStaleness(config.staleness)
     raise ConfigurationError(f"unknown mode {config.mode!r}: use 'sync', 'async' or 'ssp'")
+
+
+class Senders:
+    """The ranks that push to a ps, by worker index, and what each push stands for."""
+
+    def __init__(self, replica_ranks, clients=None, nodes=None):
+        self.nodes = nodes
+        heads = [n[0] for n in nodes] if nodes else clients
+        self.ranks = [replica_ranks[i] for i in heads or range(len(replica_ranks))]
+        self.index = {r: i for i, r in enumerate(self.ranks)}  # rank -> worker index
+        # the replica whose data position a worker's push carries (keys of the checkpoint)
+        self.replica_of = heads if nodes else range(len(self.ranks))
+        self.weights = [len(n) for n in nodes] if nodes else None  # replicas per push
+
+    def counters(self):
+        """Return the fan-in counters: ranks that push, the replicas they stand for, pushes."""
+        return dict(fan_in=len(self.ranks), pushes_received=0,
+                    replicas=sum(self.weights) if self.weights else len(self.ranks))
+
+    def capacity(self, capacity):
+        """Return the receive capacity in bytes a ps's frames need (None: their own size)."""
+        if not self.nodes:
+            return capacity
+        return max(capacity or 0, H.HEADER_BYTES + 8 * max(map(len, self.nodes)))
+
+    def note_positions(self, positions, worker, request, frame):
+        """Record the data position(s) a request carries in ``positions`` (replica -> pair).
+
+        A push carries its sender's; a node leader's paused or done one word per replica.
+        """
+        if request.kind == P.PUSH:
+            positions[self.replica_of[worker]] = (request.epoch, request.cursor)
+        elif request.count and request.kind in (P.PAUSED, P.DONE) and self.nodes:
+            end = H.HEADER_BYTES + 8 * request.count
+            words = frame.bytes[H.HEADER_BYTES:end].view(np.int64).tolist()
+            positions.update(zip(self.nodes[worker], map(H.split_position, words)))

@@ -23,7 +23,7 @@ from ..runtime.timeline import Timeline
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.frame import Frame
-from .consistency import make_policy
+from .consistency import Senders, make_policy
 from .optimizers import ExponentialMovingAverage, make_optimizer
 from .pipeline import Pipeline
 from .shard import Shard
@@ -44,10 +44,8 @@ class Service:
         self.deadline = assignment.deadline
         self.ps_task = server.task_index
         self.chief = assignment.chief_rank
-        # The workers that talk to the ps: all of them, or (in-graph replication) the clients.
-        all_workers = server.replica_ranks  # the chief task (if any), then the workers
-        self.worker_ranks = [all_workers[i] for i in config.clients or range(len(all_workers))]
-        self.worker_of = {r: i for i, r in enumerate(self.worker_ranks)}
+        senders = self.senders = Senders(server.replica_ranks, config.clients, assignment.nodes)
+        self.worker_ranks, self.worker_of = senders.ranks, senders.index
         self.num_workers = len(self.worker_ranks)
         self.backend = backend or get_backend()
         self.xp = self.backend.xp
@@ -58,7 +56,8 @@ class Service:
         self.shard = Shard(assignment.slices, size, dtype, optimizer, self.backend,
                            ExponentialMovingAverage(ema) if ema else None,
                            config.ps_threads or default_threads(server.hosts, server.rank))
-        self.policy = make_policy(config, self.num_workers, assignment.total_num_replicas)
+        self.policy = make_policy(config, self.num_workers, assignment.total_num_replicas,
+                                  senders.weights)
         self.pipeline = Pipeline(assignment.slices, size, config.bucket_bytes, dtype.itemsize)
         self.tables = None  # embedding tables (ps/sparse.py): rows pulled and pushed by id
         if assignment.sparse:
@@ -70,7 +69,7 @@ class Service:
         self.timeline = Timeline(server.rank, server.device, bool(config.timeline))
         self.chunk_bytes = assignment.chunk_bytes
         self.chunked_workers = set()  # workers that stage through host memory, in chunks
-        capacity = self.tables.capacity if self.tables else None
+        capacity = senders.capacity(self.tables.capacity if self.tables else None)
         # Buckets: a second frame receives bucket k+1 while bucket k is applied.
         frames = self.policy.receive_buffers(self.num_workers, self.pipeline.bucketed)
         self.pool = [Frame.allocate(self.backend, size, dtype, capacity) for _ in range(frames)]
@@ -95,7 +94,7 @@ class Service:
         self.last_message = 0.0  # when the last request arrived (any worker)
         self.counters = dict(global_step=0, pushes_applied=0, stale_dropped=0,
                              nonfinite_skipped=0, staleness_histogram={}, max_staleness=0,
-                             max_lead=0, bytes_in=0, bytes_out=0)
+                             max_lead=0, bytes_in=0, bytes_out=0, **senders.counters())
         if assignment.restore:
             self._restore(assignment.restore)
 
@@ -195,7 +194,8 @@ class Service:
         self.pipeline.finish(self.stall.steady, self._describe_reply)
 
     def _stepped(self, worker, now):
-        """Count the gap since ``worker``'s previous push as one of its steps."""
+        """Count a push, and the gap since ``worker``'s previous push as one of its steps."""
+        self.counters["pushes_received"] += 1
         last = self.last_push[worker]
         if last is not None:
             self.stall.step(now - last)
@@ -262,6 +262,7 @@ class Service:
             raise PeerError(f"request from rank {source}, which is not a worker")
         now = self.last_seen[worker] = self.last_message = time.monotonic()
         nbytes = H.HEADER_BYTES + request.count * frame.itemsize
+        self.senders.note_positions(self.positions, worker, request, frame)
         if flags & P.FLAG_CHUNKED:
             self.chunked_workers.add(worker)
             if kind in (P.PUSH, P.INIT) and self.chunk_bytes:
@@ -280,7 +281,6 @@ class Service:
                 self._stepped(worker, now)
             frame.received(request.count)
             self.counters["bytes_in"] += nbytes
-            self.positions[worker] = (request.epoch, request.cursor)
             lr = H.learning_rate_of(request)
             if lr is not None:  # the worker's rate (mpitf.torch): the next update applies it
                 self.shard.optimizer.set_learning_rate(lr)

@@ -11,7 +11,9 @@ word  request (push, pull, init, done, ...)        reply
       computed on
 2     worker: the sending worker task              ps: the answering ps task
 3     count: payload elements (0: header only;     pushes_applied: gradients applied so far
-      sparse kinds: ids in all tables)
+      sparse kinds: ids in all tables; paused
+      and done from a node's leader: its
+      replicas, one data position word each)
 4     flags (``FLAG_CHUNKED``, ``FLAG_REQUEUE``)   flags (``FLAG_PAUSE``)
 5     position: the worker's data position after   stale_dropped: stale gradients dropped
       this batch (push): epoch << 40 | cursor
@@ -142,6 +144,11 @@ def learning_rate_of(request):
     if not request.flags & P.FLAG_LEARNING_RATE:
         return None
     return _F64.unpack(_I64.pack(request.learning_rate))[0]
+
+
+def split_position(word):
+    """Return (epoch, cursor) of a data position word (``epoch << 40 | cursor``)."""
+    return word >> _CURSOR_BITS, word & _CURSOR_MASK
 
 
 def unpack_reply(words):

@@ -9,7 +9,6 @@ before each push, since its slices are not adjacent.
 """
 
 import numpy as np
-from mpi4py import MPI
 
 from ..config import DEFAULT_DEADLINE, PsAssignment, check_multiple
 from ..errors import ConfigurationError, PeerError
@@ -19,78 +18,7 @@ from ..wire import protocol as P
 from ..wire.frame import Frame, frames_over
 from ..wire.layout import FlatLayout, bucket_ranges
 from .buckets import BucketedPush
-
-
-class Reply:
-    """What the ps tasks answered to one push or pull, over every ps.
-
-    ``global_step`` is the smallest ps step; ``dropped`` and ``applied`` add up the stale
-    gradients dropped and the gradients applied; ``max_staleness`` is the largest
-    staleness (global step minus the gradient's step) and ``max_lead`` the largest lead of
-    a worker over the slowest one (bounded staleness only; 0 in other modes).
-    """
-
-    __slots__ = ("global_step", "flags", "dropped", "applied", "max_staleness", "max_lead")
-
-    def __init__(self, global_step, flags, dropped, applied, max_staleness, max_lead):
-        self.global_step = global_step
-        self.flags = flags
-        self.dropped = dropped
-        self.applied = applied
-        self.max_staleness = max_staleness
-        self.max_lead = max_lead
-
-    @property
-    def pause(self):
-        """Return True when a ps asked this worker to pause for a checkpoint."""
-        return bool(self.flags & P.FLAG_PAUSE)
-
-
-class PushPullHandle:
-    """Requests in flight that keep their buffers alive; :meth:`wait` completes them.
-
-    Waiting returns a :class:`Reply` built from the ps headers (or None when nothing was
-    asked back). Every wait carries the client's deadline and names the silent ps.
-    """
-
-    def __init__(self, client, receives, sends, operation):
-        self.client = client
-        self.receives = receives  # per ps: the requests of its reply frame
-        self.sends = sends
-        self.operation = operation
-        self.reply = None
-
-    def _describe(self, p):
-        return dict(self.client._describe_ps(p), operation=self.operation)
-
-    def done(self):
-        """Return True when the round trip has completed (without blocking)."""
-        if self.reply is not None:
-            return True
-        return all(MPI.Request.Testall(r) for r in self.receives) and \
-            MPI.Request.Testall(self.sends)
-
-    def wait_sends(self):
-        """Wait until every request has left this rank."""
-        n = max(1, len(self.sends) // max(1, len(self.client.ps_ranks)))
-        P.wait_all(self.sends, self.client.deadline, lambda i: self._describe(i // n))
-
-    def wait(self):
-        """Block until every ps answered; raise on a deadline or a refused gradient."""
-        if self.reply is None:
-            if not self.client.chunked:  # one wait for everything: replies land in place
-                # One receive and one send per ps, in ps order: request i is ps i % P's.
-                requests = [r for rs in self.receives for r in rs] + self.sends
-                nps = len(self.client.ps_ranks)
-                P.wait_all(requests, self.client.deadline, lambda i: self._describe(i % nps))
-            else:
-                frames = self.client.param_frames
-                for p, requests in enumerate(self.receives):
-                    frames[p].receive_chunks(requests, self.client.deadline,
-                                             lambda i, p=p: self._describe(p))
-                self.wait_sends()
-            self.reply = self.client._finish()
-        return self.reply
+from .handles import NodeHandle, PushPullHandle, Reply
 
 
 class Client:
@@ -106,10 +34,14 @@ class Client:
         chunk_bytes: chunk size when device buffers are staged through host memory.
         bucket_bytes: push in buckets of about this many bytes per ps (0: one frame per
             ps); see :mod:`mpitf.worker.buckets`.
+        node: a :class:`~mpitf.worker.node.NodeGroup` to aggregate gradients over the node
+            (its leader alone talks to the ps; the buffers are the node's shared window),
+            or None.
     """
 
     def __init__(self, server, placement, backend=None, deadline=DEFAULT_DEADLINE,
-                 chunk_bytes=P.DEFAULT_CHUNK_BYTES, adaptive=False, bucket_bytes=0):
+                 chunk_bytes=P.DEFAULT_CHUNK_BYTES, adaptive=False, bucket_bytes=0,
+                 node=None):
         self.server = server
         self.placement = placement
         self.backend = backend or get_backend()
@@ -134,8 +66,17 @@ class Client:
         dtype = placement.dtype
         if chunk_bytes is not None:
             check_multiple("chunk_bytes", chunk_bytes, H.HEADER_BYTES)
-        self.params_flat = self.backend.zeros(self.layout.size, dtype)
-        self.grads_flat = self.backend.zeros(self.grad_layout.size, dtype)
+        self.node = node
+        if node is None:
+            self.params_flat = self.backend.zeros(self.layout.size, dtype)
+            self.grads_flat = self.backend.zeros(self.grad_layout.size, dtype)
+        else:  # the node's shared window: one parameter buffer, a gradient slot each
+            if self.backend.name != "numpy" or self.bucketed:
+                raise ConfigurationError(
+                    "aggregate_per_node shares host memory over a node, one frame per ps: "
+                    "it needs the numpy backend (--device cpu) and bucket_bytes 0")
+            self.params_flat, self.grads_flat = node.allocate(
+                self.layout.size, self.grad_layout.size, dtype)
         self.chunk_bytes = chunk_bytes
         # One frame per ps in each buffer: sent as they are, or staged through pinned
         # host memory in chunks (and then the ps is told so, to answer in chunks).
@@ -157,6 +98,9 @@ class Client:
         self.timeline = None  # the session's Timeline: bucketed pushes record per bucket
         self.bucketed_push = BucketedPush(self) if self.bucketed else None
         self.learning_rate = None  # a float: each push asks the ps to apply this rate
+        self.position_frames = None  # a node's leader: its PAUSED and DONE carry positions
+        if node is not None:  # nobody may use the shared buffers before all have mapped them
+            node.sync(node.deadline, "node start-up")
 
     def _describe_ps(self, p):
         rank = self.ps_ranks[p]
@@ -182,11 +126,17 @@ class Client:
                            self.request_flags, epoch, cursor, self.learning_rate)
             frame.commit()
         self.backend.synchronize()  # MPI must see the finished gradient
+        node = self.node
+        if node is not None:
+            node.reduce(self.segments, self.deadline, self.timeline)
+            if not node.leader:
+                return NodeHandle(self, None)
         receives, sends = [], []
         for p, rank in enumerate(self.ps_ranks):
             receives.append(self.param_frames[p].irecv(self.comm, rank, P.TAG_REPLY))
             sends.extend(self.grad_frames[p].isend(self.comm, rank, P.TAG_REQUEST))
-        return PushPullHandle(self, receives, sends, "push_pull")
+        handle = PushPullHandle(self, receives, sends, "push_pull")
+        return handle if node is None else NodeHandle(self, handle)
 
     def start_push(self, data_position=(0, 0)):
         """Begin a bucketed push: post every reply's receive; return the :class:`BucketedPush`.
@@ -200,14 +150,27 @@ class Client:
                                      "bucket_bytes smaller than a ps's shard")
         return self.bucketed_push.begin(data_position)
 
-    def _request(self, kind, want_reply, flags=0, operation="pull"):
+    def _request(self, kind, want_reply, flags=0, operation="pull", payload=None):
+        if self.node is not None and not self.node.leader:
+            raise ConfigurationError(
+                f"{operation} from a replica that is not its node's leader: with "
+                "aggregate_per_node only the leader talks to the ps (the others share "
+                "its buffers)")
+        frames = self.request_frames
+        if payload is not None:  # int64 words after the header (a node's data positions)
+            if self.position_frames is None:
+                self.position_frames = [Frame.allocate(numpy_backend(), len(payload), np.int64)
+                                        for _ in self.segments]
+            frames = self.position_frames
         receives, sends = [], []
         for p, rank in enumerate(self.ps_ranks):
-            H.pack_request(self.request_frames[p].header, kind, self.ps_steps[p], self.worker,
-                           0, flags | self.request_flags)
+            H.pack_request(frames[p].header, kind, self.ps_steps[p], self.worker,
+                           0 if payload is None else len(payload), flags | self.request_flags)
+            if payload is not None:
+                frames[p].payload[...] = payload
             if want_reply:
                 receives.append(self.param_frames[p].irecv(self.comm, rank, P.TAG_REPLY))
-            sends.extend(self.request_frames[p].isend(self.comm, rank, P.TAG_REQUEST))
+            sends.extend(frames[p].isend(self.comm, rank, P.TAG_REQUEST))
         handle = PushPullHandle(self, receives, sends, operation)
         return handle.wait() if want_reply else handle.wait_sends()
 
@@ -314,9 +277,31 @@ class Client:
         """Send a header-only request (done, paused, save) to every ps."""
         self._request(kind, False, flags, operation=P.KIND_NAMES.get(kind, "control"))
 
+    def paused(self):
+        """Tell every ps this worker paused for a checkpoint (see :mod:`mpitf.ckpt.cut`).
+
+        With node aggregation the leader says it for its node, with each member's data
+        position; the other members say nothing.
+        """
+        if self.node is not None:
+            self.node.fresh = True  # the step after a checkpoint may start late
+        self._node_control(P.PAUSED, 0)
+
     def done(self, flags=0):
-        """Tell every ps this worker has finished."""
-        self.send_control(P.DONE, flags)
+        """Tell every ps this worker has finished (a node's leader: the node has)."""
+        try:
+            self._node_control(P.DONE, flags)
+        finally:
+            if self.node is not None:
+                self.node.close()
+
+    def _node_control(self, kind, flags):
+        node = self.node
+        if node is None:
+            self.send_control(kind, flags)
+        elif node.leader:
+            self._request(kind, False, flags, operation=P.KIND_NAMES[kind],
+                          payload=node.positions(self.segments))
 
     def ps_counters(self):
         """Return each ps's counters (global step, pushes applied, drops, staleness, bytes)."""
@@ -352,14 +337,17 @@ class Client:
                     optimizer=optimizer, chief_rank=self.server.rank, restore=restore,
                     deadline=self.deadline, adaptive=self.adaptive,
                     chunk_bytes=self.chunk_bytes,
-                    total_num_replicas=total_num_replicas, sparse=sparse)
+                    total_num_replicas=total_num_replicas, sparse=sparse,
+                    nodes=None if self.node is None else self.node.nodes)
                 self.comm.send((config, assignment), dest=rank, tag=P.TAG_CONTROL)
             if restore is None:
                 if initial_values is None:
                     raise ConfigurationError("the chief needs initial values or a checkpoint")
                 self.set_params(initial_values)
                 self.send_initial_values()
-        return self.pull()
+        if self.node is None:
+            return self.pull()
+        return NodeHandle(self, self.pull() if self.node.leader else None).wait()
 
     @property
     def num_elements(self):

@@ -174,6 +174,13 @@ class CheckpointSaverHook(Hook):
         self.save_steps = save_steps
         self.save_secs = save_secs
 
+    @classmethod
+    def from_config(cls, config):
+        """The hook a checkpoint directory with a step or time trigger asks for, or None."""
+        if config.checkpoint_dir and (config.save_checkpoint_steps or config.save_checkpoint_secs):
+            return cls(config.save_checkpoint_steps, config.save_checkpoint_secs)
+        return None
+
     def begin(self, session):
         """Start counting from the restored step."""
         self.last_step = session.global_step

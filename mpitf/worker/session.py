@@ -27,6 +27,7 @@ from .buffers import model_buffers
 from .client import Client
 from .embedding import Embeddings
 from .hooks import CheckpointSaverHook, LoggingHook, StopAtStepHook
+from .node import NodeGroup
 from .profile import ProfileHook
 
 _log = logging.getLogger("mpitf")
@@ -45,13 +46,9 @@ class TrainingSession:
         dataset: a :class:`~mpitf.data.sharded.ShardedDataset`; its position is checkpointed.
         hooks: more :class:`Hook` objects.
         partitioner: how large variables are split over ps tasks (see :mod:`mpitf.placement`).
-        config: a :class:`~mpitf.config.TrainingConfig`; ``options`` (its field names:
-            last_step, checkpoint_dir, save_checkpoint_steps, save_checkpoint_secs,
-            replicas_to_aggregate, deterministic, staleness, moving_average_decay,
-            skip_nonfinite, clip_norm, ps_strategy, seed, log_every, summary_every, run_dir,
-            max_to_keep, timeline, bucket_bytes, batch_size, clients, profile_steps) build
-            one or change the given one. A misspelt option is a TypeError that names it; a
-            bad value a ConfigurationError.
+        config: a :class:`~mpitf.config.TrainingConfig`; ``options`` (its field names, e.g.
+            last_step, checkpoint_dir) build one or change the given one. A misspelt option
+            is a TypeError that names it; a bad value a ConfigurationError.
     """
 
     def __init__(self, server, model, optimizer, mode=None, dataset=None, *, hooks=(),
@@ -92,14 +89,18 @@ class TrainingSession:
         placement = replica_device_setter(server.cluster, ps_strategy=config.ps_strategy,
                                           partitioner=partitioner)
         self.placement = placement.place(model.variables())
+        tables = model.tables() if hasattr(model, "tables") else ()
+        self.node = node = NodeGroup.for_session(server, config, tables)  # or None
         self.client = Client(server, self.placement, deadline=server.deadline,
                              adaptive=not server.fixed_deadline,
-                             bucket_bytes=config.bucket_bytes)
+                             bucket_bytes=config.bucket_bytes, node=node)
+        # who a ps's worker index w is (its checkpoint release goes there), who releases us
+        self.push_ranks = [workers[n[0]] for n in node.nodes] if node else self.client_ranks
+        self.releaser = node.leader_rank if node and not node.leader else self.client_ranks[0]
         self.client.timeline = self.timeline
         self.stall = StepClock(server.deadline, adaptive=not server.fixed_deadline)
         # With buckets, a model that reports finished layers (``final``) pushes them during
         # backward; a NaN/Inf found after that still ends the job, but cannot be skipped.
-        tables = model.tables() if hasattr(model, "tables") else ()
         self.layerwise = self.client.bucketed and not config.skip_nonfinite and not tables \
             and "final" in inspect.signature(model.loss_and_grads).parameters
         self.embeddings = Embeddings(self.client, tables, self.batch_size) if tables else None
@@ -107,15 +108,10 @@ class TrainingSession:
         self.hooks = []
         if config.last_step is not None:
             self.hooks.append(StopAtStepHook(config.last_step))
-        self.saver = None
+        self.saver = CheckpointSaverHook.from_config(config) if server.is_chief else None
         if server.is_chief:
             self.hooks += [hook for hook in (LoggingHook.from_config(config),
-                                             ProfileHook.from_config(config)) if hook]
-            if self.checkpoint_dir and (config.save_checkpoint_steps or
-                                        config.save_checkpoint_secs):
-                self.saver = CheckpointSaverHook(config.save_checkpoint_steps,
-                                                 config.save_checkpoint_secs)
-                self.hooks.append(self.saver)
+                                             ProfileHook.from_config(config), self.saver) if hook]
         self.hooks.extend(hooks)
         self._start(optimizer)
 
@@ -219,7 +215,7 @@ class TrainingSession:
         self.global_step = reply.global_step
         self.steps_run += 1
         if reply.pause:
-            self._pause()
+            self._pause(relay=True)
         for hook in self.hooks:
             hook.after_run(self, self.loss)
         self.stall.tick(time.monotonic())
@@ -279,7 +275,7 @@ class TrainingSession:
         for hook in self.hooks:
             hook.after_skip(self, variable)
         if self.last_reply.pause:
-            self._pause()
+            self._pause(relay=True)
         return self.loss
 
     def _cut_due(self):
@@ -293,19 +289,24 @@ class TrainingSession:
         """Chief: ask every ps for a cut expected at ``step``; False if it is already saved."""
         return cut.request(self.checkpoint_dir, step, self.client.send_control)
 
-    def _pause(self):
-        """Stop for a checkpoint cut; the chief writes the manifest and releases the others."""
+    def _pause(self, relay=False):
+        """Stop for a checkpoint cut; the chief writes the manifest and releases the others.
+
+        ``relay``: the pause came in a reply, so a node's members paused too (aggregation).
+        """
         self.stall.pause()  # writing takes what the file system takes: the whole deadline
         self.client.deadline = self.stall.allowance
-        self.client.send_control(P.PAUSED)
+        self.client.paused()
         with self.timeline.span("checkpoint", step=self.global_step):
             if self.server.is_chief:
                 message = self._collect_checkpoint()
             else:
-                message = cut.wait_for_release(self.server.comm, self.client_ranks[0],
+                message = cut.wait_for_release(self.server.comm, self.releaser,
                                                self.server.deadline, self.server.peer)
                 if self.buffers is not None:
                     self.buffers.load(message["buffers"])
+            if relay and self.node is not None and self.node.leader:
+                self.node.relay(message)
         if message.get("stop"):
             self.requeue = True
 
@@ -327,7 +328,7 @@ class TrainingSession:
             print(f"{self.signals.received}: checkpointed at step {step}; exiting with code "
                   f"{EXIT_REQUEUE} so the job is requeued", flush=True)
         message = {"stop": stop, "step": step, "buffers": buffers}
-        cut.release(self.server.comm, reports, self.client_ranks, self.server.rank, message)
+        cut.release(self.server.comm, reports, self.push_ranks, self.server.rank, message)
         return message
 
     # -- the end ---------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from mpitf.ps.optimizers import make_optimizer
 from mpitf.runtime.exits import abort_on_error
 from mpitf.runtime.server import Server
 from mpitf.worker.client import Client
+from mpitf.worker.node import NodeGroup
 
 # Uneven sizes; with PARTITIONER, "embed" is cut in 3 row blocks and "wide" in 2.
 SHAPES = [("embed", (40, 6)), ("bias", (7,)), ("kernel", (5, 3)), ("scalar", ()),
@@ -120,11 +121,12 @@ def _jsonable(value):
 # -- worker helpers --------------------------------------------------------------------
 
 def make_client(server, args, dtype=np.float32):
-    """Place the variables and return (placement, client)."""
+    """Place the variables and return (placement, client); --aggregate: over the node."""
     setter = replica_device_setter(server.cluster, ps_strategy=args.strategy,
                                    partitioner=partitioner())
     placement = setter.place(variables(dtype))
-    return placement, Client(server, placement, deadline=args.deadline)
+    node = NodeGroup(server) if args.aggregate else None
+    return placement, Client(server, placement, deadline=args.deadline, node=node)
 
 
 def start(client, args, optimizer, mode, values, lr=None, **options):
@@ -167,7 +169,7 @@ def scenario_sync(server, args, phase):
     optimizer = phase
     _, client = make_client(server, args)
     reply = start(client, args, optimizer, "sync", initial_values(),
-                  deterministic=args.deterministic)
+                  deterministic=args.deterministic, aggregate_per_node=args.aggregate)
     w, steps = server.task_index, []
     for s in range(args.steps):
         write_grads(client, gradient(client.params, w, s))
@@ -349,6 +351,7 @@ def parse(argv=None):
     p.add_argument("--mode", default="sync")
     p.add_argument("--strategy", default="round_robin")
     p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--aggregate", action="store_true", help="sync: aggregate per node")
     p.add_argument("--replicas", type=int, default=None)
     p.add_argument("--slow", type=float, default=0.2, help="seconds the slow worker sleeps")
     p.add_argument("--fast", type=float, default=0.0, help="seconds the others sleep")
