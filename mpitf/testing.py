@@ -71,6 +71,30 @@ def run_mpi(n, argv, timeout=60, env=None, cwd=None, tag_output=False, python=Tr
     return result
 
 
+def signal_when(n, argv, log, marker, wait=60, sig=signal.SIGTERM, cwd=None):
+    """Run a Python ``argv`` on ``n`` ranks into ``log``; signal mpiexec once ``marker`` shows.
+
+    Hydra's mpiexec forwards ``sig`` to every rank. Returns the exit code (None when the
+    marker never showed within ``wait`` s) and the log's text; the group is killed after.
+    """
+    cmd = mpiexec_command(n, [sys.executable, *map(str, argv)])
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                start_new_session=True, stdin=subprocess.DEVNULL)
+    try:
+        end = time.monotonic() + wait
+        while marker not in log.read_text() and time.monotonic() < end and proc.poll() is None:
+            time.sleep(0.01)
+        if marker not in log.read_text():
+            return None, log.read_text()
+        os.kill(proc.pid, sig)
+        code = proc.wait(timeout=30)
+    finally:
+        kill_group(proc)
+    return code, log.read_text()
+
+
 def kill_group(proc, sig=signal.SIGKILL):
     """Send ``sig`` to the process group of ``proc`` (mpiexec and every rank it started)."""
     try:

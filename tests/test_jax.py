@@ -8,12 +8,9 @@ test requirement: without it these tests fail.
 """
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax  # noqa: F401 - fail here, loudly, when the jax extra is missing
@@ -26,7 +23,7 @@ from mpitf.jax import DistributedOptimizer
 from mpitf.jax.threads import local_ranks
 from mpitf.jax.tree import ALIAS_BYTES, TreeLayout, leaf_name, to_jax
 from mpitf.runtime.exits import EXIT_REQUEUE
-from mpitf.testing import kill_group, mpiexec_command, run_mpi
+from mpitf.testing import run_mpi, signal_when
 
 REPO = Path(__file__).resolve().parent.parent
 DRIVER = "tests/mpi/jax_driver.py"
@@ -61,23 +58,8 @@ def test_one_worker_equals_plain_jax_and_sigterm_resumes_bit_for_bit(tmp_path):
     assert names == LEAVES
     # The same run, SIGTERM after step 10: checkpoint, exit 75; rerun resumes bit for bit.
     ckpt, log = tmp_path / "ckpt", tmp_path / "out.log"
-    cmd = mpiexec_command(2, [sys.executable, DRIVER, "--steps", "100000", "--checkpoint-dir",
-                              ckpt, "--sleep", "0.02"])
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=str(REPO),
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                                start_new_session=True, stdin=subprocess.DEVNULL)
-    try:
-        end = time.monotonic() + 60
-        while "step 10," not in log.read_text() and time.monotonic() < end \
-                and proc.poll() is None:
-            time.sleep(0.01)
-        assert "step 10," in log.read_text(), log.read_text()
-        os.kill(proc.pid, signal.SIGTERM)  # Hydra's mpiexec forwards it to every rank
-        code = proc.wait(timeout=30)
-    finally:
-        kill_group(proc)
-    text = log.read_text()
+    code, text = signal_when(2, [DRIVER, "--steps", 100000, "--checkpoint-dir", ckpt,
+                                 "--sleep", 0.02], log, "step 10,", wait=60, cwd=str(REPO))
     assert code == EXIT_REQUEUE, text
     (step,) = re.findall(r"SIGTERM: checkpointed at step (\d+); exiting with code 75", text)
     assert 10 <= int(step) < 40, text

@@ -5,19 +5,16 @@ trains the model with plain torch on the W batches' mean gradient and prints the
 relative difference. torch is a test requirement: without it these tests fail.
 """
 
-import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch  # noqa: F401 - fail here, loudly, when the torch extra is missing
 
 from mpitf.runtime.exits import EXIT_REQUEUE
-from mpitf.testing import kill_group, mpiexec_command, run_mpi
+from mpitf.testing import run_mpi, signal_when
 
 pytestmark = pytest.mark.mpi
 
@@ -192,23 +189,8 @@ def test_sigterm_checkpoints_exits_75_and_resumes_bit_for_bit(tmp_path):
     hexes = [h for h, _ in BUFFERS.findall(ref.stdout)]
     assert len(hexes) == 2 and len(set(hexes)) == 1, ref.output  # the chief's, everywhere
     log = tmp_path / "out.log"
-    cmd = mpiexec_command(3, [sys.executable, DRIVER, *bn, "--steps", "100000",
-                              "--checkpoint-dir", ckpt, "--sleep", "0.02"])
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=str(REPO),
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                                start_new_session=True, stdin=subprocess.DEVNULL)
-    try:
-        end = time.monotonic() + 90  # three ranks importing torch on a loaded box
-        while "step 10," not in log.read_text() and time.monotonic() < end \
-                and proc.poll() is None:
-            time.sleep(0.01)
-        assert "step 10," in log.read_text(), log.read_text()
-        os.kill(proc.pid, signal.SIGTERM)  # Hydra's mpiexec forwards it to every rank
-        code = proc.wait(timeout=30)
-    finally:
-        kill_group(proc)
-    text = log.read_text()
+    code, text = signal_when(3, [DRIVER, *bn, "--steps", 100000, "--checkpoint-dir", ckpt,
+                                 "--sleep", 0.02], log, "step 10,", wait=90, cwd=str(REPO))
     assert code == EXIT_REQUEUE, text
     (step,) = re.findall(r"SIGTERM: checkpointed at step (\d+); exiting with code 75", text)
     assert 10 <= int(step) < 40, text

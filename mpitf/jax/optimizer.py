@@ -15,6 +15,7 @@ import numpy as np
 from ..config import TrainingConfig
 from ..errors import ConfigurationError
 from ..ps.optimizers import make_optimizer
+from ..worker.frontend import SessionFrontEnd
 from ..worker.session import TrainingSession
 from . import threads
 from .tree import TreeLayout, to_jax
@@ -58,7 +59,7 @@ def _split(options):
     return ps, session
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(SessionFrontEnd):
     """Train ``params`` (a pytree of float32 jax arrays) with ``optimizer`` run on the ps.
 
     Args:
@@ -115,11 +116,6 @@ class DistributedOptimizer:
         """Return the pulled parameters as a new pytree of jax arrays (one copy)."""
         return self.layout.unflatten([to_jax(p) for _, p in self._views])
 
-    @property
-    def global_step(self):
-        """Return the global step of the last reply."""
-        return self.session.global_step
-
     def step(self, grads, loss=None):
         """Push ``grads`` (the parameters' pytree structure), update on the ps, pull.
 
@@ -143,25 +139,3 @@ class DistributedOptimizer:
         self.session.last_reply = self.client.pull()
         self.params = self._pulled()
         return self.params
-
-    def should_stop(self):
-        """Return True once the last step is reached or a signal asked to stop."""
-        return self.session.should_stop()
-
-    def close(self):
-        """Checkpoint at the end (chief), tell every ps this worker is done; return exit_code."""
-        self.session.close()
-        return self.exit_code
-
-    @property
-    def exit_code(self):
-        """Return this rank's exit code (75 after a signal with a checkpoint cut)."""
-        return self.session.exit_code
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            self.close()
-        return False

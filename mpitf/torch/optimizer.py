@@ -20,6 +20,7 @@ import os
 import torch
 
 from ..errors import ConfigurationError
+from ..worker.frontend import SessionFrontEnd
 from ..worker.session import TrainingSession
 from .buffers import buffer_views, check_model
 from .translate import group_options, learning_rate, translate
@@ -93,7 +94,7 @@ def share_threads(server):
     return threads
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(SessionFrontEnd):
     """Run a torch.optim optimizer's update on the ps for ``model``'s parameters.
 
     Args:
@@ -166,11 +167,6 @@ class DistributedOptimizer:
 
     def _on_load(self, module, incompatible):
         self._loaded = True
-
-    @property
-    def global_step(self):
-        """Return the global step of the last reply."""
-        return self.session.global_step
 
     def zero_grad(self, set_to_none=True):
         """Zero the gradient views in place (they stay bound to the push buffer).
@@ -277,25 +273,7 @@ class DistributedOptimizer:
                   f"accumulation): the {buckets} buckets leave at step(), not during backward",
                   flush=True)
 
-    def should_stop(self):
-        """Return True once the last step is reached or a signal asked to stop."""
-        return self.session.should_stop()
-
     def close(self):
         """Checkpoint at the end (chief), tell every ps this worker is done; return exit_code."""
         self._hooks_push = False  # a backward after training (evaluation) pushes nothing
-        self.session.close()
-        return self.exit_code
-
-    @property
-    def exit_code(self):
-        """Return this rank's exit code (75 after a signal with a checkpoint cut)."""
-        return self.session.exit_code
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            self.close()
-        return False
+        return super().close()
