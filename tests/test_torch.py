@@ -235,15 +235,39 @@ def test_sigterm_checkpoints_exits_75_and_resumes_bit_for_bit(tmp_path):
     assert verify.returncode == 0, verify.stdout
 
 
-def test_torch_mnist_job_reaches_95_percent(tmp_path):
+def test_torch_mnist_job_reaches_95_percent_and_resumes_bit_for_bit(tmp_path):
+    # The job in deterministic sync mode: one run to the end (its accuracy); one SIGTERMed
+    # after step 50 (checkpoint, exit 75) and rerun; both final checkpoints export alike.
+    import numpy as np
+
     from mpitf.data.datasets import ensure_digits
 
     data = ensure_digits(str(tmp_path / "digits.h5"))
-    run = run_mpi(3, ["jobs/torch_mnist.py", "--data", data], timeout=120, cwd=str(REPO))
+    job = ["jobs/torch_mnist.py", "--data", data, "--deterministic", "--checkpoint-dir"]
+    run = run_mpi(3, [*job, tmp_path / "whole"], timeout=120, cwd=str(REPO))
     assert not run.timed_out and run.returncode == 0, run.output
     (acc,) = re.findall(r"^step 300: test accuracy (\S+)$", run.stdout, re.M)
     assert float(acc) >= 0.95, run.output
     assert run.stdout.count("mpitf.torch: rank") == 2  # each worker says its threads once
+    broken = tmp_path / "broken"
+    code, text = signal_when(3, [*job, broken], tmp_path / "out.log", "step 50,", wait=90,
+                             cwd=str(REPO))
+    assert code == EXIT_REQUEUE, text
+    resumed = run_mpi(3, [*job, broken], timeout=120, cwd=str(REPO))
+    assert resumed.returncode == 0 and f"restored {broken}" in resumed.stdout, resumed.output
+    assert re.findall(r"^step 300: test accuracy (\S+)$", resumed.stdout, re.M) == [acc]
+    exports = []
+    for name in ("whole", "broken"):
+        out = tmp_path / f"{name}.npz"
+        done = subprocess.run([sys.executable, "-m", "mpitf.cli.main", "ckpt", "export",
+                               str(tmp_path / name), "--out", str(out)], cwd=str(REPO),
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        exports.append(np.load(out))
+    whole, again = exports
+    assert sorted(whole.files) == sorted(again.files) and "2.running_mean" in whole.files
+    for key in whole.files:
+        assert whole[key].tobytes() == again[key].tobytes(), key
 
 
 def test_readme_torch_loops_differ_in_at_most_six_lines():
