@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 DRIVER = "tests/mpi/torch_driver.py"
 RESULT = re.compile(r"worker (\d+): step (\d+) maxrel: (\S+) moved: (\S+) lr: ([0-9.e+-]+)")
 DIGEST = re.compile(r"digest: (\w+)")
-BUFFERS = re.compile(r"worker \d+: buffers (\w+) bufrel: (\S+)")
+BUFFERS = re.compile(r"worker \d+: buffers (\w+) bufrel: ([0-9.e+-]+)")
 
 
 def drive(n, *args, timeout=60):

@@ -21,6 +21,13 @@ OPTIONS = {"adamw": dict(weight_decay=0.1), "momentum": dict(momentum=0.9)}
 DECAY = 30  # cosine decay steps after 5 warmup steps (the ps runs the schedule)
 
 
+def say(line):
+    """Print ``line`` in one write: ranks share mpiexec's stdout, and print() writes the
+    text and its newline apart, so another rank's line could land between them."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def init():
     rng = np.random.default_rng(0)  # numpy's: jax.random would compile, seconds per rank
     normal = [jnp.asarray(rng.normal(0, 0.3, s).astype(np.float32)) for s in ((8, 16), (16, 3))]
@@ -128,11 +135,10 @@ def main():
                     for a, b in zip(ours, ref.params))
         moved = max(float(np.abs(a - np.asarray(b)).max())
                     for a, b in zip(ref.params, jax.tree_util.tree_leaves(init())))
-        print(f"worker {k}: step {opt.global_step} maxrel: {worst:.3g} moved: {moved:.3g}",
-              flush=True)
+        say(f"worker {k}: step {opt.global_step} maxrel: {worst:.3g} moved: {moved:.3g}")
         if k == 0:
             digest = hashlib.sha256(b"".join(a.tobytes() for a in ours)).hexdigest()
-            print("names:", ",".join(opt.layout.names), "digest:", digest[:16], flush=True)
+            say(f"names: {','.join(opt.layout.names)} digest: {digest[:16]}")
         sys.exit(code)
 
 

@@ -27,6 +27,13 @@ OPTIMIZERS = {
 }
 
 
+def say(line):
+    """Print ``line`` in one write: ranks share mpiexec's stdout, and print() writes the
+    text and its newline apart, so another rank's line could land between them."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def build(kind="mlp", hidden=16):
     torch.manual_seed(0)
     if kind == "bn":
@@ -140,17 +147,17 @@ def main():
                     for a, b in zip(model.parameters(), ref.parameters()))
         moved = max(float((a.detach() - b.detach()).abs().max())
                     for a, b in zip(ref.parameters(), build(args.model).parameters()))
-        print(f"worker {k}: step {dist.global_step} maxrel: {worst:.3g} moved: {moved:.3g} "
-              f"lr: {opt.param_groups[0]['lr']:.6g}", flush=True)
+        say(f"worker {k}: step {dist.global_step} maxrel: {worst:.3g} moved: {moved:.3g} "
+            f"lr: {opt.param_groups[0]['lr']:.6g}")
         state = model.state_dict()
         buffers, ref_buffers = untrained(model), untrained(ref)
         if buffers:  # every worker holds the chief's at close; one worker: near torch's own
             rel = max(float((a.double() - b.double()).norm() / b.double().norm())
                       for a, b in zip(buffers, ref_buffers))
-            print(f"worker {k}: buffers {digest(buffers)[:16]} bufrel: {rel:.3g}", flush=True)
+            say(f"worker {k}: buffers {digest(buffers)[:16]} bufrel: {rel:.3g}")
         if k == 0:
-            print("keys:", ",".join(state), "digest:", digest(state.values())[:16], flush=True)
-            print(f"buckets pushed during backward: {early}", flush=True)
+            say(f"keys: {','.join(state)} digest: {digest(state.values())[:16]}")
+            say(f"buckets pushed during backward: {early}")
         sys.exit(dist.exit_code)
 
 
