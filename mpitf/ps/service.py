@@ -28,6 +28,7 @@ from .optimizers import ExponentialMovingAverage, make_optimizer
 from .pipeline import Pipeline
 from .shard import Shard
 from .sparse import SparseTables
+from .sparse_inbox import SparseInbox
 from .threads import default_threads
 
 _log = logging.getLogger("mpitf")
@@ -76,6 +77,8 @@ class Service:
         # Each pool frame has one persistent receive, built once and restarted after use.
         self.recv_requests = [frame.recv_init(self.comm, MPI.ANY_SOURCE, P.TAG_REQUEST)
                               for frame in self.pool]
+        self.ring = None  # with buckets: each pool frame's receive, waited for alone
+        self.sparse = SparseInbox(self, size, dtype, capacity) if self.tables else None
         self.global_step = 0
         self.next_frame = 0  # with buckets: the pool frame whose receive was posted first
         self.initialized = False
@@ -129,7 +132,7 @@ class Service:
             self.counters["stale_dropped"] += 1
             self.note_staleness(staleness)
             if self.tables:
-                self.tables.discard(worker)
+                self.sparse.discard(worker)
         self.reply(worker, bucket=bucket)
 
     def apply(self, grad, workers, bucket=0):
@@ -147,7 +150,7 @@ class Service:
             clip_by_global_norm((grad,), self.config.clip_norm, self.server.job_comm)
         self.shard.apply(grad, self.global_step, lo, hi)
         if self.tables and last:
-            self.tables.apply(workers, len(workers), self.global_step)
+            self.sparse.apply(workers, self.global_step)
         if self.timeline.enabled:
             self.timeline.add("apply", start, time.perf_counter(), step=self.global_step,
                               bucket=bucket)
@@ -286,7 +289,7 @@ class Service:
                 self.shard.optimizer.set_learning_rate(lr)
             return self.policy.on_push(self, worker, request.step, frame, index, bucket)
         if kind == P.SPARSE_PULL or kind == P.SPARSE_PUSH:  # within a step: not a pause
-            return self._sparse(worker, kind, frame)
+            return self.sparse.handle(worker, kind, index)
         if kind != P.SKIP:  # pull, pause, counters: not a step (start-up, evaluation,
             self.last_push[worker] = None  # a checkpoint): the whole deadline until a push
         if kind == P.PULL or kind == P.PULL_AVERAGE:
@@ -331,20 +334,6 @@ class Service:
             raise PeerError(f"unknown request kind {kind}", **self.describe_worker(worker, "?"))
         return True
 
-    def _sparse(self, worker, kind, frame):
-        """Answer a pull of rows by id, or keep a sparse push for the policy's apply."""
-        describe = self.describe_worker(worker, P.KIND_NAMES[kind])
-        if kind == P.SPARSE_PUSH:
-            self.counters["bytes_in"] += self.tables.stash(worker, frame.bytes, describe)
-            return True
-        self.counters["bytes_in"] += self.tables.layout.ids_end(
-            self.tables.layout.counts(frame.bytes).tolist())
-        view = self.tables.pull(worker, frame.bytes, self.global_step, describe)
-        self.pipeline.add([P.frame_op(self.comm.Isend, view, self.worker_ranks[worker],
-                                      P.TAG_SPARSE_REPLY)], worker, Pipeline.WHOLE)
-        self.counters["bytes_out"] += view.nbytes
-        return True
-
     def _answer_pull(self, worker, kind):
         average = kind == P.PULL_AVERAGE and self.shard.average_frame is not None
         self.reply(worker, self.shard.average_frame if average else None)
@@ -355,7 +344,7 @@ class Service:
             self.repost(i)
         status = MPI.Status()
         # Buckets: wait for the frames in posting order, which is the order messages came.
-        ring = [[r] for r in self.recv_requests] if self.pipeline.bucketed else None
+        ring = self.ring = [[r] for r in self.recv_requests] if self.pipeline.bucketed else None
         while len(self.done) < self.num_workers:
             if ring is None:
                 index = P.wait_any(self.recv_requests, self.check_every, self._timeout, status)
@@ -373,6 +362,8 @@ class Service:
                 req.Cancel()
                 req.Wait()
             req.Free()
+        if self.sparse:
+            self.sparse.close()
         self.shard.close()
         return EXIT_REQUEUE if self.requeue else 0
 

@@ -1,16 +1,17 @@
 """One ps's rows of every embedding table: answer pulls by id, apply sparse gradients.
 
 A ps holds rows ``placement.global_ids(ps)`` of each table (in host memory, numpy), with
-the optimizer's slots for the same rows. A sparse push is copied aside for its worker
-(its pool frame is posted again at once); the gradients are applied when the ps applies
-that worker's dense push, so the consistency policy decides for both (:meth:`apply`
-takes the workers whose gradients make the step).
+the optimizer's slots for the same rows. A sparse push stays in the frame it came in
+(:mod:`mpitf.ps.sparse_inbox` lends the frame to its worker); the gradients are applied
+when the ps applies that worker's dense push, so the consistency policy decides for both
+(:meth:`apply` takes the workers whose gradients make the step).
 
 Sparse apply is the dense kernel on the rows present: gather the rows and their slots,
-run the optimizer's own arithmetic on them (its fused kernel), scatter them back. The
+run the optimizer's own arithmetic on them (its fused kernel), scatter them back; SGD
+(no slots) updates the rows where they lie, with the same arithmetic. The
 check of the ids, the gathers and the scatters are compiled loops
 (:mod:`mpitf.rowkernels`) over buffers made at start-up; a lone push's gradients are
-applied where they lie in its stashed copy. Rows absent from a step
+applied where they lie in the frame it came in. Rows absent from a step
 keep their slots untouched; for Adam this is TensorFlow's ``LazyAdamOptimizer`` (only
 present rows update ``m`` and ``v``; the bias correction follows the global step). In
 sync mode each step's gradients are summed by id across workers in worker order
@@ -22,7 +23,7 @@ import numpy as np
 
 from ..errors import PeerError
 from ..models.embedding import initial_rows
-from ..rowkernels import local_rows
+from ..rowkernels import local_rows, sgd_rows
 from ..rows import Dedup, RowPlacement, put_rows, segment_sum, take_rows
 from ..wire import header as H
 from ..wire import protocol as P
@@ -88,8 +89,12 @@ class _Table:
 
     def apply(self, optimizer, ids, grads, step):
         """Apply row gradients ``grads`` of unique ``ids`` at global ``step``."""
-        u = len(ids)
+        u, params = len(ids), self.params
         local = self.locate(ids, {})
+        if optimizer.name == "sgd" and grads.dtype == params.dtype and params.dtype in (
+                np.float32, np.float64):  # no slots: the rows are updated where they lie
+            sgd_rows(params, local, grads, params.dtype.type(optimizer.learning_rate(step)))
+            return
         p = take_rows(self.params, local, self.rows_buf[:u])
         slots = {}
         for k, buf in self.gathered.items():
@@ -121,7 +126,7 @@ class SparseTables:
         self.placements = [RowPlacement(t.rows, num_ps, t.placement) for t in self.specs]
         self.tables = [_Table(t, pl, ps, optimizer, seed, n * num_workers)
                        for t, pl, n in zip(self.specs, self.placements, self.layout.max_ids)]
-        self.pending = [self.layout.allocate() for _ in range(num_workers)]
+        self.pending = [None] * num_workers  # each worker's push, in the frame it came in
         self.has_pending = [False] * num_workers
         self.replies = [self.layout.allocate(reply=True) for _ in range(num_workers)]
         total = [n * num_workers for n in self.layout.max_ids]
@@ -157,16 +162,15 @@ class SparseTables:
         return reply[:lay.reply_end(counts)]
 
     def stash(self, worker, message, describe):
-        """Keep a sparse push aside until the policy applies its worker's dense push."""
+        """Keep a sparse push (its frame's bytes, not copied) until the policy applies it."""
         lay = self.layout
         counts = lay.counts(message).tolist()
         self._check_counts(counts, describe)
         for table, ids in zip(self.tables, lay.ids(message, counts)):
             table.locate(ids, describe)
-        size = lay.end(counts)
-        self.pending[worker][:size] = message[:size]
+        self.pending[worker] = message
         self.has_pending[worker] = True
-        return size
+        return lay.end(counts)
 
     def discard(self, worker):
         """Forget ``worker``'s sparse push (its dense push was dropped as stale)."""
@@ -194,7 +198,7 @@ class SparseTables:
     def _sum(self, t, parts):
         """Return (unique ids, summed rows) of one table over the parts, in their order."""
         table = self.tables[t]
-        if len(parts) == 1:  # the stashed copy is this ps's: divided and read in place
+        if len(parts) == 1:  # the lent frame is this ps's: divided and read in place
             return parts[0]
         n = 0
         cat_ids, cat_grads = self.cat_ids[t], self.cat_grads[t]

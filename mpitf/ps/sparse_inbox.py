@@ -1,0 +1,77 @@
+"""The ps's sparse requests: answer a pull of rows, keep a push in the frame it came in.
+
+A sparse push is not copied aside: the pool frame it arrived in is lent to the tables
+until the policy applies (or drops) its worker's push, and a spare frame, made at start-up
+with its own persistent receive, takes its place in the pool. A worker has at most one
+sparse push waiting, so one spare per worker is enough.
+"""
+
+from mpi4py import MPI
+
+from ..wire import protocol as P
+from ..wire.frame import Frame
+from .pipeline import Pipeline
+
+
+class SparseInbox:
+    """The sparse side of one ps's event loop (``service``: its :class:`Service`).
+
+    Args:
+        service: the ps's service (its pool, receives, tables, pipeline and counters).
+        size, dtype, capacity: the pool frames' shape (the spares are the same).
+    """
+
+    def __init__(self, service, size, dtype, capacity):
+        self.service, self.tables = service, service.tables
+        self.spares = []
+        for _ in range(service.num_workers):
+            frame = Frame.allocate(service.backend, size, dtype, capacity)
+            self.spares.append((frame, frame.recv_init(service.comm, MPI.ANY_SOURCE,
+                                                       P.TAG_REQUEST)))
+        self.lent = [None] * service.num_workers  # worker -> (frame, its receive)
+
+    def handle(self, worker, kind, index):
+        """Answer a pull, or keep a push for the policy's apply; return True (repost)."""
+        s, tables = self.service, self.tables
+        message = s.pool[index].bytes
+        describe = s.describe_worker(worker, P.KIND_NAMES[kind])
+        if kind == P.SPARSE_PUSH:
+            s.counters["bytes_in"] += tables.stash(worker, message, describe)
+            self._lend(worker, index)
+            return True
+        s.counters["bytes_in"] += tables.layout.ids_end(tables.layout.counts(message).tolist())
+        view = tables.pull(worker, message, s.global_step, describe)
+        s.pipeline.add([P.frame_op(s.comm.Isend, view, s.worker_ranks[worker],
+                                   P.TAG_SPARSE_REPLY)], worker, Pipeline.WHOLE)
+        s.counters["bytes_out"] += view.nbytes
+        return True
+
+    def apply(self, workers, step):
+        """Apply the sparse pushes of ``workers`` (their mean) and take back their frames."""
+        self.tables.apply(workers, len(workers), step)
+        for w in workers:
+            self._give_back(w)
+
+    def discard(self, worker):
+        """Forget ``worker``'s sparse push (its dense push was dropped as stale)."""
+        self.tables.discard(worker)
+        self._give_back(worker)
+
+    def close(self):
+        """Free the persistent receives of the frames not in the pool (none is posted)."""
+        for item in self.spares + [x for x in self.lent if x is not None]:
+            item[1].Free()
+
+    def _lend(self, worker, index):
+        """Lend pool frame ``index`` to ``worker``'s push; a spare takes its place."""
+        s = self.service
+        self._give_back(worker)
+        self.lent[worker] = (s.pool[index], s.recv_requests[index])
+        s.pool[index], s.recv_requests[index] = self.spares.pop()
+        if s.ring is not None:
+            s.ring[index][0] = s.recv_requests[index]
+
+    def _give_back(self, worker):
+        if self.lent[worker] is not None:
+            self.spares.append(self.lent[worker])
+            self.lent[worker] = None
