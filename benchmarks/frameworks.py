@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
+from mpitf.bench.overlap import median_ms  # noqa: E402  (the same warm-up: WARMUP = 3)
 from mpitf.bench.scaling import write_json  # noqa: E402
 from mpitf.ps.service import serve  # noqa: E402
 from mpitf.runtime.exits import run_job  # noqa: E402
@@ -110,16 +111,6 @@ def _loss(model, x, y):
     return torch.nn.functional.cross_entropy(out, y)
 
 
-def _median_ms(fn, steps):
-    times = []
-    for i in range(WARMUP + steps):
-        t0 = time.perf_counter()
-        fn()
-        if i >= WARMUP:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 def _nbytes(model):
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -142,7 +133,7 @@ def torch_alone(build, steps):
         _loss(model, x, y).backward()
         opt.step()
 
-    return _median_ms(step, steps)
+    return median_ms(step, steps)
 
 
 def raw_round_trip(comm, nbytes, steps, ps):
@@ -159,7 +150,7 @@ def raw_round_trip(comm, nbytes, steps, ps):
         comm.Send([buf, MPI.BYTE], peer, 1)
         reply.Wait()
 
-    return _median_ms(trip, steps)
+    return median_ms(trip, steps)
 
 
 def mpitf_step(server, build, steps, bucket_bytes=0):
@@ -177,7 +168,7 @@ def mpitf_step(server, build, steps, bucket_bytes=0):
         dist.step()
 
     try:
-        return _median_ms(step, steps)
+        return median_ms(step, steps)
     finally:
         dist.close()
 
@@ -216,7 +207,7 @@ def overlap_repeat(server, raw, args, batch, ps):
         return None
     model, _ = deep(args, batch)
     x = torch.randn(batch, args.width)
-    compute = _median_ms(lambda: _loss(model, x, None).backward(), args.steps)
+    compute = median_ms(lambda: _loss(model, x, None).backward(), args.steps)
     _idle(raw)
     build = lambda: deep(args, batch)  # noqa: E731
     one = mpitf_step(server, build, args.steps)
@@ -246,11 +237,11 @@ def calibrate(server, raw, args, ps):
         dist.step()
 
     try:
-        comm_ms = _median_ms(trip, 5)
+        comm_ms = median_ms(trip, 5)
     finally:
         dist.close()
     x = torch.randn(64, args.width)
-    per64 = _median_ms(lambda: _loss(model, x, None).backward(), 5)
+    per64 = median_ms(lambda: _loss(model, x, None).backward(), 5)
     _idle(raw)
     batch = int(min(8192, max(8, 64 * comm_ms / max(per64, 1e-3))))
     print(f"frameworks overlap: round trip {comm_ms:.2f} ms, forward + backward at batch 64 "

@@ -101,7 +101,8 @@ class Layers:
                 np.matmul(self.tmp, params[self.names[i]].T, out=self.delta)
 
 
-def _median_ms(fn, steps):
+def median_ms(fn, steps):
+    """Return the median milliseconds of ``fn()`` over ``steps`` calls after WARMUP."""
     times = []
     for i in range(WARMUP + steps):
         t0 = time.perf_counter()
@@ -128,29 +129,29 @@ def worker(server, args):
                model_bytes=layer_bytes * args.layers)
     # 1. one bucket: the round trip alone, then the batch that makes backward ~ that long
     client = _session(server, model, 0, init)
-    row["comm_ms"] = _median_ms(lambda: client.push_pull().wait(), args.steps)
+    row["comm_ms"] = median_ms(lambda: client.push_pull().wait(), args.steps)
     batch = args.batch
     if batch is None:
         model.buffers(64)
-        per64 = _median_ms(lambda: model.backward(client.params, client.grads), 5)
+        per64 = median_ms(lambda: model.backward(client.params, client.grads), 5)
         batch = int(min(8192, max(8, 64 * row["comm_ms"] / max(per64, 1e-3))))
     row["batch"] = batch
     model.buffers(batch)
-    row["backward_ms"] = _median_ms(lambda: model.backward(client.params, client.grads),
+    row["backward_ms"] = median_ms(lambda: model.backward(client.params, client.grads),
                                     args.steps)
 
     def compute():
         model.forward(client.params)
         model.backward(client.params, client.grads)
 
-    row["compute_ms"] = _median_ms(compute, args.steps)
+    row["compute_ms"] = median_ms(compute, args.steps)
 
     def one_bucket():
         model.forward(client.params)
         model.backward(client.params, client.grads)
         client.push_pull().wait()
 
-    steps = {1: _median_ms(one_bucket, args.steps)}
+    steps = {1: median_ms(one_bucket, args.steps)}
     client.done()
     # 2. one bucket per layer: each pushed as soon as backward has it
     client = _session(server, model, layer_bytes, init)
@@ -167,7 +168,7 @@ def worker(server, args):
         model.backward(client.params, client.grads, handle.final)
         pending.append(handle)
 
-    steps[len(client.buckets[0])] = _median_ms(buckets, args.steps)
+    steps[len(client.buckets[0])] = median_ms(buckets, args.steps)
     pending.pop().wait()
     client.done()
     row["step_ms"] = steps
