@@ -7,7 +7,8 @@ Modes: sync (all W gradients per step), backup (sync with ``--replicas-to-aggreg
 async, and bounded staleness (ssp, ``--staleness 2``). Each runs the built-in job
 ``mpitf.jobs.mnist_mlp`` for many steps, logging every few steps; the loss curve is read
 from ``RUN_DIR/metrics.jsonl`` (time measured from the chief's first logged step) and the
-loss reached by the fixed wall time is the last logged loss at or before it.
+loss reached by the fixed wall time is the last logged loss at or before it. Examples/s
+is the job's steady rate over every worker's examples (mpitf/bench/jobrate.py).
 """
 
 import argparse
@@ -17,6 +18,7 @@ import shlex
 import sys
 import tempfile
 
+from .jobrate import LOG_EVERY, measure
 from .scaling import default_launcher, machine, run_job, write_json
 
 MODES = {
@@ -72,17 +74,21 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="mpitf-modes-") as tmp:
         for mode in args.modes:
             run_dir = os.path.join(tmp, mode)
-            final = run_job(args.workers + args.ps,
-                            ["--model", args.model, "--num-ps", args.ps, "--steps", args.steps,
-                             "--log-every", 10, "--run-dir", run_dir, *MODES[mode](args.workers)],
-                            args.launcher)
+            final = measure(run_job(args.workers + args.ps,
+                                    ["--model", args.model, "--num-ps", args.ps, "--steps",
+                                     args.steps, "--log-every", LOG_EVERY, "--run-dir",
+                                     run_dir, *MODES[mode](args.workers)], args.launcher),
+                            run_dir, args.steps)
             curve = read_curve(os.path.join(run_dir, "metrics.jsonl"))
             runs.append(dict(mode=mode, workers=args.workers, ps=args.ps,
                              examples_per_sec=final["examples_per_sec"], final_loss=final["loss"],
                              test_accuracy=final["test_accuracy"], steps=final["step"],
                              stale_dropped=final["stale_dropped"],
                              max_staleness=final["max_staleness"], max_lead=final["max_lead"],
-                             wall_s=final["wall_s"], curve=curve))
+                             wall_s=final["wall_s"], window_steps=final["window_steps"],
+                             mean_examples_per_sec=final["mean_examples_per_sec"],
+                             final_examples_per_sec=final["final_examples_per_sec"],
+                             curve=curve))
     wall = args.wall or min(r["curve"][-1][0] for r in runs if r["curve"])
     for r in runs:
         r["loss_at_wall"] = loss_at(r["curve"], wall)

@@ -213,6 +213,15 @@ def model_section(results):
                            p["overhead_s"] * 1e3, p["steps"]]
                           for m, by_batch in profiles.items() for p in by_batch.values()]),
                   ""]
+    inputs = results.get("model_inputs") or {}
+    if inputs:
+        lines += ["Every point of a model is projected from these (docs/costmodel.md):", "",
+                  _table(["model", "compute fixed ms", "compute us/example", "overhead O ms",
+                          "ps per message o us", "apply GB/s", "from batches"],
+                         [[m, i["compute_fixed_s"] * 1e3, i["compute_per_example_s"] * 1e6,
+                           i["overhead_s"] * 1e3, i["msg_overhead_s"] * 1e6,
+                           i["apply_rate"] / 1e9, ",".join(map(str, i["batches"]))]
+                          for m, i in inputs.items()]), ""]
     val = results.get("validation") or []
     if not val:
         return lines

@@ -18,9 +18,10 @@ import sys
 import time
 
 from ..errors import MpitfError
+from .jobrate import LOG_EVERY, job_env
 from .report import write_report
 from .scaling import default_launcher
-from .validation import validate
+from .validation import model_inputs, validate
 
 SUITES = ("fabric", "pushpull", "scaling", "modes", "kernels")
 
@@ -34,11 +35,12 @@ def require_matplotlib():
                          "installed: pip install 'mpitf[bench]'") from None
 
 
-def _run(cmd, log, timeout):
+def _run(cmd, log, timeout, env=None):
     """Run ``cmd``, appending its output to ``log``; raise on failure."""
     started = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                          stdin=subprocess.DEVNULL,
+                          env=env or dict(os.environ, PYTHONUNBUFFERED="1"))
     with open(log, "a") as f:
         f.write(f"$ {shlex.join(cmd)}\n{proc.stdout}{proc.stderr}"
                 f"# exit {proc.returncode} after {time.monotonic() - started:.1f} s\n\n")
@@ -79,10 +81,10 @@ def run_suites(args, out, log):
     n = args.n or 2
     res, commands, errors = {}, [], []
 
-    def step(name, cmd, timeout=1800):
+    def step(name, cmd, timeout=1800, env=None):
         commands.append(shlex.join(cmd))
         try:
-            _run(cmd, log, timeout)
+            _run(cmd, log, timeout, env)
             return True
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             errors.append(f"{name}: {exc}")
@@ -116,12 +118,12 @@ def run_suites(args, out, log):
             return
         for (model, batch), runs in profiles.items():
             run_dir = os.path.join(out, f"profile-{model}-{batch}-{i}")
+            steps = 230 if args.quick else 630  # as scaling's runs, + the profile's warm-up
             if step(f"profile {model}", [*launch, "-n", "2", py, "-m", "mpitf.jobs.mnist_mlp",
                                          "--model", model, "--num-ps", "1", "--steps",
-                                         "230" if args.quick else "630", "--profile-steps",
-                                         "200" if args.quick else "600", "--log-every",
-                                         "230" if args.quick else "630",  # as scaling's
-                                         "--batch-size", str(batch), "--run-dir", run_dir]):
+                                         str(steps), "--profile-steps", str(steps - 30),
+                                         "--log-every", str(LOG_EVERY), "--batch-size",
+                                         str(batch), "--run-dir", run_dir], env=job_env(2)):
                 runs.append(_load(os.path.join(run_dir, "profile.json")))
     if jobs:
         profile_round(0)
@@ -130,6 +132,7 @@ def run_suites(args, out, log):
         workers = [] if args.n is None else ["--workers", ",".join(
             str(w) for w in range(1, max(2, args.n - 1) + 1))]
         if step("scaling", [py, "-m", "mpitf.bench.scaling", "--json", path, *common,
+                            "--run-dir", os.path.join(out, "scaling-runs"),
                             *workers, *repeats]):
             res["scaling"] = _load(path)
         profile_round(1)
@@ -179,6 +182,7 @@ def main(args):
                    machine=dict(host=platform.node(), cpus=os.cpu_count(),
                                 system=platform.platform(), python=platform.python_version()))
     results["loadavg"] = os.getloadavg()
+    results["model_inputs"] = model_inputs(results)
     results["validation"] = validate(results)
     results["seconds"] = time.monotonic() - started
     write_report(results, out)

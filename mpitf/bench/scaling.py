@@ -4,8 +4,9 @@ Run: python -m mpitf.bench.scaling --json OUT.json [--quick] [--launcher "mpiexe
 (or python benchmarks/scaling.py ... in a checkout)
 
 Each point is one run of the built-in job ``mpitf.jobs.mnist_mlp`` under the launcher
-(``mpiexec -n W+P``, or ``srun -n W+P`` inside a Slurm allocation), read from its
-``final:`` line. Weak scaling
+(``mpiexec -n W+P``, or ``srun -n W+P`` inside a Slurm allocation); its examples/s is the
+job's steady rate (mpitf/bench/jobrate.py: warm-up, start-up and evaluation left out).
+Weak scaling
 keeps the per-worker batch; strong scaling splits a fixed global batch over the workers.
 Efficiency is ``examples/sec(W) / (W * examples/sec(1))`` at the same ps count.
 Each point is the median of ``--repeats`` runs.
@@ -19,7 +20,10 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+
+from .jobrate import LOG_EVERY, job_env, measure
 
 JOB = ["-m", "mpitf.jobs.mnist_mlp"]  # run by the launched Python, from the package
 
@@ -39,7 +43,7 @@ def run_job(ranks, job_args, launcher=None, timeout=300):
     """Run the training job on ``ranks`` ranks; return its ``final:`` dict (raises on failure)."""
     cmd = [*(launcher or default_launcher()), "-n", str(ranks), sys.executable, *JOB,
            *map(str, job_args)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = job_env(ranks)
     started = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
                           stdin=subprocess.DEVNULL)
@@ -90,11 +94,14 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=32, help="weak scaling: examples per worker")
     p.add_argument("--global-batch", type=int, default=96,
                    help="strong scaling: examples per global step, split over the workers")
-    p.add_argument("--steps", type=int, default=None, help="steps per run (default 300; quick 60)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps per run (default 1000; quick 200)")
     p.add_argument("--repeats", type=int, default=None,
                    help="runs per point, median taken (default 3; quick 1)")
     p.add_argument("--launcher", default=None,
                    help='launcher command, e.g. "srun" or "mpiexec -bind-to core"')
+    p.add_argument("--run-dir", default=None,
+                   help="the runs' directories go here (default: a temporary directory)")
     args = p.parse_args(argv)
     args.models = args.models.split(",")
     args.workers = [int(x) for x in (args.workers or ("1,2" if args.quick else "1,2,3"))
@@ -109,6 +116,15 @@ def parse_args(argv=None):
 def main(argv=None):
     """Run the grid and write the JSON."""
     args = parse_args(argv)
+    if args.run_dir is None:
+        with tempfile.TemporaryDirectory(prefix="mpitf-scaling-") as tmp:
+            args.run_dir = tmp
+            return main_in(args)
+    return main_in(args)
+
+
+def main_in(args):
+    """Run the grid with the runs' directories under ``args.run_dir``; write the JSON."""
     results = []
     for model in args.models:
         for scaling in ("weak", "strong"):
@@ -116,11 +132,14 @@ def main(argv=None):
                 base = None
                 for w in args.workers:
                     batch = args.batch if scaling == "weak" else max(1, args.global_batch // w)
-                    finals = [run_job(w + ps, ["--model", model, "--num-ps", ps, "--steps",
-                                             args.steps, "--batch-size", batch,
-                                             "--log-every", args.steps, "--run-dir",
-                                             os.path.join("/tmp", f"mpitf-scaling-{os.getpid()}")],
-                                      args.launcher) for _ in range(args.repeats)]
+                    finals = []
+                    for i in range(args.repeats):
+                        run_dir = os.path.join(args.run_dir, f"{model}-{scaling}-{w}-{ps}-{i}")
+                        final = run_job(w + ps, ["--model", model, "--num-ps", ps, "--steps",
+                                                 args.steps, "--batch-size", batch,
+                                                 "--log-every", LOG_EVERY, "--run-dir",
+                                                 run_dir], args.launcher)
+                        finals.append(measure(final, run_dir, args.steps))
                     finals.sort(key=lambda f: f["examples_per_sec"])
                     final = finals[len(finals) // 2]  # the median run
                     eps = final["examples_per_sec"]
@@ -131,6 +150,8 @@ def main(argv=None):
                                oversubscribed=w + ps > (os.cpu_count() or 1),
                                loss=final["loss"], test_accuracy=final["test_accuracy"],
                                steps=final["step"], wall_s=final["wall_s"],
+                               window_steps=final["window_steps"],
+                               mean_examples_per_sec=final["mean_examples_per_sec"],
                                runs=[f["examples_per_sec"] for f in finals])
                     results.append(row)
                     print(f"{model} {scaling:<6} W={w} P={ps} batch={batch:<3} "

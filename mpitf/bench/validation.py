@@ -8,8 +8,8 @@ or ``fitted`` (the point itself took part in a fit; never
 counted). Points with more ranks than cores are marked and not counted either.
 """
 
-import math
 import os
+import statistics
 
 from . import costmodel as cm
 
@@ -29,35 +29,65 @@ def fabric_of(results):
     return cm.Fabric(f["latency_s"], f["bytes_per_s"], "fabric suite") if f else None
 
 
-def job_inputs(fabric, profile, rate):
-    """Return (Workload maker, PsNode) for a job from its profile.
+def message_cost(fabric, profile, rate):
+    """Return the ps's software seconds per message (``o``) that one profile shows.
 
-    The ps's cost per message in a training job (wake-up, decode, reply) is what the
-    profiled push+pull leaves over the fabric's transfer and the apply: two messages a step.
+    What the profiled push+pull leaves over the fabric's transfer and latency and the
+    apply, over the two messages of a step (the push in, the reply out).
     """
     ps = cm.PsNode(apply_rate=rate, threads=1, msg_overhead=0.0)
     work = cm.Workload(profile["model_bytes"], profile["compute_s"], profile["batch_size"])
-    lay = cm.Layout(1, 1, profile["num_ps"], 0, False, "sync")
-    t = cm.comm_terms(fabric, work, ps, lay, 1)
-    base = cm.pipelined(t) + t["latency"]
-    ps = cm.PsNode(apply_rate=rate, threads=1,
-                   msg_overhead=max(0.0, (profile["push_pull_s"] - base) / 2))
-
-    def workload(batch):
-        return cm.Workload(profile["model_bytes"], profile["compute_s_per_example"] * batch,
-                           batch, overhead=profile["overhead_s"])
-    return workload, ps
+    t = cm.comm_terms(fabric, work, ps, cm.Layout(1, 1, profile["num_ps"]), 1)
+    return max(0.0, (profile["push_pull_s"] - cm.pipelined(t) - t["latency"]) / 2)
 
 
-def nearest_profile(by_batch, batch):
-    """Return the profile (of ``{batch: profile}``) whose batch is nearest ``batch``, by ratio.
+def compute_line(profiles):
+    """Return ``(fixed, per_example)``: compute per step = fixed + per_example x batch.
 
-    Compute per example is not constant in the batch (BLAS changes kernels and threads),
-    so each point takes the profile taken at, or nearest, its own batch.
+    The line through the profiles' (batch, compute) (least squares over more than two; a
+    negative fixed part refits through zero); one profile alone: no fixed part.
     """
-    if not by_batch:
-        return None
-    return min(by_batch.values(), key=lambda p: abs(math.log(p["batch_size"] / batch)))
+    batches = [p["batch_size"] for p in profiles]
+    if len(set(batches)) < 2:
+        return 0.0, statistics.fmean(p["compute_s_per_example"] for p in profiles)
+    fixed, per_example, _ = cm.fit_alpha_beta(batches, [p["compute_s"] for p in profiles])
+    return fixed, per_example
+
+
+def job_inputs(fabric, profiles, rate):
+    """Return the inputs of one model from all its profiles: ``{"compute_fixed_s", ...}``.
+
+    Compute is a fixed part per step plus a part per example (:func:`compute_line`); the
+    session's overhead ``O`` per step and the ps's cost ``o`` per message do not depend on
+    the batch: each is the mean over the profiles. Every point of the model uses these.
+    """
+    fixed, per_example = compute_line(profiles)
+    return dict(model_bytes=profiles[0]["model_bytes"], num_ps=profiles[0]["num_ps"],
+                compute_fixed_s=fixed, compute_per_example_s=per_example,
+                overhead_s=statistics.fmean(p["overhead_s"] for p in profiles),
+                msg_overhead_s=statistics.fmean(message_cost(fabric, p, rate)
+                                                for p in profiles),
+                apply_rate=rate, batches=sorted(p["batch_size"] for p in profiles))
+
+
+def project_job(fabric, inputs, batch, layout):
+    """Return the :class:`~mpitf.bench.costmodel.Projection` of a job point (see the docs)."""
+    work = cm.Workload(inputs["model_bytes"], inputs["compute_fixed_s"] +
+                       inputs["compute_per_example_s"] * batch, batch,
+                       overhead=inputs["overhead_s"])
+    ps = cm.PsNode(apply_rate=inputs["apply_rate"], threads=1,
+                   msg_overhead=inputs["msg_overhead_s"])
+    return cm.project(fabric, work, ps, layout)
+
+
+def model_inputs(results):
+    """Return ``{model: job_inputs}`` from the results' fabric, profiles and kernels suite."""
+    fabric = fabric_of(results)
+    if fabric is None:
+        return {}
+    rate = apply_rate(results)
+    return {model: job_inputs(fabric, list(by_batch.values()), rate)
+            for model, by_batch in (results.get("profiles") or {}).items() if by_batch}
 
 
 def entry(suite, point, ranks, measured, projected, basis="predicted", unit="examples/s"):
@@ -71,7 +101,7 @@ def entry(suite, point, ranks, measured, projected, basis="predicted", unit="exa
 
 def validate_jobs(results, fabric):
     """Return entries for the scaling and modes points (examples/sec)."""
-    profiles, rate, out = results.get("profiles") or {}, apply_rate(results), []
+    inputs, out = model_inputs(results), []
     rows = [("scaling", r, r.get("scaling", "")) for r in
             (results.get("scaling") or {}).get("results", [])]
     for key in ("modes", "modes_w1"):
@@ -79,14 +109,11 @@ def validate_jobs(results, fabric):
     for suite, r, kind in rows:
         model = r.get("model", (results.get("modes") or {}).get("metadata", {}).get("model",
                                                                                     "mlp"))
-        batch = r.get("batch", 32)
-        prof = nearest_profile(profiles.get(model), batch)
-        if prof is None:
+        if model not in inputs:
             continue
-        workload, ps = job_inputs(fabric, prof, rate)
-        mode = r.get("mode", "sync")
+        batch, mode = r.get("batch", 32), r.get("mode", "sync")
         lay = cm.Layout(r["workers"], 1, r["ps"], 0, False, mode)
-        pr = cm.project(fabric, workload(batch), ps, lay)
+        pr = project_job(fabric, inputs[model], batch, lay)
         point = (f"{model} {kind} W={r['workers']} P={r['ps']} batch={batch}" if suite ==
                  "scaling" else f"{mode} W={r['workers']} P={r['ps']}")
         out.append(entry(suite, point, r["workers"] + r["ps"], r["examples_per_sec"],

@@ -335,10 +335,10 @@ def evaluate_session(sess, config, path, **extra):
     """Evaluate the newest parameters on the test split; return the summary (ps counters too)."""
     from ..data.sharded import load_split
 
+    elapsed = sess.elapsed  # training alone: the evaluation is not in the rate
     x_test, y_test = load_split(path, "test")
     test_loss, test_acc = sess.evaluate(x_test, y_test,
                                         average=config.training.moving_average_decay is not None)
-    elapsed = sess.elapsed
     counters = sess.client.ps_counters()
     summary = dict(step=sess.global_step, loss=sess.loss, test_loss=test_loss,
                    test_accuracy=test_acc, ps=len(counters),

@@ -75,6 +75,8 @@ class LoggingHook(Hook):
         self.stream = stream
         self.metrics = None
         self.events = EventWriter(run_dir) if run_dir else None
+        if self.events is not None and (every or self.summary_every):
+            self.events.load()
 
     @classmethod
     def from_config(cls, config):

@@ -2,8 +2,9 @@
 
 After ``WARM_UP`` steps the chief's compute (forward + backward, the batch read, and
 with buckets the pushes that leave during backward) and push+pull wait are timed for N
-steps from the session's timeline spans; the means (what throughput sees) and medians go
-to ``RUN_DIR/profile.json``:
+steps from the session's timeline spans; the steady figures (the median over blocks of
+``BLOCK_STEPS`` steps of each block's mean: what mpitf bench's examples/s measures too)
+and the plain means go to ``RUN_DIR/profile.json``:
 ``model_bytes``, ``bytes_per_ps``, ``compute_s`` per step and per example, ``push_pull_s``,
 ``step_s`` and ``overhead_s`` (the rest of a step: checks, hooks). ``mpitf bench --plan
 --model-bytes B --compute-ms C`` takes ``model_bytes`` and ``compute_s`` (scaled to the
@@ -22,6 +23,21 @@ import time
 from .hooks import Hook
 
 WARM_UP = 3  # steps left out: first touches, lazy imports, the first pull
+BLOCK_STEPS = 10  # steps per block: the figures are medians over blocks of their means
+
+
+def steady_mean(values, block=BLOCK_STEPS):
+    """Return the median over consecutive blocks of ``block`` values of each block's mean.
+
+    A step another process delayed weighs on one block, not on the figure, as a plain
+    mean would let it; a short tail of fewer than ``block`` values joins the last block.
+    """
+    if not values:
+        return 0.0
+    starts = range(0, max(1, len(values) - block + 1), block)
+    blocks = [values[i:i + block] for i in starts]
+    blocks[-1] = values[starts[-1]:]
+    return statistics.median(statistics.fmean(b) for b in blocks)
 
 _log = logging.getLogger("mpitf")
 
@@ -65,29 +81,31 @@ class ProfileHook(Hook):
             self.write(session)
 
     def figures(self, session):
-        """Return the profile as a dict (medians over the profiled steps, seconds)."""
+        """Return the profile as a dict (seconds; steady figures and plain means)."""
         events = session.timeline.events[self.mark:]
         spans = {k: [e["dur"] * 1e-6 for e in events if e["name"] == k][WARM_UP:]
                  for k in ("compute", "push_pull")}
         spans["step"] = [b - a for a, b in zip(self.ticks, self.ticks[1:])][WARM_UP:]
         mean = {k: statistics.fmean(v) if v else 0.0 for k, v in spans.items()}
-        med = {k: statistics.median(v) if v else 0.0 for k, v in spans.items()}
-        step, batch = mean["step"], session.batch_size
+        steady = {k: steady_mean(v) for k, v in spans.items()}
+        step, batch = steady["step"], session.batch_size
         per_ps = session.placement.bytes_per_ps()
         return dict(
             model_bytes=sum(per_ps), bytes_per_ps=per_ps, num_ps=len(per_ps),
             workers=session.num_workers, batch_size=batch, mode=session.mode,
             bucket_bytes=session.config.bucket_bytes, layerwise=session.layerwise,
-            compute_s=mean["compute"], compute_s_per_example=mean["compute"] / batch,
-            push_pull_s=mean["push_pull"], step_s=step,
-            overhead_s=max(0.0, step - mean["compute"] - mean["push_pull"]),
+            compute_s=steady["compute"], compute_s_per_example=steady["compute"] / batch,
+            push_pull_s=steady["push_pull"], step_s=step,
+            overhead_s=max(0.0, step - steady["compute"] - steady["push_pull"]),
             examples_per_sec_per_worker=batch / step if step > 0 else 0.0,
-            compute_s_median=med["compute"], push_pull_s_median=med["push_pull"],
-            step_s_median=med["step"], steps=len(spans["step"]), warm_up=WARM_UP,
-            statistic="mean (what throughput sees; the medians alongside)",
+            compute_s_mean=mean["compute"], push_pull_s_mean=mean["push_pull"],
+            step_s_mean=mean["step"], steps=len(spans["step"]), warm_up=WARM_UP,
+            block_steps=BLOCK_STEPS,
+            statistic=f"median over blocks of {BLOCK_STEPS} steps of the block's mean "
+                      "(the plain means alongside, *_mean)",
             device=str(session.server.device), hostname=socket.gethostname(),
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            plan_flags=f"--model-bytes {sum(per_ps)} --compute-ms {med['compute'] * 1e3:.4g}")
+            plan_flags=f"--model-bytes {sum(per_ps)} --compute-ms {steady['compute'] * 1e3:.4g}")
 
     def write(self, session):
         """Write the profile, then stop recording spans nobody asked for."""

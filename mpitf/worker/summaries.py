@@ -71,11 +71,20 @@ class EventWriter:
         self._writer = None
         self._flushed = -math.inf
 
+    def load(self):
+        """Import tensorboardX now, creating nothing (it imports torch where installed: 2-7 s).
+
+        A training chief loads it while it builds its hooks, before the workers agree where
+        to start: the others wait for it there, instead of training ahead in async mode.
+        """
+        from tensorboardX.event_file_writer import EventsWriter  # noqa: F401
+        from tensorboardX.proto import event_pb2, summary_pb2  # noqa: F401
+
     def open(self):
         """Load tensorboardX and open the event file now (else at the first write).
 
-        A training chief opens it before its first step: the import takes about a second,
-        and inside the step loop that second makes its gradients stale in async mode.
+        A training chief opens it before its first step: inside the step loop the import
+        would stall a step and make its gradients stale in async mode.
         """
         if self._writer is None:
             from tensorboardX.event_file_writer import EventsWriter
