@@ -86,3 +86,18 @@ def test_a_point_is_projected_from_every_profile_of_its_model():
     two = val.project_job(fabric, inputs, 48, cm.Layout(2, 1, 1))
     assert two.step_time > 0.4e-3 + 100e-6 + 150e-6  # two pushes on one ps
     assert two.terms["messages"] == pytest.approx(2 * inputs["msg_overhead_s"])
+
+
+def test_the_event_writer_loads_tensorboardx_without_torch(tmp_path):
+    # torch took 2-7 s of the chief's start-up in every job with a run dir; in async mode
+    # the other workers trained ahead meanwhile (the modes suite's 1-2M examples/s)
+    import subprocess
+    import sys
+
+    code = ("import sys; from mpitf.worker.summaries import EventWriter; w = EventWriter("
+            f"{str(tmp_path)!r}); w.load(); assert 'torch' not in sys.modules; "
+            "w.scalars(1, {'loss': 0.5}); w.close(); import tensorboardX; print('ok')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert run.stdout.strip() == "ok", run.stderr
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1

@@ -9,6 +9,7 @@ protocol buffers and writes the records; a histogram is counted where its array 
 import itertools
 import math
 import os
+import sys
 import time
 
 import numpy as np
@@ -72,13 +73,23 @@ class EventWriter:
         self._flushed = -math.inf
 
     def load(self):
-        """Import tensorboardX now, creating nothing (it imports torch where installed: 2-7 s).
+        """Import tensorboardX now, creating nothing.
 
-        A training chief loads it while it builds its hooks, before the workers agree where
-        to start: the others wait for it there, instead of training ahead in async mode.
+        tensorboardX imports torch where it is installed (2 s on an idle core) only for its
+        SummaryWriter's type checks; this writer hands it no tensor, so torch stays hidden
+        during the import unless it is loaded already. A training chief loads it while it
+        builds its hooks, before the workers agree where to start: the others wait for it
+        there, instead of training ahead in async mode.
         """
-        from tensorboardX.event_file_writer import EventsWriter  # noqa: F401
-        from tensorboardX.proto import event_pb2, summary_pb2  # noqa: F401
+        hide = "torch" not in sys.modules
+        if hide:
+            sys.modules["torch"] = None  # `import torch` raises ImportError meanwhile
+        try:
+            from tensorboardX.event_file_writer import EventsWriter  # noqa: F401
+            from tensorboardX.proto import event_pb2, summary_pb2  # noqa: F401
+        finally:
+            if hide:
+                del sys.modules["torch"]
 
     def open(self):
         """Load tensorboardX and open the event file now (else at the first write).
@@ -87,18 +98,18 @@ class EventWriter:
         would stall a step and make its gradients stale in async mode.
         """
         if self._writer is None:
+            self.load()
             from tensorboardX.event_file_writer import EventsWriter
-            from tensorboardX.proto import event_pb2, summary_pb2  # noqa: F401 (loaded now)
 
             os.makedirs(self.logdir, exist_ok=True)
             self._writer = EventsWriter(os.path.join(self.logdir, "events"),
                                         f".{os.getpid()}.{next(_files)}")
 
     def _write(self, step, values):
+        self.open()
         from tensorboardX.proto.event_pb2 import Event
         from tensorboardX.proto.summary_pb2 import Summary
 
-        self.open()
         self._writer.write_event(Event(wall_time=time.time(), step=int(step),
                                        summary=Summary(value=values)))
         if time.monotonic() - self._flushed >= self.flush_secs:
