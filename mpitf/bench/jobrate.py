@@ -58,7 +58,7 @@ def steady_rate(records, warm_up):
     if not pairs:
         raise ValueError(f"expecting two metrics records past step {warm_up}, "
                          f"got {len(records)} records")
-    last = pairs[-1][1]
+    last = next(r for a, b in reversed(pairs) for r in (b, a) if r["global_steps_per_sec"])
     per_step = last["examples_per_sec"] / last["global_steps_per_sec"]
     rates = [(b["step"] - a["step"]) * per_step / (b["time"] - a["time"]) for a, b in pairs]
     steps = pairs[-1][1]["step"] - pairs[0][0]["step"]
