@@ -46,7 +46,7 @@ DEFAULT_DEADLINE = 300.0  # seconds a rank waits on a silent peer; MPITF_DEADLIN
 
 # Stall detection. With no --deadline flag the waits adapt to the step time: once
 # STALL_WARMUP_STEPS steps have run, a silent rank ends the job within
-# max(STALL_FLOOR, STALL_FACTOR x the slowest step seen so far), never later than the
+# max(STALL_FLOOR, STALL_FACTOR x the slowest step since then), never later than the
 # deadline. Start-up (imports, data, the first pull) and checkpoint writes (file-system
 # speed, not step time) keep the whole deadline. ``--deadline S`` asks for a fixed S.
 STALL_FLOOR = 30.0  # scheduling hiccups, a swapping node, a GC pause: never name a rank sooner
