@@ -136,13 +136,12 @@ def test_a_stopped_rank_is_named_within_40_s_by_default(tmp):
     # the three cost about one wait, and no job starts while another trains.
     jobs, stopped, ended = [], [], {}
     try:
-        for k, (victim, _, _, mode) in enumerate(STOPPED_CASES[:1]):
+        for k, (victim, _, _, mode) in enumerate(STOPPED_CASES):
             (tmp / f"job{k}").mkdir()
             jobs.append(Background(tmp / f"job{k}", steps=100000, step_sleep=0, mode=mode))
             jobs[-1].wait_for_step(50)
             stopped.append((jobs[-1].rank_pid(victim), time.monotonic()))
             os.kill(stopped[-1][0], signal.SIGSTOP)
-            print("DEBUG", k, stopped[-1][0], [j.rank_pids_from_proc() for j in jobs], flush=True)
         give_up = time.monotonic() + 60
         while len(ended) < len(jobs) and time.monotonic() < give_up:
             for k, job in enumerate(jobs):
