@@ -69,6 +69,8 @@ def test_compute_has_a_fixed_part_per_step_measured_by_two_profiles():
     # one profile: no fixed part; a negative one refits through zero
     assert val.compute_line([profile(32, 0.3e-3)]) == pytest.approx((0, 0.3e-3 / 32))
     assert val.compute_line([profile(32, 0.3e-3), profile(96, 2e-3)])[0] == 0.0
+    assert val.compute_line([profile(32, 0.7e-3), profile(96, 0.5e-3)]) == pytest.approx(
+        (0.6e-3, 0.0))  # batch 96 faster than 32: noise, so no slope
 
 
 def test_a_point_is_projected_from_every_profile_of_its_model():

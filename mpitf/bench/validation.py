@@ -45,12 +45,16 @@ def compute_line(profiles):
     """Return ``(fixed, per_example)``: compute per step = fixed + per_example x batch.
 
     The line through the profiles' (batch, compute) (least squares over more than two; a
-    negative fixed part refits through zero); one profile alone: no fixed part.
+    negative fixed part refits through zero; a larger batch measured faster, which only
+    noise does, gives the mean compute for every batch); one profile: no fixed part.
     """
     batches = [p["batch_size"] for p in profiles]
     if len(set(batches)) < 2:
         return 0.0, statistics.fmean(p["compute_s_per_example"] for p in profiles)
-    fixed, per_example, _ = cm.fit_alpha_beta(batches, [p["compute_s"] for p in profiles])
+    computes = [p["compute_s"] for p in profiles]
+    fixed, per_example, _ = cm.fit_alpha_beta(batches, computes)
+    if per_example <= 0:
+        return statistics.fmean(computes), 0.0
     return fixed, per_example
 
 
