@@ -51,7 +51,7 @@ def steady_rate(records, warm_up):
     intervals, ``mean_examples_per_sec`` all the window's examples over all its time.
     """
     timed = [r for r in records if r["step"] >= warm_up]
-    if len(timed) < 2:  # a run too short for the warm-up: its whole span, said so
+    if len(timed) < 2:  # a run too short for the warm-up: its whole span (first_step says)
         timed = records
     pairs = [(a, b) for a, b in zip(timed, timed[1:]) if b["time"] > a["time"]
              and b["step"] > a["step"]]

@@ -3,9 +3,11 @@
 Each entry is ``{"suite", "point", "ranks", "cores", "measured", "projected", "error_pct",
 "unit", "basis", "counted"}`` (unit: examples/s for jobs, s for a push+pull round
 trip). ``basis`` says where the projection's inputs come from: ``predicted`` (measured
-elsewhere: the fabric ping-pong, a separate profiled run of the job, the kernels suite)
-or ``fitted`` (the point itself took part in a fit; never
-counted). Points with more ranks than cores are marked and not counted either.
+elsewhere: the fabric ping-pong, separate profiled runs of the job, the kernels suite)
+or ``fitted`` (the point itself took part in a fit; never counted). Points with more
+ranks than cores are marked and not counted either. A job point is projected from its
+model's inputs (:func:`job_inputs`, the same for every point of the model), never from
+its own run.
 """
 
 import os
