@@ -14,10 +14,10 @@ import numpy as np
 from mpitf.cli.flags import (
     add_training_arguments,
     config_from_args,
-    report_final,
     session_from_config,
     start_job,
 )
+from mpitf.cli.reports import report_final
 from mpitf.cli.side_tasks import run_side_task
 from mpitf.data.ctr import CtrDataset, auc, load_ctr
 from mpitf.errors import ConfigurationError

@@ -10,12 +10,11 @@ checkpoint of --checkpoint-dir into RUN_DIR/eval/metrics.jsonl).
 from mpitf.cli.flags import (
     add_training_arguments,
     config_from_args,
-    evaluate_session,
     model_from_config,
-    report_final,
     session_from_config,
     start_job,
 )
+from mpitf.cli.reports import evaluate_session, report_final
 from mpitf.cli.side_tasks import run_side_task
 from mpitf.data.sharded import ShardedDataset
 from mpitf.errors import ConfigurationError
