@@ -13,6 +13,10 @@ rest workers. For each size B, interleaved in rounds so drift affects every figu
   with ``--optimizer none`` (the ps echoes its parameters) and once with SGD;
 * axpy: SGD's own in-place kernel on a ps's B/P bytes, timed on ps task 0.
 
+``--wire-dtype float32,bfloat16`` measures each optimizer once per wire dtype in the same
+rounds (B is the float32 model's bytes; a 16-bit wire moves half of them, converted on
+both sides).
+
 Every figure is a median over repetitions, after warm-up rounds (the first touch of fresh
 memory is slow). GB/s counts both directions: 2*B / time. Rank 0 writes the JSON.
 """
@@ -62,7 +66,11 @@ def parse_args(argv=None):
     p.add_argument("--deadline", type=float, default=300.0, help="seconds before giving up")
     p.add_argument("--ps-threads", type=int, default=None,
                    help="kernel threads of each ps (default: the ps's own default)")
+    p.add_argument("--wire-dtype", default="float32",
+                   help="comma-separated dtypes gradients and parameters travel in "
+                        "(float32, bfloat16, float16), each measured in the same rounds")
     args = p.parse_args(argv)
+    args.wire_dtypes = args.wire_dtype.split(",")
     if args.sizes:
         args.sizes = [int(s) for s in args.sizes.split(",")]
     else:
@@ -145,17 +153,17 @@ class Bench:
 
     # -- mpitf -----------------------------------------------------------------------------
 
-    def client_for(self, nbytes):
+    def client_for(self, nbytes, wire="float32"):
         """Return a Client with one float32 variable of nbytes/P per ps (no partition copies)."""
         n = nbytes // 4 // self.num_ps
         placement = Placement([(f"w{p}", (n,), "float32") for p in range(self.num_ps)],
                               self.num_ps)
-        client = Client(self.server, placement, deadline=self.args.deadline)
+        client = Client(self.server, placement, deadline=self.args.deadline, wire_dtype=wire)
         client.params_flat[...] = 0  # touch both buffers before timing
         client.grads_flat[...] = 0
         return client
 
-    def mpitf_block(self, client, optimizer, reps):
+    def mpitf_block(self, client, optimizer, reps, wire="float32"):
         """Serve one configuration (ps) or time push+pull round trips on it (workers)."""
         if self.is_ps:
             self.rss_reset = _reset_peak_rss() and self.rss_reset
@@ -163,8 +171,8 @@ class Bench:
             self.rss_peak = max(self.rss_peak, _peak_rss())
             return []
         config = make_optimizer(optimizer, LR).config()
-        client.start(TrainingConfig(mode=self.args.mode, ps_threads=self.args.ps_threads),
-                     config, initial_values=client.params)
+        client.start(TrainingConfig(mode=self.args.mode, ps_threads=self.args.ps_threads,
+                                    wire_dtype=wire), config, initial_values=client.params)
         times = []
         for i in range(WARMUP + reps):
             t0 = time.perf_counter()
@@ -196,19 +204,26 @@ class Bench:
         args = self.args
         reps = repetitions(nbytes, args.quick, args.reps)
         per_round = max(1, reps // args.rounds)
-        client = None if self.is_ps else self.client_for(nbytes)
-        samples = {"raw": [], "axpy": [], **{o: [] for o in args.optimizers}}
+        clients = {w: None if self.is_ps else self.client_for(nbytes, w)
+                   for w in args.wire_dtypes}
+        samples = {"raw": [], "axpy": [], **{key: [] for key in configurations(args)}}
         for _ in range(args.rounds):
             self.raw.Barrier()
             samples["raw"] += self.raw_block(nbytes, per_round)
-            for opt in args.optimizers:
+            for key in configurations(args):
+                opt, wire = key
                 self.raw.Barrier()
-                samples[opt] += self.mpitf_block(client, opt, per_round)
+                samples[key] += self.mpitf_block(clients[wire], opt, per_round, wire)
             self.raw.Barrier()
             a = self.axpy_block(nbytes, per_round)
             if a is not None:
                 samples["axpy"].append(a)
         return samples, per_round * args.rounds
+
+
+def configurations(args):
+    """Return the (optimizer, wire dtype) pairs measured, in the order they run."""
+    return [(o, w) for w in args.wire_dtypes for o in args.optimizers]
 
 
 def _worker_median(per_rank, key, worker_ranks):
@@ -233,15 +248,15 @@ def main(argv=None):
         reps_used[nbytes] = reps
         raw = _worker_median(gathered, "raw", bench.worker_ranks)
         axpy = statistics.median(next(g["axpy"] for g in gathered if g["axpy"]))
-        for opt in args.optimizers:
-            t = _worker_median(gathered, opt, bench.worker_ranks)
+        for opt, wire in configurations(args):
+            t = _worker_median(gathered, (opt, wire), bench.worker_ranks)
             row = dict(bytes=nbytes, num_ps=bench.num_ps, num_workers=len(bench.worker_ranks),
-                       optimizer=opt, mode=args.mode,
+                       optimizer=opt, mode=args.mode, wire_dtype=wire,
                        mpitf_gbps=2 * nbytes / t / 1e9, raw_mpi_gbps=2 * nbytes / raw / 1e9,
                        ratio=raw / t, mpitf_us=_us(t), raw_mpi_us=_us(raw), axpy_us=_us(axpy),
                        repetitions=reps)
             results.append(row)
-            print(f"{nbytes:>10} B  {opt:<5} mpitf {row['mpitf_us']:10.1f} us "
+            print(f"{nbytes:>10} B  {opt:<5} {wire:<8} mpitf {row['mpitf_us']:10.1f} us "
                   f"{row['mpitf_gbps']:6.2f} GB/s   raw {row['raw_mpi_us']:10.1f} us "
                   f"{row['raw_mpi_gbps']:6.2f} GB/s   ratio {row['ratio']:.2f}   "
                   f"axpy {row['axpy_us']:9.1f} us", flush=True)

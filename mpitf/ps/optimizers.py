@@ -192,6 +192,9 @@ class NoOp(Optimizer):
     name = "none"
     _uses_scratch = False
 
+    def apply(self, params, grad, slots, step, pool=None, reply=None, widened=None):
+        """Leave ``params`` (and a reply in a wire dtype, which holds them) as they are."""
+
     def _update(self, xp, params, grad, slots, step):
         pass
 
