@@ -174,3 +174,17 @@ def test_bfloat16_digits_keep_their_accuracy_and_resume_bit_for_bit(tmp_path):
     assert int(step) == saved and final_summary(resumed)["step"] == 60
     # the checkpoint holds the float32 master: the rest of the run is the same bits
     assert_bitwise_equal(load_npz(tmp_path / "out.npz"), load_npz(tmp_path / "ref.npz"))
+
+
+def test_a_job_with_embedding_tables_refuses_a_16_bit_wire_on_every_rank(tmp_path):
+    from mpitf.data.ctr import synthetic_ctr
+
+    data = str(tmp_path / "ctr.h5")
+    synthetic_ctr(data, train=200, test=50, fields=3, rows=40, dense=2, seed=4)
+    run = run_mpi(3, ["-m", "mpitf.jobs.ctr", "--data", data, "--num-ps", "1", "--steps", "5",
+                      "--wire-dtype", "bfloat16"], timeout=60, cwd=str(tmp_path))
+    message = ("ctr does not support --wire-dtype bfloat16 (its embedding rows travel on "
+               "messages of their own); use --wire-dtype float32")
+    assert not run.timed_out and run.returncode == 2, run.output
+    assert run.output.count(message) == 1, run.output
+    assert "final:" not in run.stdout and run.seconds < 30

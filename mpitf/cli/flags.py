@@ -344,6 +344,9 @@ def start_job(args, config, check_cluster=None, check_data=None):
     if config.training.aggregate_per_node:  # before training, one message, every rank
         from ..worker.node import aggregation_problem
         raise_shared(server.comm, aggregation_problem(server, config.training, backend))
+    if config.training.wire_dtype != "float32":  # a 16-bit wire converts in host memory
+        from ..wire.dtypes import host_problem
+        raise_shared(server.comm, host_problem(config.training.wire_dtype, backend.name))
     path = check_inputs(config, server.comm, chief_rank(server),
                         num_shards=server.num_replicas, check_data=check_data)
     if config.training.checkpoint_dir:

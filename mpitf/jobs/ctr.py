@@ -23,6 +23,7 @@ from mpitf.data.ctr import CtrDataset, auc, load_ctr
 from mpitf.errors import ConfigurationError
 from mpitf.models.ctr import CTR, logistic_loss
 from mpitf.runtime.exits import RankParser, collective, run_job
+from mpitf.wire.dtypes import refuse_wire
 from mpitf.worker.node import refuse_aggregation
 
 
@@ -67,6 +68,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     config = config_from_args(args)
     refuse_aggregation(config.training, "ctr", "its embedding rows are pushed by id")
+    refuse_wire(config.training, "ctr", "its embedding rows travel on messages of their own")
     if not config.data:
         raise collective(ConfigurationError("ctr needs --data FILE (write one with `mpitf "
                                             "data synthetic-ctr --out FILE`)"))

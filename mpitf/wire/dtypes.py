@@ -4,6 +4,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import ConfigurationError
+from ..runtime.exits import collective
 
 # what --wire-dtype takes, by name
 WIRE_NAMES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -30,3 +31,24 @@ def wire_dtype(name, param_dtype=np.float32, backend="numpy", tables=False):
             raise ConfigurationError(f"wire_dtype {name} (--wire-dtype) does not support "
                                      f"{what}; or use --wire-dtype float32")
     return dtype
+
+
+def host_problem(name, backend):
+    """Return the error a 16-bit wire ``name`` makes on a ``backend`` rank, or None.
+
+    Every rank of a job passes its own to ``raise_shared``, so a GPU rank anywhere ends
+    every rank with one message before training.
+    """
+    try:
+        wire_dtype(name, backend=backend)
+    except ConfigurationError as exc:
+        return exc
+    return None
+
+
+def refuse_wire(config, job, why):
+    """Raise, alike on every rank, if ``job`` (which keeps float32 frames) got a 16-bit wire."""
+    if config.wire_dtype != "float32":
+        raise collective(ConfigurationError(
+            f"{job} does not support --wire-dtype {config.wire_dtype} ({why}); use "
+            "--wire-dtype float32"))
