@@ -13,6 +13,7 @@ buffer and round the reply after.
 
 import numpy as np
 
+from ..wire import convert
 from ..wire.convert import narrow_into, widen_into
 from ..wire.dtypes import wire_dtype
 from ..wire.frame import Frame
@@ -48,6 +49,8 @@ class Shard:
         self.pool = KernelPool(threads) if backend.name == "numpy" else None
         if self.pool is not None:
             warm_up(optimizer, self.dtype, self.wire)
+        if self.widened is not None:
+            convert.warm_up(self.wire)
         self.average = average  # an ExponentialMovingAverage or None
         self.average_frame = Frame.allocate(backend, size, dtype) if average is not None else None
         self._views = {}  # (lo, hi) -> (params, slots, average, reply, widened) views, made once

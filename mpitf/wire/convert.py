@@ -20,7 +20,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-__all__ = ["WIRE_DTYPES", "add_widened", "narrow_into", "part", "store", "widen",
+__all__ = ["WIRE_DTYPES", "add_widened", "narrow_into", "part", "store", "warm_up", "widen",
            "widen_into", "wire_view"]
 
 # wire dtype -> the integer view the kernels take it as
@@ -149,6 +149,14 @@ def _widen(src, dst):
 def _add_widened(dst, src):
     for i in range(dst.shape[0]):
         dst[i] = dst[i] + widen(src[i])
+
+
+def warm_up(wire):
+    """Compile (or load from numba's cache) the conversions of ``wire`` now, not in a step."""
+    one, other = np.zeros(1, np.float32), np.zeros(1, wire)
+    narrow_into(one, other)
+    widen_into(other, one)
+    add_widened(one, other)
 
 
 def narrow_into(src, dst):

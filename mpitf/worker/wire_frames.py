@@ -8,7 +8,7 @@ just before it leaves; a reply is widened into the float32 parameters as it land
 pass each (:mod:`mpitf.wire.convert`), between buffers and views made once.
 """
 
-from ..wire.convert import narrow_into, widen_into
+from ..wire.convert import narrow_into, warm_up, widen_into
 from ..wire.layout import FlatLayout
 
 
@@ -23,6 +23,7 @@ class WireFrames:
     def __init__(self, client, dtype):
         c, zeros = client, client.backend.zeros
         self.dtype = dtype
+        warm_up(dtype)  # compiled (or loaded) now, not in the first step
         self.layout = FlatLayout(c.placement, dtype=dtype)
         self.grad_layout = FlatLayout(c.placement, c.buckets, dtype) if c.bucketed \
             else self.layout
