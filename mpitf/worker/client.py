@@ -61,6 +61,7 @@ class Client:
         self.segments = self.layout.segments
         wire = dtypes.wire_dtype(wire_dtype, placement.dtype, self.backend.name)
         itemsize = wire.itemsize  # buckets are cut by the bytes they take on the wire
+        self.wire_dtype, self.wire_itemsize = wire_dtype, itemsize
         self.bucket_bytes = bucket_bytes
         self.buckets = [bucket_ranges(placement.slices_for_ps(p), n, bucket_bytes, itemsize)
                         for p, n in enumerate(placement.shard_sizes)]
@@ -356,7 +357,12 @@ class Client:
             sparse: the embedding tables every ps holds rows of (``Embeddings.assignment``).
         Returns the :class:`Reply` of the first pull (its ``global_step`` is where to start).
         """
-        if config.bucket_bytes != self.bucket_bytes:
+        if config.wire_dtype != self.wire_dtype:
+            raise ConfigurationError(f"the client carries {self.wire_dtype} but the config says "
+                                     f"{config.wire_dtype}: give both the same wire_dtype")
+        itemsize = self.wire_itemsize
+        if [bucket_ranges(self.placement.slices_for_ps(p), n, config.bucket_bytes, itemsize)
+                for p, n in enumerate(self.placement.shard_sizes)] != self.buckets:
             raise ConfigurationError(
                 f"the client cuts buckets of {self.bucket_bytes} bytes but the config says "
                 f"{config.bucket_bytes}: give both the same bucket_bytes")
