@@ -13,12 +13,13 @@ import numbers
 import os
 from dataclasses import dataclass, field
 
+from .conflicts import check_combinations
 from .errors import ConfigurationError
 
 __all__ = [
     "DEFAULT_DEADLINE", "DEFAULT_MAX_NONFINITE_SKIPS", "DEFAULT_BUCKET_BYTES",
     "DEFAULT_SUMMARY_EVERY", "MODES", "SERVER_FIRST", "STALL_FACTOR", "STALL_FLOOR",
-    "STALL_WARMUP_STEPS", "JobConfig", "PsAssignment", "TrainingConfig", "check_aggregation",
+    "STALL_WARMUP_STEPS", "JobConfig", "PsAssignment", "TrainingConfig",
     "check_batch_size", "check_choice", "check_deadline", "check_int", "check_learning_rate",
     "check_memory_fraction", "check_moving_average_decay", "check_multiple", "check_number",
     "default_deadline", "stall_allowance",
@@ -44,6 +45,7 @@ DEFAULT_MAX_NONFINITE_SKIPS = 100
 # the next arrives (benchmarks/README.md, "Push/pull against raw MPI, session 5").
 DEFAULT_BUCKET_BYTES = 2 << 20
 MODES = ("sync", "async", "ssp")
+WIRE_DTYPES = ("float32", "bfloat16", "float16")  # --wire-dtype
 # Global steps between TensorBoard histograms (--summary-every); see docs/design.md for the cost.
 DEFAULT_SUMMARY_EVERY = 100
 # The most kernel threads a ps may be given (--ps-threads): a bound that catches typos.
@@ -192,6 +194,8 @@ class TrainingConfig:
         profile_steps: the chief times N steps into RUN_DIR/profile.json (worker/profile.py).
         aggregate_per_node: sync: the replicas of a node sum their gradients in shared
             memory and one leader per node pushes for them (see worker/node.py).
+        wire_dtype: "float32", "bfloat16" or "float16": the dtype gradients and parameters
+            travel in; the ps keeps float32 parameters and slots (see wire/convert.py).
     """
 
     mode: str = "sync"
@@ -219,6 +223,7 @@ class TrainingConfig:
     ps_threads: int = None
     profile_steps: int = 0
     aggregate_per_node: bool = False
+    wire_dtype: str = "float32"
 
     def __post_init__(self):
         check_choice("mode", self.mode, MODES)
@@ -268,38 +273,14 @@ class TrainingConfig:
         if self.clients is not None:
             object.__setattr__(self, "clients", tuple(
                 check_int("clients", c, 0) for c in self.clients))
-        if self.aggregate_per_node:
-            _check_aggregation(self)
+        check_choice("wire_dtype (--wire-dtype)", self.wire_dtype, WIRE_DTYPES)
+        check_combinations(self)
 
     def replace(self, **changes):
         """Return a copy with ``changes`` applied (checked again; misspelt names raise)."""
         if getattr(self, "_default_buckets", False):
             changes.setdefault("bucket_bytes", None)
         return dataclasses.replace(self, **changes)
-
-
-def _check_aggregation(config):
-    """Refuse what node-local aggregation does not support, naming the option to drop."""
-    for bad, what in (
-            (config.mode != "sync", f"mode {config.mode!r} (--mode): it sums each step's "
-             "gradients, which only sync mode has"),
-            (config.bucket_bytes, f"bucket_bytes={config.bucket_bytes} (--bucket-bytes): a "
-             "node pushes one frame per ps"),
-            (config.skip_nonfinite, "skip_nonfinite (--skip-nonfinite): a node pushes whole"),
-            (config.clients is not None, "in-graph replication (clients)")):
-        if bad:
-            raise ConfigurationError(f"aggregate_per_node (--aggregate-per-node) does not "
-                                     f"support {what}; drop one of them")
-
-
-def check_aggregation(config, num_replicas):
-    """Raise if ``config`` aggregates per node with backup workers (a node's push is whole)."""
-    r = config.replicas_to_aggregate
-    if config.aggregate_per_node and r is not None and r != num_replicas:
-        raise ConfigurationError(
-            f"aggregate_per_node (--aggregate-per-node) does not support backup workers "
-            f"(replicas_to_aggregate {r} of {num_replicas} replicas): a node's push stands "
-            "for all its replicas; leave --replicas-to-aggregate out or drop one of them")
 
 
 @dataclass(frozen=True)
@@ -351,7 +332,7 @@ class JobConfig:
             seed=args.seed, log_every=args.log_every, summary_every=args.summary_every,
             run_dir=args.run_dir, timeline=args.timeline, bucket_bytes=args.bucket_bytes,
             ps_threads=args.ps_threads, profile_steps=args.profile_steps,
-            aggregate_per_node=args.aggregate_per_node)
+            aggregate_per_node=args.aggregate_per_node, wire_dtype=args.wire_dtype)
         return cls(training=training, model=args.model, hidden=args.hidden,
                    optimizer=args.optimizer, lr=args.lr, lr_decay=args.lr_decay,
                    lr_decay_steps=args.lr_decay_steps,

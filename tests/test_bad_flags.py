@@ -32,6 +32,8 @@ def data(digits_file):
      "bucket_bytes (--bucket-bytes; 0 for one frame per ps) must be >= 0, got -1"),
     (["--ps-threads", "0"], "ps_threads (--ps-threads) must be >= 1, got 0"),
     (["--ps-threads", "5000"], "ps_threads (--ps-threads) must be at most 1024, got 5000"),
+    (["--wire-dtype", "bfloat16", "--moving-average-decay", "0.9"],
+     "wire_dtype bfloat16 (--wire-dtype) does not support moving_average_decay"),
 ])
 def test_a_bad_flag_ends_every_rank_with_one_message(data, tmp_path, flags, message):
     ckpt = tmp_path / "ckpt"

@@ -27,7 +27,8 @@ from test_recovery import (
 )
 
 from mpitf.ckpt.names import checkpoint_name, read_manifest
-from mpitf.config import TrainingConfig, check_aggregation
+from mpitf.config import TrainingConfig
+from mpitf.conflicts import check_aggregation
 from mpitf.errors import ConfigurationError
 from mpitf.ps.consistency import make_policy
 from mpitf.ps.optimizers import make_optimizer

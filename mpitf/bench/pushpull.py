@@ -16,6 +16,10 @@ rest workers. For each size B, interleaved in rounds so drift affects every figu
   of about K bytes per ps (0: one bucket), the model then made of ``--variable-bytes``
   variables (buckets are cut between variables), the one-bucket figures on the same ones.
 
+``--wire-dtype float32,bfloat16`` measures each optimizer once per wire dtype in the same
+rounds (B is the float32 model's bytes; a 16-bit wire moves half of them, converted on
+both sides).
+
 Every figure is a median over repetitions, after warm-up rounds (the first touch of fresh
 memory is slow). GB/s counts both directions: 2*B / time. Rank 0 writes the JSON.
 """
@@ -69,8 +73,12 @@ def parse_args(argv=None):
                    help="comma-separated bucket sizes per ps to measure (0: one bucket)")
     p.add_argument("--variable-bytes", type=int, default=64 << 10,
                    help="with buckets: the model's variables are this big (default 64 KiB)")
+    p.add_argument("--wire-dtype", default="float32",
+                   help="comma-separated dtypes gradients and parameters travel in "
+                        "(float32, bfloat16, float16), each measured in the same rounds")
     args = p.parse_args(argv)
     args.bucket_bytes = [int(b) for b in args.bucket_bytes.split(",")]
+    args.wire_dtypes = args.wire_dtype.split(",")
     if args.sizes:
         args.sizes = [int(s) for s in args.sizes.split(",")]
     else:
@@ -153,7 +161,7 @@ class Bench:
 
     # -- mpitf -----------------------------------------------------------------------------
 
-    def client_for(self, nbytes, bucket_bytes=0):
+    def client_for(self, nbytes, bucket_bytes=0, wire="float32"):
         """Return a Client with float32 variables of nbytes/P per ps (no partition copies).
 
         One variable per ps, or with ``--bucket-bytes`` variables of ``--variable-bytes``.
@@ -164,12 +172,12 @@ class Bench:
                      for p in range(self.num_ps) for k, lo in enumerate(range(0, n, per))]
         placement = Placement(variables, self.num_ps)
         client = Client(self.server, placement, deadline=self.args.deadline,
-                        bucket_bytes=bucket_bytes)
+                        bucket_bytes=bucket_bytes, wire_dtype=wire)
         client.params_flat[...] = 0  # touch both buffers before timing
         client.grads_flat[...] = 0
         return client
 
-    def mpitf_block(self, client, optimizer, reps, bucket_bytes=0):
+    def mpitf_block(self, client, optimizer, reps, bucket_bytes=0, wire="float32"):
         """Serve one configuration (ps) or time push+pull round trips on it (workers)."""
         if self.is_ps:
             self.rss_reset = _reset_peak_rss() and self.rss_reset
@@ -178,7 +186,7 @@ class Bench:
             return []
         config = make_optimizer(optimizer, LR).config()
         client.start(TrainingConfig(mode=self.args.mode, ps_threads=self.args.ps_threads,
-                                    bucket_bytes=bucket_bytes),
+                                    bucket_bytes=bucket_bytes, wire_dtype=wire),
                      config, initial_values=client.params)
         times = []
         for i in range(WARMUP + reps):
@@ -211,17 +219,16 @@ class Bench:
         args = self.args
         reps = repetitions(nbytes, args.quick, args.reps)
         per_round = max(1, reps // args.rounds)
-        clients = {b: None if self.is_ps else self.client_for(nbytes, b)
-                   for b in args.bucket_bytes}
-        samples = {"raw": [], "axpy": [], **{label(o, b): [] for o in args.optimizers
-                                             for b in args.bucket_bytes}}
+        clients = {(b, w): None if self.is_ps else self.client_for(nbytes, b, w)
+                   for b in args.bucket_bytes for w in args.wire_dtypes}
+        samples = {"raw": [], "axpy": [], **{label(*c): [] for c in configurations(args)}}
         for _ in range(args.rounds):
             self.raw.Barrier()
             samples["raw"] += self.raw_block(nbytes, per_round)
-            for opt in args.optimizers:
-                for b, client in clients.items():
-                    self.raw.Barrier()
-                    samples[label(opt, b)] += self.mpitf_block(client, opt, per_round, b)
+            for opt, b, w in configurations(args):
+                self.raw.Barrier()
+                samples[label(opt, b, w)] += self.mpitf_block(clients[(b, w)], opt, per_round,
+                                                              b, w)
             self.raw.Barrier()
             a = self.axpy_block(nbytes, per_round)
             if a is not None:
@@ -229,9 +236,16 @@ class Bench:
         return samples, per_round * args.rounds
 
 
-def label(optimizer, bucket_bytes):
-    """Return the name of one configuration's samples: ``sgd``, or ``sgd@1024K`` buckets."""
-    return optimizer if not bucket_bytes else f"{optimizer}@{bucket_bytes >> 10}K"
+def configurations(args):
+    """Return the (optimizer, bucket bytes, wire dtype) triples measured, in running order."""
+    return [(o, b, w) for o in args.optimizers for b in args.bucket_bytes
+            for w in args.wire_dtypes]
+
+
+def label(optimizer, bucket_bytes, wire="float32"):
+    """Return the name of one configuration: ``sgd``, ``sgd@1024K`` buckets, ``sgd/bfloat16``."""
+    name = optimizer if not bucket_bytes else f"{optimizer}@{bucket_bytes >> 10}K"
+    return name if wire == "float32" else f"{name}/{wire}"
 
 
 def _worker_median(per_rank, key, worker_ranks):
@@ -256,15 +270,15 @@ def main(argv=None):
         reps_used[nbytes] = reps
         raw = _worker_median(gathered, "raw", bench.worker_ranks)
         axpy = statistics.median(next(g["axpy"] for g in gathered if g["axpy"]))
-        for opt, b in ((o, b) for o in args.optimizers for b in args.bucket_bytes):
-            t = _worker_median(gathered, label(opt, b), bench.worker_ranks)
+        for opt, b, wire in configurations(args):
+            t = _worker_median(gathered, label(opt, b, wire), bench.worker_ranks)
             row = dict(bytes=nbytes, num_ps=bench.num_ps, num_workers=len(bench.worker_ranks),
-                       optimizer=opt, mode=args.mode, bucket_bytes=b,
+                       optimizer=opt, mode=args.mode, bucket_bytes=b, wire_dtype=wire,
                        mpitf_gbps=2 * nbytes / t / 1e9, raw_mpi_gbps=2 * nbytes / raw / 1e9,
                        ratio=raw / t, mpitf_us=_us(t), raw_mpi_us=_us(raw), axpy_us=_us(axpy),
                        repetitions=reps)
             results.append(row)
-            print(f"{nbytes:>10} B  {label(opt, b):<10} mpitf {row['mpitf_us']:10.1f} us "
+            print(f"{nbytes:>10} B  {label(opt, b, wire):<14} mpitf {row['mpitf_us']:10.1f} us "
                   f"{row['mpitf_gbps']:6.2f} GB/s   raw {row['raw_mpi_us']:10.1f} us "
                   f"{row['raw_mpi_gbps']:6.2f} GB/s   ratio {row['ratio']:.2f}   "
                   f"axpy {row['axpy_us']:9.1f} us", flush=True)

@@ -95,6 +95,9 @@ def add_training_arguments(parser, steps=300, batch_size=32, lr=_JOB["lr"]):
     g.add_argument("--profile-steps", type=int, default=0,
                    help="the chief times N steps and writes RUN_DIR/profile.json: model bytes, "
                         "compute per step and example, push+pull (for mpitf bench --plan)")
+    g.add_argument("--wire-dtype", default=_TRAINING["wire_dtype"],
+                   help="the dtype gradients and parameters travel in: float32, bfloat16 or "
+                        "float16 (the ps keeps float32 parameters and optimizer slots)")
     g.add_argument("--bucket-bytes", type=int, default=_TRAINING["bucket_bytes"],
                    help="push gradients per ps in buckets of about this many bytes, last "
                         "layers first, pipelined on the ps (0: one frame per ps; default: "
@@ -314,50 +317,6 @@ def session_from_config(server, model, config, dataset, log_device_placement=Fal
     return sess
 
 
-def report_final(config, summary, params=None, to_host=None):
-    """Print ``final: {json}``, write RUN_DIR/summary.json, export params if --export."""
-    import json
-
-    print("final: " + json.dumps(summary), flush=True)
-    if config.export and params is not None:
-        import numpy as np
-
-        to_host = to_host or np.asarray
-        np.savez(config.export, **{k: to_host(v) for k, v in params.items()})
-    run_dir = config.training.run_dir
-    if run_dir:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-    return summary
-
-
-def evaluate_session(sess, config, path, **extra):
-    """Evaluate the newest parameters on the test split; return the summary (ps counters too)."""
-    from ..data.sharded import load_split
-
-    elapsed = sess.elapsed  # training alone: the evaluation is not in the rate
-    x_test, y_test = load_split(path, "test")
-    test_loss, test_acc = sess.evaluate(x_test, y_test,
-                                        average=config.training.moving_average_decay is not None)
-    counters = sess.client.ps_counters()
-    summary = dict(step=sess.global_step, loss=sess.loss, test_loss=test_loss,
-                   test_accuracy=test_acc, ps=len(counters),
-                   examples_per_sec=sess.examples_seen / elapsed if elapsed > 0 else 0.0,
-                   # every ps counts each skip of every worker: one ps's count is the total
-                   nonfinite_skipped=max((c["nonfinite_skipped"] for c in counters),
-                                         default=sess.nonfinite_skipped),
-                   stale_dropped=sum(c["stale_dropped"] for c in counters),
-                   max_staleness=max((c["max_staleness"] for c in counters), default=0),
-                   max_lead=max((c["max_lead"] for c in counters), default=0),
-                   fan_in=max(c["fan_in"] for c in counters),  # ranks pushing to a ps
-                   pushes_received=max(c["pushes_received"] for c in counters))
-    summary.update(extra)
-    if config.export:
-        sess.client.pull()  # evaluation may have pulled the average
-    return summary
-
-
 def start_job(args, config, check_cluster=None, check_data=None):
     """Start this rank's part of a job: cluster, Server, backend, data; return both.
 
@@ -386,6 +345,9 @@ def start_job(args, config, check_cluster=None, check_data=None):
     if config.training.aggregate_per_node:  # before training, one message, every rank
         from ..worker.node import aggregation_problem
         raise_shared(server.comm, aggregation_problem(server, config.training, backend))
+    if config.training.wire_dtype != "float32":  # a 16-bit wire converts in host memory
+        from ..wire.dtypes import host_problem
+        raise_shared(server.comm, host_problem(config.training.wire_dtype, backend.name))
     path = check_inputs(config, server.comm, chief_rank(server),
                         num_shards=server.num_replicas, check_data=check_data)
     if config.training.checkpoint_dir:

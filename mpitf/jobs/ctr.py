@@ -14,14 +14,15 @@ import numpy as np
 from mpitf.cli.flags import (
     add_training_arguments,
     config_from_args,
-    report_final,
     session_from_config,
 )
+from mpitf.cli.reports import report_final
 from mpitf.cli.side_tasks import start_replica
 from mpitf.data.ctr import CtrDataset, auc, load_ctr
 from mpitf.errors import ConfigurationError
 from mpitf.models.ctr import CTR, logistic_loss
 from mpitf.runtime.exits import RankParser, collective, run_job
+from mpitf.wire.dtypes import refuse_wire
 from mpitf.worker.node import refuse_aggregation
 
 
@@ -66,6 +67,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     config = config_from_args(args)
     refuse_aggregation(config.training, "ctr", "its embedding rows are pushed by id")
+    refuse_wire(config.training, "ctr", "its embedding rows travel on messages of their own")
     if not config.data:
         raise collective(ConfigurationError("ctr needs --data FILE (write one with `mpitf "
                                             "data synthetic-ctr --out FILE`)"))

@@ -12,11 +12,10 @@ bit for bit. --batch-size is the chunk of one worker task.
 from mpitf.cli.flags import (
     add_training_arguments,
     config_from_args,
-    evaluate_session,
     model_from_config,
-    report_final,
     session_from_config,
 )
+from mpitf.cli.reports import evaluate_session, report_final
 from mpitf.cli.side_tasks import start_replica
 from mpitf.errors import ConfigurationError
 from mpitf.placement import replica_device_setter

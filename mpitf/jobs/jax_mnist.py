@@ -11,7 +11,8 @@ import time
 
 import numpy as np
 
-from mpitf.cli.flags import add_training_arguments, config_from_args, report_final
+from mpitf.cli.flags import add_training_arguments, config_from_args
+from mpitf.cli.reports import report_final
 from mpitf.cli.side_tasks import start_replica
 from mpitf.data.sharded import ShardedDataset, load_split
 from mpitf.errors import ConfigurationError

@@ -10,11 +10,10 @@ checkpoint of --checkpoint-dir into RUN_DIR/eval/metrics.jsonl).
 from mpitf.cli.flags import (
     add_training_arguments,
     config_from_args,
-    evaluate_session,
     model_from_config,
-    report_final,
     session_from_config,
 )
+from mpitf.cli.reports import evaluate_session, report_final
 from mpitf.cli.side_tasks import start_replica
 from mpitf.data.sharded import ShardedDataset
 from mpitf.errors import ConfigurationError

@@ -18,14 +18,13 @@ from mpitf.cli.flags import (
     check_roles,
     chief_rank,
     config_from_args,
-    evaluate_session,
     model_from_config,
     optimizer_from_config,
-    report_final,
     resolve_cluster,
     session_from_config,
     setup_backend,
 )
+from mpitf.cli.reports import evaluate_session, report_final
 from mpitf.cli.side_tasks import run_side_task
 from mpitf.data.sharded import ShardedDataset, load_split
 from mpitf.errors import ConfigurationError

@@ -14,6 +14,7 @@ from ..config import check_int
 from ..errors import ConfigurationError, PeerError
 from ..wire import header as H
 from ..wire import protocol as P
+from ..wire.convert import add_widened, widen_into
 
 
 class SyncReplicas:
@@ -92,7 +93,7 @@ class SyncReplicas:
                 copy = self.copies.get(worker)
                 if copy is None:
                     copy = self.copies[worker] = svc.xp.empty_like(svc.shard.params)
-                copy[lo:hi] = grad
+                _put(copy[lo:hi], grad)
                 held[worker] = (copy[lo:hi], None)
             else:
                 held[worker] = (grad, index)
@@ -107,9 +108,9 @@ class SyncReplicas:
             self.accum = svc.xp.empty_like(svc.shard.params)
         accum = self.accum[lo:hi]
         if not waiting:
-            accum[...] = grad
+            _put(accum, grad)
         else:
-            svc.xp.add(accum, grad, out=accum)
+            _add(svc.xp, accum, grad)
         waiting.append(worker)
         self.maybe_step(svc, bucket)
         return True
@@ -127,9 +128,9 @@ class SyncReplicas:
         if self.deterministic:
             held = self.held[bucket]
             order = sorted(held)
-            accum[...] = held[order[0]][0]
+            _put(accum, held[order[0]][0])
             for w in order[1:]:
-                svc.xp.add(accum, held[w][0], out=accum)
+                _add(svc.xp, accum, held[w][0])
             for w in order:
                 if held[w][1] is not None:
                     svc.repost(held[w][1])
@@ -151,6 +152,22 @@ class SyncReplicas:
     def is_waiting(self, worker):
         """Return True if ``worker`` waits for this ps to finish a step."""
         return any(worker in w for w in self.waiting.values())
+
+
+def _put(accum, grad):
+    """Copy ``grad`` into the float32 ``accum``, widened from a 16-bit wire dtype."""
+    if grad.dtype == accum.dtype:
+        accum[...] = grad
+    else:
+        widen_into(grad, accum)
+
+
+def _add(xp, accum, grad):
+    """Add ``grad`` into ``accum`` in ``accum``'s dtype (a 16-bit wire's widened)."""
+    if grad.dtype == accum.dtype:
+        xp.add(accum, grad, out=accum)
+    else:
+        add_widened(accum, grad)
 
 
 class Async:

@@ -12,7 +12,7 @@ an optimizer's name to ``(slot names, scalars(optimizer, step) -> (kernel, scala
 new optimizer (AdamW, RMSprop, weight decay) is one kernel and one entry. The gradient may
 arrive in a wire dtype (bfloat16, float16: converted to float32 as it is read), and the
 kernel may write the new parameters, rounded, into ``reply`` in a wire dtype as well
-(:mod:`mpitf.ps.convert`); with a float32 gradient and no reply it is the same arithmetic.
+(:mod:`mpitf.wire.convert`); with a float32 gradient and no reply it is the same arithmetic.
 """
 
 import math
@@ -20,7 +20,7 @@ import math
 import numpy as np
 from numba import njit
 
-from .convert import WIRE_DTYPES, part, store, widen, wire_view
+from ..wire.convert import WIRE_DTYPES, part, store, widen, wire_view
 
 __all__ = ["FUSED", "fused_apply", "warm_up"]
 
@@ -192,18 +192,21 @@ def _takes(params, grad, reply):
                              and reply.shape == shape and reply.flags.c_contiguous)
 
 
-def warm_up(optimizer, dtype):
+def warm_up(optimizer, dtype, wire=None):
     """Compile (or load from numba's cache) ``optimizer``'s kernel for ``dtype`` now.
 
-    A ps calls this at start-up, so the first step does not pay for the compilation.
-    Returns the seconds it took.
+    ``wire``: the dtype gradients and the reply travel in (None: ``dtype``). A ps calls
+    this at start-up, so the first step does not pay for the compilation. Returns the
+    seconds it took.
     """
     import time
 
     start = time.perf_counter()
     dtype = np.dtype(dtype)
     if optimizer.name in FUSED and dtype in _DTYPES:
-        params, grad = np.zeros(1, dtype), np.zeros(1, dtype)
+        wire = dtype if wire is None else np.dtype(wire)
+        params, grad = np.zeros(1, dtype), np.zeros(1, wire)
         slots = optimizer.make_slots(1, np, dtype)
-        fused_apply(optimizer, params, grad, slots, 0)
+        fused_apply(optimizer, params, grad, slots, 0, None,
+                    None if wire == dtype else np.zeros(1, wire))
     return time.perf_counter() - start

@@ -22,6 +22,7 @@ import math
 from mpitf.config import check_learning_rate, check_moving_average_decay, check_number
 from mpitf.errors import ConfigurationError
 from mpitf.runtime.backend import array_module
+from mpitf.wire.convert import narrow_into, widen_into
 
 from .kernels import fused_apply
 from .schedules import SCHEDULES
@@ -143,13 +144,14 @@ class Optimizer(abc.ABC):
             slots[_SCRATCH] = xp.empty(size, dtype=dtype)
         return slots
 
-    def apply(self, params, grad, slots, step, pool=None, reply=None):
+    def apply(self, params, grad, slots, step, pool=None, reply=None, widened=None):
         """Update ``params`` in place from ``grad``; ``step`` is the global step before it.
 
         Host buffers take the fused kernel of :mod:`mpitf.ps.kernels` (one pass, over
         ``pool``'s threads: a :class:`~mpitf.ps.threads.KernelPool`, or None for this
         thread); others (CuPy) take the ufunc passes of ``_update``, the reference. ``grad``
-        may be a wire dtype (bfloat16, float16) and is then widened; ``reply`` (or None)
+        may be a wire dtype (bfloat16, float16) and is then widened (into ``widened``, a
+        buffer like ``params``, for the ufunc passes; None: a new one); ``reply`` (or None)
         gets the new parameters in its dtype. ``grad`` may be overwritten.
         """
         if params.shape != grad.shape:
@@ -157,10 +159,13 @@ class Optimizer(abc.ABC):
                 f"expecting grad of shape {params.shape}, got {grad.shape} ({self.name})"
             )
         if not fused_apply(self, params, grad, slots, int(step), pool, reply):
-            g = grad if grad.dtype == params.dtype else grad.astype(params.dtype)
+            g = grad
+            if grad.dtype != params.dtype:
+                g = widened if widened is not None else array_module(params).empty_like(params)
+                widen_into(grad, g)
             self._update(array_module(params), params, g, slots, int(step))
             if reply is not None:
-                reply[...] = params
+                narrow_into(params, reply)
 
     @abc.abstractmethod
     def _update(self, xp, params, grad, slots, step):
@@ -186,6 +191,9 @@ class NoOp(Optimizer):
 
     name = "none"
     _uses_scratch = False
+
+    def apply(self, params, grad, slots, step, pool=None, reply=None, widened=None):
+        """Leave ``params`` (and a reply in a wire dtype, which holds them) as they are."""
 
     def _update(self, xp, params, grad, slots, step):
         pass

@@ -10,7 +10,6 @@ buffer that is being sent).
 import logging
 import time
 
-import numpy as np
 from mpi4py import MPI
 
 from ..ckpt import cut
@@ -24,12 +23,10 @@ from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.frame import Frame
 from .consistency import Senders, make_policy
-from .optimizers import ExponentialMovingAverage, make_optimizer
 from .pipeline import Pipeline
 from .shard import Shard
 from .sparse import SparseTables
 from .sparse_inbox import SparseInbox
-from .threads import default_threads
 
 _log = logging.getLogger("mpitf")
 
@@ -50,35 +47,31 @@ class Service:
         self.num_workers = len(self.worker_ranks)
         self.backend = backend or get_backend()
         self.xp = self.backend.xp
-        dtype = np.dtype(assignment.dtype)
         size = assignment.shard_size
-        ema = config.moving_average_decay
-        optimizer = make_optimizer(**assignment.optimizer)
-        self.shard = Shard(assignment.slices, size, dtype, optimizer, self.backend,
-                           ExponentialMovingAverage(ema) if ema else None,
-                           config.ps_threads or default_threads(server.hosts, server.rank))
+        self.shard = Shard.from_config(config, assignment, self.backend, server)
+        wire = self.shard.wire  # what the frames carry (a 16-bit wire: not the parameters)
         self.policy = make_policy(config, self.num_workers, assignment.total_num_replicas,
                                   senders.weights)
-        self.pipeline = Pipeline(assignment.slices, size, config.bucket_bytes, dtype.itemsize)
+        self.pipeline = Pipeline(assignment.slices, size, config.bucket_bytes, wire.itemsize)
         self.tables = None  # embedding tables (ps/sparse.py): rows pulled and pushed by id
         if assignment.sparse:
             if self.backend.name != "numpy":
                 raise ConfigurationError("embedding tables need ps tasks on the host for now; "
                                          "run the ps with the numpy backend")
             self.tables = SparseTables(assignment.sparse, self.ps_task, assignment.num_ps,
-                                       optimizer, config.seed, self.num_workers)
+                                       self.shard.optimizer, config.seed, self.num_workers)
         self.timeline = Timeline(server.rank, server.device, bool(config.timeline))
         self.chunk_bytes = assignment.chunk_bytes
         self.chunked_workers = set()  # workers that stage through host memory, in chunks
         capacity = senders.capacity(self.tables.capacity if self.tables else None)
         # Buckets: a second frame receives bucket k+1 while bucket k is applied.
         frames = self.policy.receive_buffers(self.num_workers, self.pipeline.bucketed)
-        self.pool = [Frame.allocate(self.backend, size, dtype, capacity) for _ in range(frames)]
+        self.pool = [Frame.allocate(self.backend, size, wire, capacity) for _ in range(frames)]
         # Each pool frame has one persistent receive, built once and restarted after use.
         self.recv_requests = [frame.recv_init(self.comm, MPI.ANY_SOURCE, P.TAG_REQUEST)
                               for frame in self.pool]
         self.ring = None  # with buckets: each pool frame's receive, waited for alone
-        self.sparse = SparseInbox(self, size, dtype, capacity) if self.tables else None
+        self.sparse = SparseInbox(self, size, wire, capacity) if self.tables else None
         self.global_step = 0
         self.next_frame = 0  # with buckets: the pool frame whose receive was posted first
         self.initialized = False
@@ -147,6 +140,8 @@ class Service:
         start = time.perf_counter()
         lo, hi = pipe.ranges[bucket]
         if self.config.clip_norm is not None and self.config.mode == "sync":  # one bucket
+            if grad.dtype != self.shard.dtype:  # one worker's, in a 16-bit wire dtype
+                grad = self.shard.widen(grad, lo, hi)
             clip_by_global_norm((grad,), self.config.clip_norm, self.server.job_comm)
         self.shard.apply(grad, self.global_step, lo, hi)
         if self.tables and last:
@@ -232,6 +227,7 @@ class Service:
                                      self.tables.targets() if self.tables else None)
         if restored["missing_average"]:
             shard.start_average()
+        shard.restored()
         self.global_step = restored["global_step"]
         self.pipeline.at_step(self.global_step)
         self.positions = restored["positions"]
@@ -300,8 +296,7 @@ class Service:
         elif kind == P.INIT:
             frame.received()
             self._finish_replies()
-            self.shard.params[...] = frame.payload
-            self.shard.start_average()
+            self.shard.initialize(frame.payload)
             self.initialized = True
             self.pipeline.at_step(self.global_step)
             self._write_header()

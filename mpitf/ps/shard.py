@@ -4,27 +4,42 @@ The parameters are the payload of a reply :class:`~mpitf.wire.frame.Frame`, righ
 its header, so answering a worker is one send of one contiguous view; the optimizer updates
 them in place. A ps on a GPU keeps its shard on the device; how its frames reach MPI
 (directly, or staged through pinned host memory) is the frame's business.
+
+With a 16-bit wire (bfloat16, float16) the parameters are a float32 master of their own and
+the reply frame holds them rounded: the fused kernel writes both in its one pass; the
+reference passes (optimizers without a kernel) read a gradient widened into a scratch
+buffer and round the reply after.
 """
 
 import numpy as np
 
+from ..wire import convert
+from ..wire.convert import narrow_into, widen_into
+from ..wire.dtypes import wire_dtype
 from ..wire.frame import Frame
 from .kernels import warm_up
-from .threads import KernelPool
+from .optimizers import ExponentialMovingAverage, make_optimizer
+from .threads import KernelPool, default_threads
 
 
 class Shard:
     """The variables one ps owns, as flat buffers, with the optimizer that updates them."""
 
-    def __init__(self, slices, size, dtype, optimizer, backend, average=None, threads=1):
+    def __init__(self, slices, size, dtype, optimizer, backend, average=None, threads=1,
+                 wire=None):
         self.slices = slices
         self.size = size
         self.dtype = np.dtype(dtype)
+        self.wire = self.dtype if wire is None else np.dtype(wire)  # what the frames carry
         self.backend = backend
         self.xp = backend.xp
         self.optimizer = optimizer
-        self.reply = Frame.allocate(backend, size, dtype)
+        self.reply = Frame.allocate(backend, size, self.wire)
         self.params = self.reply.payload
+        self.widened = None  # a 16-bit wire: a gradient widened for the reference passes
+        if self.wire != self.dtype:
+            self.params = backend.zeros(size, dtype)
+            self.widened = np.empty(size, dtype)
         # Slots are made with the array module, then placed on the backend's device (a
         # no-op for numpy and CuPy; it matters for backends whose module is numpy).
         self.slots = {k: backend.to_device(v)
@@ -33,10 +48,23 @@ class Shard:
         # at start-up, not in the first step. A device shard runs the ufunc passes.
         self.pool = KernelPool(threads) if backend.name == "numpy" else None
         if self.pool is not None:
-            warm_up(optimizer, self.dtype)
+            warm_up(optimizer, self.dtype, self.wire)
+        if self.widened is not None:
+            convert.warm_up(self.wire)
         self.average = average  # an ExponentialMovingAverage or None
         self.average_frame = Frame.allocate(backend, size, dtype) if average is not None else None
-        self._views = {}  # (lo, hi) -> (params, slots, average) views of one bucket, made once
+        self._views = {}  # (lo, hi) -> (params, slots, average, reply, widened) views, made once
+
+    @classmethod
+    def from_config(cls, config, assignment, backend, server):
+        """Return the shard a ps's :class:`~mpitf.config.PsAssignment` describes."""
+        dtype = np.dtype(assignment.dtype)
+        wire = wire_dtype(config.wire_dtype, dtype, backend.name, bool(assignment.sparse))
+        ema = config.moving_average_decay
+        return cls(assignment.slices, assignment.shard_size, dtype,
+                   make_optimizer(**assignment.optimizer), backend,
+                   ExponentialMovingAverage(ema) if ema else None,
+                   config.ps_threads or default_threads(server.hosts, server.rank), wire)
 
     def apply(self, grad, step, lo=0, hi=None):
         """Update the parameters with ``grad`` at global step ``step`` (before the update).
@@ -45,19 +73,42 @@ class Shard:
         The optimizers work element by element, so a slice's update is the same arithmetic
         as the whole shard's on those elements (bit for bit).
         """
-        if hi is None or (lo == 0 and hi == self.size):
-            params, slots = self.params, self.slots
-            average = self.average_frame.payload if self.average is not None else None
-        else:
-            views = self._views.get((lo, hi))
-            if views is None:
-                views = self._views[(lo, hi)] = (
-                    self.params[lo:hi], {k: v[lo:hi] for k, v in self.slots.items()},
-                    self.average_frame.payload[lo:hi] if self.average is not None else None)
-            params, slots, average = views
-        self.optimizer.apply(params, grad, slots, step, self.pool)
+        hi = self.size if hi is None else hi
+        views = self._views.get((lo, hi))
+        if views is None:
+            views = self._views[(lo, hi)] = self._views_of(lo, hi)
+        params, slots, average, reply, widened = views
+        self.optimizer.apply(params, grad, slots, step, self.pool, reply, widened)
         if average is not None:
             self.average.apply(average, params, step)
+
+    def _views_of(self, lo, hi):
+        whole = lo == 0 and hi == self.size
+        cut = (lambda a: a) if whole else (lambda a: a[lo:hi])
+        wire = self.widened is not None
+        return (cut(self.params), {k: cut(v) for k, v in self.slots.items()},
+                cut(self.average_frame.payload) if self.average is not None else None,
+                cut(self.reply.payload) if wire else None, cut(self.widened) if wire else None)
+
+    def widen(self, grad, lo, hi):
+        """Return a wire-dtype gradient of elements ``[lo, hi)`` widened (scratch: reused)."""
+        out = self.widened[lo:hi]
+        widen_into(grad, out)
+        return out
+
+    def initialize(self, values):
+        """Take the initial values a worker sent (in the wire dtype) as the parameters."""
+        if self.widened is None:
+            self.params[...] = values
+        else:
+            widen_into(values, self.params)
+            self.reply.payload[...] = values
+        self.start_average()
+
+    def restored(self):
+        """Round the float32 parameters, just restored, into the reply (a 16-bit wire)."""
+        if self.widened is not None:
+            narrow_into(self.params, self.reply.payload)
 
     def publish(self, lo, hi):
         """Make elements ``[lo, hi)`` as updated visible to MPI (the header untouched)."""

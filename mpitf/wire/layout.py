@@ -85,11 +85,13 @@ class FlatLayout:
     With ``buckets`` (per ps, the element ranges of :func:`bucket_ranges` in push order)
     every bucket gets a header slot of its own, so each goes out as one frame; without,
     each ps's part is one frame. ``frames`` lists ``(ps, bucket, segment)`` in memory order.
+    ``dtype`` (default: the placement's) is the buffer's: a wire dtype's frames have the
+    same order and payload sizes, in elements of that dtype.
     """
 
-    def __init__(self, placement, buckets=None):
+    def __init__(self, placement, buckets=None, dtype=None):
         self.placement = placement
-        self.dtype = placement.dtype
+        self.dtype = placement.dtype if dtype is None else np.dtype(dtype)
         if buckets is None:
             buckets = [[(0, n)] for n in placement.shard_sizes]
         self.buckets = buckets

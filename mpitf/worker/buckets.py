@@ -47,7 +47,7 @@ class BucketedPush:
         buffer = c.param_frames[0].buffer
         self.reply, self.tags = [], []
         for p, k in self.order:
-            a, b, _ = c.segments[p]
+            a, b, _ = c.frame_segments[p]
             lo, hi = c.buckets[p][k]
             last = k == len(c.buckets[p]) - 1
             segment = (a, b, b + hi) if last else (b + lo, b + lo, b + hi)
@@ -128,6 +128,8 @@ class BucketedPush:
         if not go:
             return
         for i in go:
+            if c.wire is not None:
+                c.wire.narrow_grad(*self.order[i])
             self.grad[i].commit()
         c.backend.synchronize()  # MPI must see the finished gradient
         for i in go:
@@ -158,6 +160,8 @@ class BucketedPush:
                                          lambda _, i=i: self._describe(i))
         else:
             P.wait_all(self.receives[i], c.deadline, lambda _, i=i: self._describe(i))
+        if c.wire is not None:
+            c.wire.widen_params(*self.order[i])
         self.arrived[i] = True
         if tl is not None and tl.enabled:
             p = self.order[i][0]
@@ -185,7 +189,7 @@ class BucketedPush:
             for i in range(len(self.order)):
                 self._wait_bucket(i)
             P.wait_all(self.sends, self.client.deadline, lambda _: self._describe(0))
-            self.reply_value = self.client._finish()
+            self.reply_value = self.client._finish(widen=False)
         return self.reply_value
 
 

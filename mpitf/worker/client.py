@@ -13,6 +13,7 @@ import numpy as np
 from ..config import DEFAULT_DEADLINE, PsAssignment, check_multiple
 from ..errors import ConfigurationError, PeerError
 from ..runtime.backend import get_backend, numpy_backend
+from ..wire import dtypes
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.frame import Frame, frames_over
@@ -37,11 +38,13 @@ class Client:
         node: a :class:`~mpitf.worker.node.NodeGroup` to aggregate gradients over the node
             (its leader alone talks to the ps; the buffers are the node's shared window),
             or None.
+        wire_dtype: "float32", "bfloat16" or "float16": what the frames carry; the model's
+            buffers stay float32 (see :mod:`mpitf.worker.wire_frames`).
     """
 
     def __init__(self, server, placement, backend=None, deadline=DEFAULT_DEADLINE,
                  chunk_bytes=P.DEFAULT_CHUNK_BYTES, adaptive=False, bucket_bytes=0,
-                 node=None):
+                 node=None, wire_dtype="float32"):
         self.server = server
         self.placement = placement
         self.backend = backend or get_backend()
@@ -56,7 +59,9 @@ class Client:
                 f"{len(self.ps_ranks)}")
         self.layout = FlatLayout(placement)
         self.segments = self.layout.segments
-        itemsize = placement.dtype.itemsize
+        wire = dtypes.wire_dtype(wire_dtype, placement.dtype, self.backend.name)
+        itemsize = wire.itemsize  # buckets are cut by the bytes they take on the wire
+        self.wire_dtype, self.wire_itemsize = wire_dtype, itemsize
         self.bucket_bytes = bucket_bytes
         self.buckets = [bucket_ranges(placement.slices_for_ps(p), n, bucket_bytes, itemsize)
                         for p, n in enumerate(placement.shard_sizes)]
@@ -78,12 +83,18 @@ class Client:
             self.params_flat, self.grads_flat = node.allocate(
                 self.layout.size, self.grad_layout.size, dtype)
         self.chunk_bytes = chunk_bytes
+        self.wire = None  # a 16-bit wire: the frames' buffers, converted to and from these
+        if wire != dtype:
+            from .wire_frames import WireFrames  # loads numba: only when it converts
+            self.wire = WireFrames(self, wire)
+        moved = self.wire or self  # the buffers MPI moves
+        self.frame_segments = moved.layout.segments
         # One frame per ps in each buffer: sent as they are, or staged through pinned
         # host memory in chunks (and then the ps is told so, to answer in chunks).
-        self.param_frames = frames_over(self.backend, self.params_flat, self.segments,
+        self.param_frames = frames_over(self.backend, moved.params_flat, self.frame_segments,
                                         chunk_bytes)
-        self.grad_frames = frames_over(self.backend, self.grads_flat,
-                                       [seg for _, _, seg in self.grad_layout.frames],
+        self.grad_frames = frames_over(self.backend, moved.grads_flat,
+                                       [seg for _, _, seg in moved.grad_layout.frames],
                                        chunk_bytes)
         self.chunked = self.param_frames[0].staged
         self.request_flags = P.FLAG_CHUNKED if self.chunked else 0
@@ -102,6 +113,19 @@ class Client:
         if node is not None:  # nobody may use the shared buffers before all have mapped them
             node.sync(node.deadline, "node start-up")
 
+    @classmethod
+    def from_config(cls, server, placement, config, node=None, tables=()):
+        """Return the client a :class:`~mpitf.config.TrainingConfig` asks for on ``server``.
+
+        The deadline is the server's (adaptive unless fixed); ``tables`` are the model's
+        embedding tables (a 16-bit wire refuses them).
+        """
+        if tables:
+            dtypes.wire_dtype(config.wire_dtype, placement.dtype, tables=True)
+        return cls(server, placement, deadline=server.deadline,
+                   adaptive=not server.fixed_deadline, bucket_bytes=config.bucket_bytes,
+                   node=node, wire_dtype=config.wire_dtype)
+
     def _describe_ps(self, p):
         rank = self.ps_ranks[p]
         return dict(rank=rank, job="ps", task=p, host=self.server.host_of(rank))
@@ -119,6 +143,8 @@ class Client:
         if self.bucketed:
             return self.start_push(data_position).push_rest()
         self.grad_views.scatter()
+        if self.wire is not None:
+            self.wire.narrow_grads()
         epoch, cursor = data_position
         for p, frame in enumerate(self.grad_frames):
             count = self.segments[p][2] - self.segments[p][1]
@@ -203,8 +229,13 @@ class Client:
         kind = P.PULL_AVERAGE if average else P.PULL
         return self._request(kind, True, operation="pull of the average" if average else "pull")
 
-    def _finish(self):
-        """Read the reply headers, gather partitioned variables, raise on refused gradients."""
+    def _finish(self, widen=True):
+        """Read the reply headers, gather partitioned variables, raise on refused gradients.
+
+        ``widen``: a 16-bit wire's replies are widened here (False: per bucket, done).
+        """
+        if widen and self.wire is not None:
+            self.wire.widen_params()
         step = None
         flags = dropped = applied = staleness = lead = 0
         for p, frame in enumerate(self.param_frames):
@@ -263,6 +294,8 @@ class Client:
 
     def send_initial_values(self):
         """Send the parameter buffer to every ps as its initial shard (the chief does this)."""
+        if self.wire is not None:  # a 16-bit wire: the ps starts from the rounded values
+            self.wire.narrow_params()
         for p, frame in enumerate(self.param_frames):
             count = self.segments[p][2] - self.segments[p][1]
             H.pack_request(frame.header, P.INIT, 0, self.worker, count, self.request_flags)
@@ -324,7 +357,10 @@ class Client:
             sparse: the embedding tables every ps holds rows of (``Embeddings.assignment``).
         Returns the :class:`Reply` of the first pull (its ``global_step`` is where to start).
         """
-        itemsize = self.placement.dtype.itemsize
+        if config.wire_dtype != self.wire_dtype:
+            raise ConfigurationError(f"the client carries {self.wire_dtype} but the config says "
+                                     f"{config.wire_dtype}: give both the same wire_dtype")
+        itemsize = self.wire_itemsize
         if [bucket_ranges(self.placement.slices_for_ps(p), n, config.bucket_bytes, itemsize)
                 for p, n in enumerate(self.placement.shard_sizes)] != self.buckets:
             raise ConfigurationError(

@@ -20,7 +20,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ..config import SERVER_FIRST, check_aggregation
+from ..config import SERVER_FIRST
+from ..conflicts import check_aggregation
 from ..errors import ConfigurationError
 from ..runtime.exits import collective
 from ..wire import header as H

@@ -91,9 +91,7 @@ class TrainingSession:
         self.placement = placement.place(model.variables())
         tables = model.tables() if hasattr(model, "tables") else ()
         self.node = node = NodeGroup.for_session(server, config, tables)  # or None
-        self.client = Client(server, self.placement, deadline=server.deadline,
-                             adaptive=not server.fixed_deadline,
-                             bucket_bytes=config.bucket_bytes, node=node)
+        self.client = Client.from_config(server, self.placement, config, node, tables)
         # who a ps's worker index w is (its checkpoint release goes there), who releases us
         self.push_ranks = [workers[n[0]] for n in node.nodes] if node else self.client_ranks
         self.releaser = node.leader_rank if node and not node.leader else self.client_ranks[0]

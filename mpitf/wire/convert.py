@@ -1,4 +1,8 @@
-"""Loads and stores of the wire dtypes inside the fused kernels: bfloat16 and float16.
+"""The wire dtypes (bfloat16, float16): their loads and stores, and one-pass conversions.
+
+Both sides convert: a worker narrows its float32 gradient into the push frame and widens
+the reply into its float32 parameters (:func:`narrow_into`, :func:`widen_into`); a ps's
+fused kernels widen a gradient as they read it and store the reply as they write it.
 
 A kernel reads a gradient element with :func:`widen` and writes the reply's element with
 :func:`store`; numba picks the conversion from the array's element type, so one kernel
@@ -13,10 +17,11 @@ quiet NaN of the same sign).
 import ml_dtypes
 import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.extending import intrinsic, overload
 
-__all__ = ["WIRE_DTYPES", "part", "store", "widen", "wire_view"]
+__all__ = ["WIRE_DTYPES", "add_widened", "narrow_into", "part", "store", "warm_up", "widen",
+           "widen_into", "wire_view"]
 
 # wire dtype -> the integer view the kernels take it as
 WIRE_DTYPES = {np.dtype(ml_dtypes.bfloat16): np.uint16, np.dtype(np.float16): np.int16}
@@ -121,3 +126,49 @@ def _store(r, i, x):
             r[i] = x
         return same
     return None
+
+
+# -- whole-buffer conversions (a worker's push and pull, a ps's reply and scratch) ----------
+
+_jit = njit(nogil=True, cache=True, fastmath=False, error_model="numpy")
+
+
+@_jit
+def _narrow(src, dst):
+    for i in range(src.shape[0]):
+        store(dst, i, src[i])
+
+
+@_jit
+def _widen(src, dst):
+    for i in range(src.shape[0]):
+        dst[i] = widen(src[i])
+
+
+@_jit
+def _add_widened(dst, src):
+    for i in range(dst.shape[0]):
+        dst[i] = dst[i] + widen(src[i])
+
+
+def warm_up(wire):
+    """Compile (or load from numba's cache) the conversions of ``wire`` now, not in a step."""
+    one, other = np.zeros(1, np.float32), np.zeros(1, wire)
+    narrow_into(one, other)
+    widen_into(other, one)
+    add_widened(one, other)
+
+
+def narrow_into(src, dst):
+    """Round the float32 array ``src`` into ``dst`` (bfloat16 or float16): one pass."""
+    _narrow(src, wire_view(dst))
+
+
+def widen_into(src, dst):
+    """Widen ``src`` (bfloat16 or float16) into the float32 array ``dst``: one pass, exact."""
+    _widen(wire_view(src), dst)
+
+
+def add_widened(dst, src):
+    """Add ``src`` (bfloat16 or float16), widened, into the float32 array ``dst``."""
+    _add_widened(dst, wire_view(src))
