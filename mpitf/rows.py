@@ -171,8 +171,9 @@ class Dedup:
         self.bitmaps = {}  # bound -> (bits, prefix), made on first use
         self.firsts, self.where = np.empty(n, np.int64), np.empty(n, np.int64)
         self.perm, self.rank = np.empty(n, np.int64), np.empty(n, np.int64)
-        self.unique, self.inverse = np.empty(n, np.int64), np.empty(n, np.intp)
         self.k = _kernels()
+        self.unique = np.empty(n + self.k.SCAN_AHEAD, np.int64)  # a bitmap scan's slack
+        self.inverse = np.empty(n, np.intp)
         self.counts = np.empty(1 << self.k.RADIX_BITS, np.int64)
         self.capacity = n
         self.k.warm_up()
