@@ -70,6 +70,7 @@ class SparseInbox:
         workers, step = self.deferred
         self.deferred = None
         timeline = self.service.timeline
+        self.service.pipeline.progress()  # else the replies wait for this rank's next MPI call
         start = time.perf_counter()
         self.tables.apply(workers, len(workers), step)
         for w in workers:
