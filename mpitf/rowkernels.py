@@ -18,8 +18,9 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["EMPTY", "RADIX_BITS", "SCAN_AHEAD", "bitmap_unique", "hash_unique", "local_rows",
-           "put_rows", "row_words", "segment_sum_rows", "sort_unique", "take_rows", "warm_up"]
+__all__ = ["EMPTY", "RADIX_BITS", "SCAN_AHEAD", "bitmap_inverse", "bitmap_unique", "hash_unique",
+           "local_rows", "put_rows", "renumber", "row_words", "segment_sum_rows", "sort_unique",
+           "take_rows", "warm_up"]
 
 _jit = njit(nogil=True, cache=True, error_model="numpy")
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: 2**64 / the golden ratio
@@ -86,9 +87,8 @@ def _trailing_zeros(typingctx, x):
 
 
 @_jit
-def bitmap_unique(ids, bound, num_ps, mod, starts, bits, prefix, pos, keys, counts, unique,
-                  inverse):
-    """Deduplicate ``ids`` through one bit per id below ``bound``; return ``(u, bad)``.
+def bitmap_unique(ids, bound, num_ps, mod, starts, bits, prefix, pos, keys, counts, unique):
+    """Deduplicate ``ids`` through one bit per id below ``bound``; return ``(u, bad, lo, hi)``.
 
     Sets each id's bit, then one scan of the words from the smallest id's to the largest's
     writes the unique ids in ascending order, and each word's count of the bits before it
@@ -98,19 +98,21 @@ def bitmap_unique(ids, bound, num_ps, mod, starts, bits, prefix, pos, keys, coun
     fewer), so ``unique`` needs ``SCAN_AHEAD`` entries more than ``ids``.
     With ``mod`` the unique ids are then ordered by their keys (a counting sort by owner:
     ``pos`` is each ascending id's place) and ``unique`` receives the keys, as
-    :func:`sort_unique`. ``bits`` is all zero on entry and on return. An id outside
-    ``[0, bound)`` stops the pass: its index is returned as ``bad`` (else -1).
+    :func:`sort_unique`. ``bits`` is all zero on entry; it stays set for
+    :func:`bitmap_inverse`, which clears words ``lo >> 6`` to ``hi >> 6`` (``lo``, ``hi``:
+    the smallest and largest id). An id outside ``[0, bound)`` stops the pass before any
+    bit is set: its index is returned as ``bad`` (else -1).
     """
     n = ids.shape[0]
     if n == 0:
-        return 0, -1
+        return 0, -1, 0, -1
     lo, hi = ids[0], ids[0]
     for i in range(n):  # a separate pass: it vectorizes
         lo, hi = min(lo, ids[i]), max(hi, ids[i])
     if lo < 0 or hi >= bound:
         for i in range(n):
             if ids[i] < 0 or ids[i] >= bound:
-                return 0, i
+                return 0, i, 0, -1
     for i in range(n):  # a store for every id, no branch to mispredict: 2x faster measured
         x = ids[i]
         bits[x >> 6] |= np.uint64(1) << np.uint64(x & 63)
@@ -144,7 +146,19 @@ def bitmap_unique(ids, bound, num_ps, mod, starts, bits, prefix, pos, keys, coun
             counts[p] = k + 1
             pos[j] = k
             keys[k] = starts[p] + q
-    for i in range(n):
+        unique[:u] = keys[:u]
+    return u, -1, lo, hi
+
+
+@_jit
+def bitmap_inverse(ids, mod, bits, prefix, pos, lo, hi, inverse):
+    """Write each id's index among :func:`bitmap_unique`'s result into ``inverse``; clear ``bits``.
+
+    The index is ``prefix`` plus the bits below the id in its word (through ``pos`` when
+    the unique ids were reordered by key). Apart from :func:`bitmap_unique` so that a
+    worker sends its pulls first and numbers the ids while the rows travel.
+    """
+    for i in range(ids.shape[0]):
         x = ids[i]
         w = x >> 6
         below = bits[w] & ((np.uint64(1) << np.uint64(x & 63)) - np.uint64(1))
@@ -152,19 +166,17 @@ def bitmap_unique(ids, bound, num_ps, mod, starts, bits, prefix, pos, keys, coun
         inverse[i] = pos[r] if mod else r
     for w in range(lo >> 6, (hi >> 6) + 1):
         bits[w] = 0
-    if mod:
-        unique[:u] = keys[:u]
-    return u, -1
 
 
 @_jit
-def sort_unique(firsts, u, num_ps, mod, starts, keys, perm, rank, counts, unique, inverse, n):
-    """Sort the keys of the ``u`` unique ids into ``unique``; renumber ``inverse[:n]`` to match.
+def sort_unique(firsts, u, num_ps, mod, starts, keys, perm, rank, counts, unique):
+    """Sort the keys of the ``u`` unique ids into ``unique``; ``keys`` then holds their ranks.
 
     The key of id ``x`` is ``starts[x % num_ps] + x // num_ps`` when ``mod`` (rows i mod P:
     ps p's rows get keys ``[starts[p], starts[p + 1])``), else ``x``. An LSD radix sort of
     ``RADIX_BITS`` per pass over the unique keys only (as many passes as the largest key
-    has bits), then ``inverse`` through the rank of each first-seen id.
+    has bits); ``keys[j]`` is then the place of first-seen id ``j`` among the sorted, the
+    renumbering :func:`renumber` applies to the inverse.
     """
     top = 0
     for j in range(u):
@@ -193,12 +205,17 @@ def sort_unique(firsts, u, num_ps, mod, starts, keys, perm, rank, counts, unique
             counts[d] += 1
         a, b = b, a
         shift += RADIX_BITS
-    # a: the first-seen index of each sorted key; b is free for the ranks
+    # a: the first-seen index of each sorted key; each key is read once, then its rank kept
     for j in range(u):
         unique[j] = keys[a[j]]
-        b[a[j]] = j
-    for i in range(n):
-        inverse[i] = b[inverse[i]]
+        keys[a[j]] = j
+
+
+@_jit
+def renumber(inverse, rank):
+    """``inverse[i] = rank[inverse[i]]`` (first-seen indices to sorted places), in place."""
+    for i in range(inverse.shape[0]):
+        inverse[i] = rank[inverse[i]]
 
 
 @_jit
@@ -325,10 +342,12 @@ def warm_up():
     inverse, counts = np.empty(2, np.intp), np.empty(1 << RADIX_BITS, np.int64)
     starts = np.zeros(2, np.int64)
     u, _ = hash_unique(ids, 1, 60, table, firsts, where, inverse)
-    bitmap_unique(ids, 1, 2, True, starts, np.zeros(1, np.uint64), np.empty(1, np.int64),
-                  perm, rank, counts, np.empty(2 + SCAN_AHEAD, np.int64), inverse)
-    sort_unique(firsts, u, 1, False, starts, where, perm, rank, counts, firsts.copy(),
-                inverse, 2)
+    bits, prefix = np.zeros(1, np.uint64), np.empty(1, np.int64)
+    _, _, lo, hi = bitmap_unique(ids, 1, 2, True, starts, bits, prefix, perm, rank, counts,
+                                 np.empty(2 + SCAN_AHEAD, np.int64))
+    bitmap_inverse(ids, True, bits, prefix, perm, lo, hi, inverse)
+    sort_unique(firsts, u, 1, False, starts, where, perm, rank, counts, firsts.copy())
+    renumber(inverse, where)
     local_rows(ids, 1, 1, 0, True, 0, 1, firsts)
     for dtype in (np.float32, np.float64):
         v = np.zeros((2, 2), dtype)
