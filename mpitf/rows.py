@@ -149,6 +149,22 @@ def segment_sum(values, segments, out, scratch=None):
 _COMPILED = (np.dtype(np.float32), np.dtype(np.float64))
 
 
+def all_finite(a):
+    """Return True when no element of float array ``a`` is NaN or Inf.
+
+    One compiled pass over the exponent bits for float16/32/64 in C order (no sum that
+    could overflow, no temporary); numpy's ``isfinite`` for other arrays.
+    """
+    exponent = _EXPONENT.get(a.dtype)
+    if exponent is None or not a.flags.c_contiguous:
+        return bool(np.isfinite(a).all())
+    return not _kernels().any_nonfinite(a.reshape(-1).view(exponent.dtype), exponent)
+
+
+_EXPONENT = {np.dtype(np.float16): np.uint16(0x7C00), np.dtype(np.float32): np.uint32(0x7F800000),
+             np.dtype(np.float64): np.uint64(0x7FF0000000000000)}
+
+
 class Dedup:
     """Deduplicate up to ``capacity`` ids: sorted unique values and inverse, as ``np.unique``.
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import DataError, PeerError
 from ..models.embedding import check_tables
-from ..rows import Dedup, RowPlacement, segment_sum, take_rows
+from ..rows import Dedup, RowPlacement, all_finite, segment_sum, take_rows
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.sparse import SparseLayout
@@ -235,9 +235,8 @@ class Embeddings:
     def nonfinite(self):
         """Return the name of a table whose row gradients hold NaN or Inf, or None."""
         for table in self.tables:
-            if not np.isfinite(np.add.reduce(table.summed, axis=None)):
-                if not np.isfinite(table.summed).all():
-                    return table.spec.name
+            if not all_finite(table.summed):
+                return table.spec.name
         return None
 
     def push(self):
