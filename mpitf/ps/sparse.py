@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import PeerError
 from ..models.embedding import initial_rows
 from ..rowkernels import local_rows, sgd_rows
-from ..rows import Dedup, RowPlacement, put_rows, segment_sum, take_rows
+from ..rows import Dedup, RowPlacement, cache_aligned, put_rows, segment_sum, take_rows
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.sparse import SparseLayout
@@ -46,12 +46,12 @@ class _Table:
         start = optimizer.make_slots(1, np, dtype)  # each slot's initial value
         slots = [k for k in start if not k.startswith("_")]
         try:
-            self.params = np.empty((n, dim), dtype)
+            self.params = cache_aligned((n, dim), dtype)
             ids = placement.global_ids(ps)
             for lo in range(0, n, 1 << 16):  # bounded scratch while drawing a large table
                 self.params[lo:lo + (1 << 16)] = initial_rows(spec, seed,
                                                               ids[lo:lo + (1 << 16)])
-            self.slots = {k: np.full((n, dim), start[k][0], dtype) for k in slots}
+            self.slots = {k: cache_aligned((n, dim), dtype, start[k][0]) for k in slots}
         except MemoryError:
             need = n * dim * dtype.itemsize * (1 + len(slots)) / 2**20
             raise MemoryError(
