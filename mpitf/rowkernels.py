@@ -19,8 +19,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = ["EMPTY", "RADIX_BITS", "SCAN_AHEAD", "any_nonfinite", "bitmap_inverse",
-           "bitmap_unique", "hash_unique", "local_rows", "put_rows", "renumber", "row_words",
-           "segment_sum_rows", "sort_unique", "take_rows", "warm_up"]
+           "bitmap_unique", "first_outside", "hash_unique", "local_rows", "put_rows",
+           "renumber", "row_words", "segment_sum_rows", "sort_unique", "take_rows", "warm_up"]
 
 _jit = njit(nogil=True, cache=True, error_model="numpy")
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: 2**64 / the golden ratio
@@ -306,6 +306,23 @@ def any_nonfinite(words, exponent):
 
 
 @_jit
+def first_outside(ids, lo, hi):
+    """Return the index of the first id outside ``[lo, hi)``, or -1 (a vectorized min/max first)."""
+    n = ids.shape[0]
+    if n == 0:
+        return -1
+    a, b = ids[0], ids[0]
+    for i in range(n):
+        a, b = min(a, ids[i]), max(b, ids[i])
+    if a >= lo and b < hi:
+        return -1
+    for i in range(n):
+        if ids[i] < lo or ids[i] >= hi:
+            return i
+    return -1
+
+
+@_jit
 def local_rows(ids, rows, num_ps, ps, mod, lo, hi, out):
     """Write each id's local row on ps ``ps`` into ``out``; return the first foreign index.
 
@@ -362,6 +379,7 @@ def warm_up():
     sort_unique(firsts, u, 1, False, starts, where, perm, rank, counts, firsts.copy())
     renumber(inverse, where)
     local_rows(ids, 1, 1, 0, True, 0, 1, firsts)
+    first_outside(ids, 0, 1)
     for dtype in (np.float32, np.float64):
         v = np.zeros((2, 2), dtype)
         segment_sum_rows(v, inverse, np.zeros((1, 2)), v[:1])

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mpitf.rowkernels import local_rows, row_words
+from mpitf.rowkernels import first_outside, local_rows, row_words
 from mpitf.rows import Dedup, RowPlacement, all_finite, put_rows, segment_sum, take_rows
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -121,6 +121,10 @@ def test_local_rows_are_the_placements_and_foreign_ids_are_named(kind):
         for bad in (np.r_[mine[:2], other], np.r_[mine[:1], [20]], np.array([-1])):
             where = local_rows(bad, 20, 3, ps, kind == "mod", lo, hi, np.empty(3, np.int64))
             assert where == len(bad) - 1
+    ids = np.array([4, 0, 19, 7])  # one ps: the ids are the local rows, only checked
+    assert first_outside(ids, 0, 20) == -1 and first_outside(ids[:0], 0, 20) == -1
+    assert first_outside(np.r_[ids, 20, -1], 0, 20) == 4
+    assert first_outside(np.r_[ids, -1, 20], 0, 20) == 4
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import PeerError
 from ..models.embedding import initial_rows
-from ..rowkernels import local_rows, sgd_rows
+from ..rowkernels import first_outside, local_rows, sgd_rows
 from ..rows import Dedup, RowPlacement, cache_aligned, put_rows, segment_sum, take_rows
 from ..wire import header as H
 from ..wire import protocol as P
@@ -67,22 +67,26 @@ class _Table:
         self.mod = placement.kind == "mod" and placement.num_ps > 1
         self.lo, self.hi = (0, n) if self.mod else (int(placement.starts[ps]),
                                                     int(placement.starts[ps + 1]))
+        self.same = not self.mod and self.lo == 0  # local rows are the ids (one ps, say)
 
     def locate(self, ids, worker_desc, out=None):
         """Return the local rows of ``ids`` (in ``out``, else scratch); refuse ids not held here.
 
-        A message naming rows of another ps, or more rows than this ps holds (so some
-        twice), is a worker's routing bug, never user data.
+        Where local rows are the ids themselves (one ps, or the first range), ``ids`` is
+        returned, checked. A message naming rows of another ps, or more rows than this ps
+        holds (so some twice), is a worker's routing bug, never user data.
         """
         pl, n, out = self.placement, len(ids), self.local if out is None else out
         bad = n > len(out)
-        if not bad:
+        if not bad and self.same:
+            bad = first_outside(ids, 0, self.hi) >= 0
+        elif not bad:
             bad = local_rows(ids, pl.rows, pl.num_ps, self.ps, self.mod, self.lo, self.hi,
                              out[:n]) >= 0
         if bad:
             raise PeerError(f"sparse message for table {self.spec.name!r} names rows this ps "
                             f"does not hold", **worker_desc)
-        return out[:n]
+        return ids if self.same else out[:n]
 
     def gather(self, ids, out, worker_desc):
         """Write the rows of ``ids`` into ``out`` (a reply's rows)."""
