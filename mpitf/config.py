@@ -16,37 +16,19 @@ from dataclasses import dataclass, field
 from .errors import ConfigurationError
 
 __all__ = [
-    "DEFAULT_DEADLINE",
-    "DEFAULT_MAX_NONFINITE_SKIPS",
-    "DEFAULT_BUCKET_BYTES",
-    "DEFAULT_SUMMARY_EVERY",
-    "MODES",
-    "SERVER_FIRST",
-    "STALL_FACTOR",
-    "STALL_FLOOR",
-    "STALL_WARMUP_STEPS",
-    "JobConfig",
-    "PsAssignment",
-    "TrainingConfig",
-    "check_aggregation",
-    "check_batch_size",
-    "check_choice",
-    "check_deadline",
-    "check_int",
-    "check_learning_rate",
-    "check_memory_fraction",
-    "check_moving_average_decay",
-    "check_multiple",
-    "check_number",
-    "default_deadline",
-    "stall_allowance",
+    "DEFAULT_DEADLINE", "DEFAULT_MAX_NONFINITE_SKIPS", "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_SUMMARY_EVERY", "MODES", "SERVER_FIRST", "STALL_FACTOR", "STALL_FLOOR",
+    "STALL_WARMUP_STEPS", "JobConfig", "PsAssignment", "TrainingConfig", "check_aggregation",
+    "check_batch_size", "check_choice", "check_deadline", "check_int", "check_learning_rate",
+    "check_memory_fraction", "check_moving_average_decay", "check_multiple", "check_number",
+    "default_deadline", "stall_allowance",
 ]
 
 DEFAULT_DEADLINE = 300.0  # seconds a rank waits on a silent peer; MPITF_DEADLINE overrides it
 
 # Stall detection. With no --deadline flag the waits adapt to the step time: once
 # STALL_WARMUP_STEPS steps have run, a silent rank ends the job within
-# max(STALL_FLOOR, STALL_FACTOR x the slowest step seen so far), never later than the
+# max(STALL_FLOOR, STALL_FACTOR x the slowest step since then), never later than the
 # deadline. Start-up (imports, data, the first pull) and checkpoint writes (file-system
 # speed, not step time) keep the whole deadline. ``--deadline S`` asks for a fixed S.
 STALL_FLOOR = 30.0  # scheduling hiccups, a swapping node, a GC pause: never name a rank sooner
@@ -58,9 +40,9 @@ SERVER_FIRST = 1.5
 # Consecutive non-finite gradients a worker may skip before the job ends (--max-nonfinite-skips):
 # a few bad batches are noise, a hundred in a row mean the parameters themselves diverged.
 DEFAULT_MAX_NONFINITE_SKIPS = 100
-# Buckets: a push leaves in parts of about this many bytes per ps, so the ps applies one
-# while it receives the next (measured in benchmarks/README.md, "Buckets"); 0: one frame.
-DEFAULT_BUCKET_BYTES = 0
+# Buckets by default: a push leaves in parts of about this many bytes per ps, applied while
+# the next arrives (benchmarks/README.md, "Push/pull against raw MPI, session 5").
+DEFAULT_BUCKET_BYTES = 2 << 20
 MODES = ("sync", "async", "ssp")
 # Global steps between TensorBoard histograms (--summary-every); see docs/design.md for the cost.
 DEFAULT_SUMMARY_EVERY = 100
@@ -202,7 +184,8 @@ class TrainingConfig:
         summary_every: TensorBoard histograms of gradients and variables every N steps.
         run_dir: where metrics.jsonl and the TensorBoard event files go (None: nowhere).
         timeline: write a Chrome trace of every rank to this path.
-        bucket_bytes: buckets of about this many bytes per ps, last layers first (0: one).
+        bucket_bytes: buckets of about this many bytes per ps, last layers first (0: one;
+            None: DEFAULT_BUCKET_BYTES, or 0 with clip_norm, clients, aggregate_per_node).
         clients: in-graph replication: the worker tasks that talk to the ps (None: all).
         ps_threads: threads each ps applies the optimizer with (None: the cores the ps
             rank may use, shared among the ranks on its node; see ps/threads.py).
@@ -231,7 +214,7 @@ class TrainingConfig:
     summary_every: int = DEFAULT_SUMMARY_EVERY
     run_dir: str = None
     timeline: str = None
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    bucket_bytes: int = None
     clients: tuple = None
     ps_threads: int = None
     profile_steps: int = 0
@@ -260,6 +243,10 @@ class TrainingConfig:
         check_int("max_nonfinite_skips (--max-nonfinite-skips)", self.max_nonfinite_skips, 1)
         if self.moving_average_decay is not None:
             check_moving_average_decay(self.moving_average_decay)
+        if self.bucket_bytes is None:  # default: one frame where an option needs the whole push
+            one = self.clip_norm is not None or self.clients is not None or self.aggregate_per_node
+            object.__setattr__(self, "bucket_bytes", 0 if one else DEFAULT_BUCKET_BYTES)
+            object.__setattr__(self, "_default_buckets", True)
         if self.clip_norm is not None:
             check_number("clip_norm", self.clip_norm, low=0.0, low_open=True)
             if self.bucket_bytes:
@@ -286,6 +273,8 @@ class TrainingConfig:
 
     def replace(self, **changes):
         """Return a copy with ``changes`` applied (checked again; misspelt names raise)."""
+        if getattr(self, "_default_buckets", False):
+            changes.setdefault("bucket_bytes", None)
         return dataclasses.replace(self, **changes)
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from mpitf.cli.flags import add_training_arguments, config_from_args
 from mpitf.config import (
+    DEFAULT_BUCKET_BYTES,
     DEFAULT_DEADLINE,
     JobConfig,
     PsAssignment,
@@ -251,3 +252,16 @@ def test_clipping_is_refused_with_buckets():
     with pytest.raises(ConfigurationError, match="clip_norm needs the whole gradient"):
         TrainingConfig(clip_norm=1.0, bucket_bytes=1 << 20)
     assert TrainingConfig(clip_norm=1.0).bucket_bytes == 0
+
+
+def test_buckets_by_default_unless_an_option_needs_one_frame():
+    assert TrainingConfig().bucket_bytes == DEFAULT_BUCKET_BYTES == 2 << 20
+    assert TrainingConfig(bucket_bytes=0).bucket_bytes == 0
+    assert TrainingConfig(bucket_bytes=1 << 20).bucket_bytes == 1 << 20
+    for one_frame in (dict(clip_norm=1.0), dict(clients=(0,)), dict(aggregate_per_node=True)):
+        assert TrainingConfig(**one_frame).bucket_bytes == 0
+    # a default stays a default: chosen again when an option that needs one frame is added
+    assert TrainingConfig().replace(clip_norm=1.0).bucket_bytes == 0
+    assert TrainingConfig(bucket_bytes=4096).replace(seed=1).bucket_bytes == 4096
+    with pytest.raises(ConfigurationError, match="clip_norm needs the whole gradient"):
+        TrainingConfig(bucket_bytes=4096).replace(clip_norm=1.0)

@@ -11,7 +11,10 @@ rest workers. For each size B, interleaved in rounds so drift affects every figu
 * mpitf: the real ps service loop (``mpitf.ps.service.serve``) configured with one
   variable of B/P bytes per ps, the workers doing ``Client.push_pull().wait()``, once
   with ``--optimizer none`` (the ps echoes its parameters) and once with SGD;
-* axpy: SGD's own in-place kernel on a ps's B/P bytes, timed on ps task 0.
+* axpy: SGD's own in-place kernel on a ps's B/P bytes, timed on ps task 0;
+* with ``--bucket-bytes K1,K2,...``: mpitf again per optimizer with the push cut in buckets
+  of about K bytes per ps (0: one bucket), the model then made of ``--variable-bytes``
+  variables (buckets are cut between variables), the one-bucket figures on the same ones.
 
 Every figure is a median over repetitions, after warm-up rounds (the first touch of fresh
 memory is slow). GB/s counts both directions: 2*B / time. Rank 0 writes the JSON.
@@ -62,7 +65,12 @@ def parse_args(argv=None):
     p.add_argument("--deadline", type=float, default=300.0, help="seconds before giving up")
     p.add_argument("--ps-threads", type=int, default=None,
                    help="kernel threads of each ps (default: the ps's own default)")
+    p.add_argument("--bucket-bytes", default="0",
+                   help="comma-separated bucket sizes per ps to measure (0: one bucket)")
+    p.add_argument("--variable-bytes", type=int, default=64 << 10,
+                   help="with buckets: the model's variables are this big (default 64 KiB)")
     args = p.parse_args(argv)
+    args.bucket_bytes = [int(b) for b in args.bucket_bytes.split(",")]
     if args.sizes:
         args.sizes = [int(s) for s in args.sizes.split(",")]
     else:
@@ -145,17 +153,23 @@ class Bench:
 
     # -- mpitf -----------------------------------------------------------------------------
 
-    def client_for(self, nbytes):
-        """Return a Client with one float32 variable of nbytes/P per ps (no partition copies)."""
+    def client_for(self, nbytes, bucket_bytes=0):
+        """Return a Client with float32 variables of nbytes/P per ps (no partition copies).
+
+        One variable per ps, or with ``--bucket-bytes`` variables of ``--variable-bytes``.
+        """
         n = nbytes // 4 // self.num_ps
-        placement = Placement([(f"w{p}", (n,), "float32") for p in range(self.num_ps)],
-                              self.num_ps)
-        client = Client(self.server, placement, deadline=self.args.deadline)
+        per = max(1, self.args.variable_bytes // 4) if any(self.args.bucket_bytes) else n
+        variables = [(f"w{p}_{k}", (min(per, n - lo),), "float32")
+                     for p in range(self.num_ps) for k, lo in enumerate(range(0, n, per))]
+        placement = Placement(variables, self.num_ps)
+        client = Client(self.server, placement, deadline=self.args.deadline,
+                        bucket_bytes=bucket_bytes)
         client.params_flat[...] = 0  # touch both buffers before timing
         client.grads_flat[...] = 0
         return client
 
-    def mpitf_block(self, client, optimizer, reps):
+    def mpitf_block(self, client, optimizer, reps, bucket_bytes=0):
         """Serve one configuration (ps) or time push+pull round trips on it (workers)."""
         if self.is_ps:
             self.rss_reset = _reset_peak_rss() and self.rss_reset
@@ -163,7 +177,8 @@ class Bench:
             self.rss_peak = max(self.rss_peak, _peak_rss())
             return []
         config = make_optimizer(optimizer, LR).config()
-        client.start(TrainingConfig(mode=self.args.mode, ps_threads=self.args.ps_threads),
+        client.start(TrainingConfig(mode=self.args.mode, ps_threads=self.args.ps_threads,
+                                    bucket_bytes=bucket_bytes),
                      config, initial_values=client.params)
         times = []
         for i in range(WARMUP + reps):
@@ -196,19 +211,27 @@ class Bench:
         args = self.args
         reps = repetitions(nbytes, args.quick, args.reps)
         per_round = max(1, reps // args.rounds)
-        client = None if self.is_ps else self.client_for(nbytes)
-        samples = {"raw": [], "axpy": [], **{o: [] for o in args.optimizers}}
+        clients = {b: None if self.is_ps else self.client_for(nbytes, b)
+                   for b in args.bucket_bytes}
+        samples = {"raw": [], "axpy": [], **{label(o, b): [] for o in args.optimizers
+                                             for b in args.bucket_bytes}}
         for _ in range(args.rounds):
             self.raw.Barrier()
             samples["raw"] += self.raw_block(nbytes, per_round)
             for opt in args.optimizers:
-                self.raw.Barrier()
-                samples[opt] += self.mpitf_block(client, opt, per_round)
+                for b, client in clients.items():
+                    self.raw.Barrier()
+                    samples[label(opt, b)] += self.mpitf_block(client, opt, per_round, b)
             self.raw.Barrier()
             a = self.axpy_block(nbytes, per_round)
             if a is not None:
                 samples["axpy"].append(a)
         return samples, per_round * args.rounds
+
+
+def label(optimizer, bucket_bytes):
+    """Return the name of one configuration's samples: ``sgd``, or ``sgd@1024K`` buckets."""
+    return optimizer if not bucket_bytes else f"{optimizer}@{bucket_bytes >> 10}K"
 
 
 def _worker_median(per_rank, key, worker_ranks):
@@ -233,15 +256,15 @@ def main(argv=None):
         reps_used[nbytes] = reps
         raw = _worker_median(gathered, "raw", bench.worker_ranks)
         axpy = statistics.median(next(g["axpy"] for g in gathered if g["axpy"]))
-        for opt in args.optimizers:
-            t = _worker_median(gathered, opt, bench.worker_ranks)
+        for opt, b in ((o, b) for o in args.optimizers for b in args.bucket_bytes):
+            t = _worker_median(gathered, label(opt, b), bench.worker_ranks)
             row = dict(bytes=nbytes, num_ps=bench.num_ps, num_workers=len(bench.worker_ranks),
-                       optimizer=opt, mode=args.mode,
+                       optimizer=opt, mode=args.mode, bucket_bytes=b,
                        mpitf_gbps=2 * nbytes / t / 1e9, raw_mpi_gbps=2 * nbytes / raw / 1e9,
                        ratio=raw / t, mpitf_us=_us(t), raw_mpi_us=_us(raw), axpy_us=_us(axpy),
                        repetitions=reps)
             results.append(row)
-            print(f"{nbytes:>10} B  {opt:<5} mpitf {row['mpitf_us']:10.1f} us "
+            print(f"{nbytes:>10} B  {label(opt, b):<10} mpitf {row['mpitf_us']:10.1f} us "
                   f"{row['mpitf_gbps']:6.2f} GB/s   raw {row['raw_mpi_us']:10.1f} us "
                   f"{row['raw_mpi_gbps']:6.2f} GB/s   ratio {row['ratio']:.2f}   "
                   f"axpy {row['axpy_us']:9.1f} us", flush=True)

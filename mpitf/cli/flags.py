@@ -97,7 +97,8 @@ def add_training_arguments(parser, steps=300, batch_size=32, lr=_JOB["lr"]):
                         "compute per step and example, push+pull (for mpitf bench --plan)")
     g.add_argument("--bucket-bytes", type=int, default=_TRAINING["bucket_bytes"],
                    help="push gradients per ps in buckets of about this many bytes, last "
-                        "layers first, pipelined on the ps (0: one frame per ps)")
+                        "layers first, pipelined on the ps (0: one frame per ps; default: "
+                        f"{TrainingConfig().bucket_bytes >> 20} MiB; with --aggregate-per-node: 0)")
     g.add_argument("--log-device-placement", action="store_true",
                    help="print which rank runs which task, and (the chief) which ps task "
                         "holds each variable and slice")

@@ -1,8 +1,10 @@
-"""The ranks of a built-in training job that do not train: the evaluator and other jobs.
+"""The ranks of a built-in training job that do not train: the ps, the evaluator, other jobs.
 
 A ps serves and the chief and worker tasks train; an ``evaluator`` task evaluates each
 checkpoint (:class:`~mpitf.worker.evaluator.Evaluator`); a task of any other job has no
 part in a built-in job, so it says so (once, for all such tasks) and exits 0.
+:func:`start_replica` is how every built-in job starts: it runs the ranks that do not train
+to their end and hands the training replicas back.
 """
 
 
@@ -29,6 +31,22 @@ def evaluator_cluster(args, world_size):
             f"mpiexec -n {num_ps + 2} or more")
     spec = cluster_from_args(args, world_size - 1).as_dict()
     return ClusterSpec({**spec, "evaluator": ["localhost:0"]})
+
+
+def start_replica(args, config, job, check_cluster=None, check_data=None):
+    """Start this rank's part of ``job``; return ``(server, path, exit code or None)``.
+
+    A ps serves until training ends and an evaluator or another job's task runs its part
+    (:func:`run_side_task`): their exit code comes back. A training replica (chief or
+    worker) gets None and trains. The arguments are :func:`~mpitf.cli.flags.start_job`'s.
+    """
+    from .flags import start_job
+
+    server, path = start_job(args, config, check_cluster, check_data)
+    if server.job_name == "ps":
+        server.join()
+        return server, path, server.exit_code
+    return server, path, run_side_task(server, config, path, job)
 
 
 def run_side_task(server, config, path, job):

@@ -16,9 +16,8 @@ from mpitf.cli.flags import (
     config_from_args,
     report_final,
     session_from_config,
-    start_job,
 )
-from mpitf.cli.side_tasks import run_side_task
+from mpitf.cli.side_tasks import start_replica
 from mpitf.data.ctr import CtrDataset, auc, load_ctr
 from mpitf.errors import ConfigurationError
 from mpitf.models.ctr import CTR, logistic_loss
@@ -70,12 +69,8 @@ def main(argv=None):
     if not config.data:
         raise collective(ConfigurationError("ctr needs --data FILE (write one with `mpitf "
                                             "data synthetic-ctr --out FILE`)"))
-    server, _ = start_job(args, config, _check_cluster, _check_data)
-    if server.job_name == "ps":
-        server.join()
-        return server.exit_code
-    code = run_side_task(server, config, config.data, "ctr")  # other jobs' tasks exit 0
-    if code is not None:
+    server, _, code = start_replica(args, config, "ctr", _check_cluster, _check_data)
+    if code is not None:  # a ps or another job's task has run its part
         return code
     training = config.training
     dataset = CtrDataset(config.data, server.replica_index, server.num_replicas,

@@ -16,9 +16,8 @@ from mpitf.cli.flags import (
     model_from_config,
     report_final,
     session_from_config,
-    start_job,
 )
-from mpitf.cli.side_tasks import run_side_task
+from mpitf.cli.side_tasks import start_replica
 from mpitf.errors import ConfigurationError
 from mpitf.placement import replica_device_setter
 from mpitf.runtime.exits import (
@@ -41,12 +40,8 @@ def main(argv=None):
     config = config_from_args(args)  # every value checked, alike on every rank
     refuse_aggregation(config.training, "in_graph", "its replicas already push through one client")
     training = config.training
-    server, path = start_job(args, config, _check_cluster)
-    if server.job_name == "ps":
-        server.join()
-        return server.exit_code
-    code = run_side_task(server, config, path, "in_graph")  # evaluator, other jobs
-    if code is not None:
+    server, path, code = start_replica(args, config, "in_graph", _check_cluster)
+    if code is not None:  # a ps, an evaluator or another job's task has run its part
         return code
     num_workers = server.num_replicas
     batches = InGraphBatches(path, num_workers, training.batch_size, training.seed) \

@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 
-from mpitf.cli.flags import add_training_arguments, config_from_args, report_final, start_job
-from mpitf.cli.side_tasks import run_side_task
+from mpitf.cli.flags import add_training_arguments, config_from_args, report_final
+from mpitf.cli.side_tasks import start_replica
 from mpitf.data.sharded import ShardedDataset, load_split
 from mpitf.errors import ConfigurationError
 from mpitf.runtime.exits import RankParser, collective, run_job
@@ -76,12 +76,8 @@ def main(argv=None):
     import jax  # importing jax starts nothing: mpitf.jax sets the platform and threads
 
     from mpitf.jax import DistributedOptimizer
-    server, path = start_job(args, config)
-    if server.job_name == "ps":
-        server.join()
-        return server.exit_code
-    code = run_side_task(server, config, path, "jax_mnist")  # evaluator, other jobs
-    if code is not None:
+    server, path, code = start_replica(args, config, "jax_mnist")
+    if code is not None:  # a ps, an evaluator or another job's task has run its part
         return code
     training = config.training
     data = ShardedDataset(path, "train", server.replica_index, server.num_replicas,

@@ -14,9 +14,8 @@ from mpitf.cli.flags import (
     model_from_config,
     report_final,
     session_from_config,
-    start_job,
 )
-from mpitf.cli.side_tasks import run_side_task
+from mpitf.cli.side_tasks import start_replica
 from mpitf.data.sharded import ShardedDataset
 from mpitf.errors import ConfigurationError
 from mpitf.runtime.exits import RankParser, run_job
@@ -27,12 +26,8 @@ def main(argv=None):
     add_training_arguments(parser)
     args = parser.parse_args(argv)
     config = config_from_args(args)  # every value checked, alike on every rank
-    server, path = start_job(args, config, _check_cluster)
-    if server.job_name == "ps":
-        server.join()
-        return server.exit_code
-    code = run_side_task(server, config, path, "mnist_mlp")  # evaluator, other jobs
-    if code is not None:
+    server, path, code = start_replica(args, config, "mnist_mlp", _check_cluster)
+    if code is not None:  # a ps, an evaluator or another job's task has run its part
         return code
     training = config.training
     dataset = ShardedDataset(path, "train", server.replica_index, server.num_replicas,

@@ -37,7 +37,12 @@ class Pipeline:
         hdr = H.HEADER_BYTES
         self.spans = [(hdr + lo * itemsize, hdr + hi * itemsize) for lo, hi in self.ranges]
         self.spans[self.last] = (0, self.spans[self.last][1])
-        self.requests, self.workers, self.reads = [], [], []
+        # Replies in flight, by what they read: each bucket's own, and the whole frame's
+        # (a pull's) apart; finishing a bucket waits for its list and the whole frame's
+        # only, so a step costs the same per bucket however many buckets there are.
+        self._bucket_of = {self.reads_of(k): k for k in range(self.count)}
+        self.in_flight = [[] for _ in range(self.count)]  # per bucket: (request, worker)
+        self.whole = []  # (request, worker) of replies that read everything
 
     def at_step(self, step):
         """Set every bucket to ``step`` (initial values, a restore)."""
@@ -60,10 +65,10 @@ class Pipeline:
 
     def add(self, requests, worker, reads):
         """Keep ``requests`` (a reply to ``worker`` reading ``reads``) until finished."""
+        k = self._bucket_of.get(reads) if self.bucketed else None
+        target = self.whole if k is None else self.in_flight[k]
         for request in requests:
-            self.requests.append(request)
-            self.workers.append(worker)
-            self.reads.append(reads)
+            target.append((request, worker))
 
     def progress(self):
         """Let MPI move the replies in flight (before work that makes no MPI call).
@@ -76,22 +81,15 @@ class Pipeline:
 
     def finish(self, deadline, describe, bucket=None):
         """Wait for the replies that read ``bucket``'s slice or the header (None: all)."""
-        if not self.requests:
-            return
         if bucket is None or not self.bucketed:
-            requests, workers = self.requests, self.workers
-            self.requests, self.workers, self.reads = [], [], []
+            pending = self.whole
+            for k, replies in enumerate(self.in_flight):
+                if replies:
+                    pending += replies
+                    self.in_flight[k] = []
         else:
-            lo, hi = self.reads_of(bucket)
-            requests, workers, keep = [], [], []
-            for r, w, (a, b) in zip(self.requests, self.workers, self.reads):
-                if b is None or (a < hi and lo < b):
-                    requests.append(r)
-                    workers.append(w)
-                else:
-                    keep.append((r, w, (a, b)))
-            self.requests = [r for r, _, _ in keep]
-            self.workers = [w for _, w, _ in keep]
-            self.reads = [x for _, _, x in keep]
-        if requests:
-            P.wait_all(requests, deadline, lambda i: describe(workers[i]))
+            pending, self.in_flight[bucket] = self.in_flight[bucket] + self.whole, []
+        self.whole = []
+        if pending:
+            requests = [r for r, _ in pending]
+            P.wait_all(requests, deadline, lambda i: describe(pending[i][1]))

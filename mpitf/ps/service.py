@@ -90,7 +90,7 @@ class Service:
         self.last_seen = {w: time.monotonic() for w in range(self.num_workers)}
         # Stall detection: the gaps between a worker's pushes are its steps; a worker with
         # no push since start-up or a pause (None) gets the whole deadline.
-        self.stall = StepClock(self.deadline, assignment.adaptive, names_the_silent=True)
+        self.stall = StepClock.for_ps(self.deadline, assignment.adaptive, self.num_workers)
         self.last_push = [None] * self.num_workers
         self.check_every = None if self.deadline is None else min(1.0, self.deadline / 10)
         self.next_check = 0.0

@@ -3,8 +3,11 @@
 A :class:`StepClock` is fed step times and holds ``allowance``, the seconds the next wait
 may take: with a fixed deadline, always the deadline; adaptive, the whole deadline during
 start-up and after a pause (a checkpoint), then the rule of
-:func:`mpitf.config.stall_allowance`. It is updated only when the slowest step grows, so
-the per-step cost is a subtraction and a comparison.
+:func:`mpitf.config.stall_allowance` over the slowest step since the warm-up steps (those
+compile, fault pages in and wait for peers to join: a ps once measured 6 s between a
+worker's first two pushes under load and then waited 50 s, longer than the workers). It is
+updated only when the slowest step grows, so the per-step cost is a subtraction and a
+comparison.
 """
 
 from ..config import SERVER_FIRST, STALL_WARMUP_STEPS, stall_allowance
@@ -18,13 +21,17 @@ class StepClock:
         adaptive: adapt to the step time (the default of the jobs) or keep ``deadline``.
         names_the_silent: True for the rank that waits on workers (a ps): it waits
             ``1 / SERVER_FIRST`` of a worker's allowance, so it speaks first.
+        warmup: the first steps, not counted in the slowest (a ps counts every worker's
+            pushes: STALL_WARMUP_STEPS per worker).
     """
 
     __slots__ = ("deadline", "adaptive", "scale", "steps", "slowest", "allowance", "steady",
-                 "_last")
+                 "warmup", "_last")
 
-    def __init__(self, deadline, adaptive=True, names_the_silent=False):
+    def __init__(self, deadline, adaptive=True, names_the_silent=False,
+                 warmup=STALL_WARMUP_STEPS):
         self.deadline = deadline
+        self.warmup = warmup
         self.adaptive = adaptive and deadline is not None
         self.scale = 1.0 / SERVER_FIRST if names_the_silent else 1.0
         self.steps = 0
@@ -32,6 +39,12 @@ class StepClock:
         self.steady = self._rule()  # the allowance once steps have run (not at start-up)
         self.allowance = self.start_up
         self._last = None
+
+    @classmethod
+    def for_ps(cls, deadline, adaptive, num_workers):
+        """Return a ps's clock: every worker's pushes are its steps, and it speaks first."""
+        return cls(deadline, adaptive, names_the_silent=True,
+                   warmup=STALL_WARMUP_STEPS * num_workers)
 
     @property
     def start_up(self):
@@ -43,13 +56,17 @@ class StepClock:
     def _rule(self):
         if not self.adaptive:
             return self.start_up
-        return stall_allowance(self.slowest, self.steps, self.deadline) * self.scale
+        seen = STALL_WARMUP_STEPS if self.steps >= self.warmup else 0  # the rule's units
+        return stall_allowance(self.slowest, seen, self.deadline) * self.scale
 
     def step(self, seconds):
         """Count one step of ``seconds``; return the allowance now."""
         self.steps += 1
-        if seconds > self.slowest or self.steps == STALL_WARMUP_STEPS:
-            self.slowest = max(self.slowest, seconds)
+        if self.steps <= self.warmup:  # not typical: left out of the slowest
+            if self.steps == self.warmup:
+                self.steady = self._rule()
+        elif seconds > self.slowest:
+            self.slowest = seconds
             self.steady = self._rule()
         return self.steady
 

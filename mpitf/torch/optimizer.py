@@ -109,7 +109,8 @@ class DistributedOptimizer(SessionFrontEnd):
         session_options: :class:`~mpitf.worker.session.TrainingSession`'s (mode,
             checkpoint_dir, save_checkpoint_steps, last_step, bucket_bytes, hooks, ...).
             With ``bucket_bytes`` gradients leave during backward: change ``.grad`` and
-            the learning rate before ``backward()``, not between it and ``step()``.
+            the learning rate before ``backward()``, not between it and ``step()``
+            (without it, one frame per ps: not the sessions' default buckets).
     """
 
     def __init__(self, optimizer, model, server, **session_options):
@@ -120,6 +121,9 @@ class DistributedOptimizer(SessionFrontEnd):
         self._options = group_options(optimizer.param_groups[0])
         share_threads(server)
         self._variables = _TorchVariables(self._named, model)
+        # One frame per ps unless asked: buckets leave during backward, and a loop that
+        # changes .grad after backward (clip_grad_norm_) must not be ignored by default.
+        session_options.setdefault("bucket_bytes", 0)
         self.session = TrainingSession(server, self._variables, self.ps_optimizer,
                                        **session_options)
         self.client = self.session.client

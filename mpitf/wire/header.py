@@ -30,7 +30,7 @@ A sparse reply (``SPARSE_REPLY``, the rows a sparse pull asked for) has the repl
 A reply has no element count: its payload is the shard, whose size both sides know from
 the layout, and the word carries a counter instead, so every counter travels under its
 own name in every mode. Packing writes eight ints into a preallocated header (no
-allocation); reading converts the words once (``tolist``) into a small named tuple.
+allocation, one ``struct`` call); reading unpacks the words once into a small named tuple.
 """
 
 import struct
@@ -92,6 +92,9 @@ class ReplyHeader(NamedTuple):
 
 _F64 = struct.Struct("<d")
 _I64 = struct.Struct("<q")
+# The eight words at once, in the int64 array's own (native) order: one call packs or reads
+# a header, where eight numpy item accesses cost several times as much (4 KiB round trips).
+_WORDS = struct.Struct(f"={HEADER_WORDS}q")
 
 
 def pack_request(words, kind, step, worker, count=0, flags=0, epoch=0, cursor=0,
@@ -104,39 +107,29 @@ def pack_request(words, kind, step, worker, count=0, flags=0, epoch=0, cursor=0,
     """
     if cursor >> _CURSOR_BITS:
         raise ValueError(f"data cursor {cursor} is past 2**{_CURSOR_BITS} examples per epoch")
+    rate = 0
     if learning_rate is not None:
         flags |= P.FLAG_LEARNING_RATE
-    words[0] = kind
-    words[1] = step
-    words[2] = worker
-    words[3] = count
-    words[4] = flags
-    words[5] = (epoch << _CURSOR_BITS) | cursor
-    words[6] = 0 if learning_rate is None else _I64.unpack(_F64.pack(learning_rate))[0]
-    words[7] = (bucket << 32) | buckets
+        rate = _I64.unpack(_F64.pack(learning_rate))[0]
+    _WORDS.pack_into(words, 0, kind, step, worker, count, flags,
+                     (epoch << _CURSOR_BITS) | cursor, rate, (bucket << 32) | buckets)
 
 
 def pack_reply(words, step, ps, flags, pushes_applied, stale_dropped, max_staleness, max_lead,
                kind=P.REPLY):
     """Write a reply header (``REPLY`` or ``SPARSE_REPLY``) into ``words`` (in place)."""
-    words[0] = kind
-    words[1] = step
-    words[2] = ps
-    words[3] = pushes_applied
-    words[4] = flags
-    words[5] = stale_dropped
-    words[6] = max_staleness
-    words[7] = max_lead
+    _WORDS.pack_into(words, 0, kind, step, ps, pushes_applied, flags, stale_dropped,
+                     max_staleness, max_lead)
 
 
-# tuple.__new__ straight from the list: _make's length check costs more than the rest
+# tuple.__new__ straight from the words: _make's length check costs more than the rest
 # (the arrays are HEADER_WORDS long by construction).
 _new = tuple.__new__
 
 
 def unpack_request(words):
     """Return the :class:`RequestHeader` in the int64 array ``words``."""
-    return _new(RequestHeader, words.tolist())
+    return _new(RequestHeader, _WORDS.unpack_from(words))
 
 
 def learning_rate_of(request):
@@ -153,4 +146,4 @@ def split_position(word):
 
 def unpack_reply(words):
     """Return the :class:`ReplyHeader` in the int64 array ``words``."""
-    return _new(ReplyHeader, words.tolist())
+    return _new(ReplyHeader, _WORDS.unpack_from(words))

@@ -324,7 +324,9 @@ class Client:
             sparse: the embedding tables every ps holds rows of (``Embeddings.assignment``).
         Returns the :class:`Reply` of the first pull (its ``global_step`` is where to start).
         """
-        if config.bucket_bytes != self.bucket_bytes:
+        itemsize = self.placement.dtype.itemsize
+        if [bucket_ranges(self.placement.slices_for_ps(p), n, config.bucket_bytes, itemsize)
+                for p, n in enumerate(self.placement.shard_sizes)] != self.buckets:
             raise ConfigurationError(
                 f"the client cuts buckets of {self.bucket_bytes} bytes but the config says "
                 f"{config.bucket_bytes}: give both the same bucket_bytes")
