@@ -1,7 +1,8 @@
 """The compiled loops over embedding rows (mpitf/rowkernels.py, behind mpitf.rows), in one
 process, against the numpy they replace: deduplication equal to ``np.unique`` (sorted
 unique ids or keys, and the inverse) on both of its paths, the sum per id bit for bit
-``np.bincount``'s, the gather and scatter of rows, and the ps's check of the ids it holds.
+``np.bincount``'s, the gather and scatter of rows, the ps's check of the ids it holds and
+the finiteness check of row gradients.
 """
 
 import numpy as np
@@ -9,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mpitf.rowkernels import local_rows, row_words
-from mpitf.rows import Dedup, RowPlacement, put_rows, segment_sum, take_rows
+from mpitf.rowkernels import first_outside, local_rows, row_words
+from mpitf.rows import Dedup, RowPlacement, all_finite, put_rows, segment_sum, take_rows
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -56,6 +57,8 @@ def test_a_dedup_is_reused_step_after_step_and_after_a_bad_id(bound):
             with pytest.raises(ValueError, match=f"id {bad[len(bad) // 2]} is "):
                 dedup(bad, bound)
             assert dedup.route(bad, pl)[2] == len(bad) // 2
+        if step % 3 == 1:  # a start whose inverse is never asked for leaves nothing behind
+            assert np.array_equal(dedup.start(ids, pl)[0], np.unique(pl.keys(ids)))
         u, inv = dedup(ids, bound)
         nu, ninv = np.unique(ids, return_inverse=True)
         assert np.array_equal(u, nu) and np.array_equal(inv, ninv.reshape(-1)), step
@@ -118,3 +121,20 @@ def test_local_rows_are_the_placements_and_foreign_ids_are_named(kind):
         for bad in (np.r_[mine[:2], other], np.r_[mine[:1], [20]], np.array([-1])):
             where = local_rows(bad, 20, 3, ps, kind == "mod", lo, hi, np.empty(3, np.int64))
             assert where == len(bad) - 1
+    ids = np.array([4, 0, 19, 7])  # one ps: the ids are the local rows, only checked
+    assert first_outside(ids, 0, 20) == -1 and first_outside(ids[:0], 0, 20) == -1
+    assert first_outside(np.r_[ids, 20, -1], 0, 20) == 4
+    assert first_outside(np.r_[ids, -1, 20], 0, 20) == 4
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_all_finite_finds_every_nan_and_inf_and_nothing_else(dtype):
+    a = np.full((37, 5), np.finfo(dtype).max, dtype)
+    a[::2] = np.finfo(dtype).tiny
+    a[1, 1] = -np.finfo(dtype).max
+    assert all_finite(a) and all_finite(a[:0])
+    for bad in (np.nan, np.inf, -np.inf):
+        b = a.copy()
+        b[36, 4] = bad
+        assert not all_finite(b)
+        assert not all_finite(b[:, 4])  # not contiguous: numpy's isfinite

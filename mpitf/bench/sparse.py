@@ -19,7 +19,10 @@ Zipf(A) with a fixed seed (``(zipf - 1) % R``). Measured in one run, on the work
 * dense_us: ``Client.push_pull`` of the whole table as one dense variable (SGD).
 * gather_scatter_us: numpy's gather of the step's unique rows and SGD scatter into a
   table of R x D (on ps task 0; ``np.take``/``np.put`` of whole rows, the fastest numpy
-  way measured), the memory work a step cannot avoid.
+  way measured), the memory work a step cannot avoid. The table is numpy's own
+  allocation (``np.zeros``: 16 bytes past a cache line, as every earlier run);
+  gather_scatter_aligned_us is the same on a table that starts on a cache line, as the
+  ps's tables do (:func:`mpitf.rows.cache_aligned`).
 * segment_sum_us: summing B x F row gradients per unique id, with ``np.add.at`` and with
   :func:`mpitf.rows.segment_sum` (compiled, the one used; the same bits as a
   ``np.bincount`` per column).
@@ -41,7 +44,7 @@ from mpitf.models.embedding import EmbeddingTable
 from mpitf.placement import Placement
 from mpitf.ps.optimizers import make_optimizer
 from mpitf.ps.service import serve
-from mpitf.rows import Dedup, row_view, segment_sum
+from mpitf.rows import Dedup, cache_aligned, row_view, segment_sum
 from mpitf.runtime.exits import run_job
 from mpitf.runtime.server import Server
 from mpitf.worker.client import Client
@@ -201,20 +204,24 @@ def main(argv=None):
     # -- numpy's gather and scatter of the same rows (ps task 0) -------------------------
     ids = raw.bcast(np.unique(batches[0]) if server.is_chief else None, root=worker)
     if is_ps and server.task_index == 0:
-        full = np.zeros((args.rows, args.dim), np.float32)
         grad = np.ones((len(ids), args.dim), np.float32)
         rows = np.empty_like(grad)
 
-        def gather_scatter():
+        def gather_scatter(full):
             np.take(full, ids, axis=0, out=rows)
             np.subtract(rows, LR * grad, out=rows)
             np.put(row_view(full), ids, row_view(rows))
 
-        gs = _median_us(_timed(gather_scatter, args.steps))
-        del full
+        gs = []
+        for aligned in (False, True):  # one table at a time
+            shape = (args.rows, args.dim)
+            full = cache_aligned(shape, np.float32, 0) if aligned else np.zeros(shape, np.float32)
+            gs.append(_median_us(_timed(lambda t=full: gather_scatter(t), args.steps)))
+            del full
         raw.send(gs, dest=worker, tag=5)
     elif server.is_chief:
-        row["gather_scatter_us"] = raw.recv(source=ps_ranks[0], tag=5)
+        row["gather_scatter_us"], row["gather_scatter_aligned_us"] = raw.recv(
+            source=ps_ranks[0], tag=5)
     # -- dense push+pull of the whole table ----------------------------------------------
     if is_ps:
         serve(server)

@@ -132,7 +132,8 @@ class Service:
         """Apply a gradient (or ``workers``' mean) to a bucket's slice, after its readers.
 
         A push's last bucket completes the step, with the sparse pushes of ``workers``
-        (embedding tables; their sum divided by as many).
+        (embedding tables; their sum divided by as many), applied once the replies have
+        left (:meth:`SparseInbox.flush`, before the next request is read).
         """
         pipe = self.pipeline
         last = bucket == pipe.last
@@ -235,6 +236,8 @@ class Service:
         self._write_header()
 
     def _save(self):
+        if self.sparse is not None:
+            self.sparse.flush()
         shard = self.shard
         average = shard.average_frame.payload if shard.average is not None else None
         cut.save_shard(self.comm, self.chief, self.config.checkpoint_dir, self.ps_task,
@@ -349,6 +352,8 @@ class Service:
                 self.next_frame = (index + 1) % len(ring)
             if self._handle(index, status.Get_source()):
                 self.repost(index)
+            if self.sparse is not None:
+                self.sparse.flush()  # the step's replies have left: now its sparse apply
             if self.check_every is not None and self.last_message > self.next_check:
                 self._timeout()  # busy: without this, one silent worker would go unseen
         self._finish_replies()

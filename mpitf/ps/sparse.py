@@ -10,7 +10,8 @@ Sparse apply is the dense kernel on the rows present: gather the rows and their 
 run the optimizer's own arithmetic on them (its fused kernel), scatter them back; SGD
 (no slots) updates the rows where they lie, with the same arithmetic. The
 check of the ids, the gathers and the scatters are compiled loops
-(:mod:`mpitf.rowkernels`) over buffers made at start-up; a lone push's gradients are
+(:mod:`mpitf.rowkernels`) over buffers made at start-up; a push's ids are checked once,
+when it arrives (their local rows kept for the apply), and a lone push's gradients are
 applied where they lie in the frame it came in. Rows absent from a step
 keep their slots untouched; for Adam this is TensorFlow's ``LazyAdamOptimizer`` (only
 present rows update ``m`` and ``v``; the bias correction follows the global step). In
@@ -23,8 +24,8 @@ import numpy as np
 
 from ..errors import PeerError
 from ..models.embedding import initial_rows
-from ..rowkernels import local_rows, sgd_rows
-from ..rows import Dedup, RowPlacement, put_rows, segment_sum, take_rows
+from ..rowkernels import first_outside, local_rows, sgd_rows
+from ..rows import Dedup, RowPlacement, cache_aligned, put_rows, segment_sum, take_rows
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.sparse import SparseLayout
@@ -45,12 +46,12 @@ class _Table:
         start = optimizer.make_slots(1, np, dtype)  # each slot's initial value
         slots = [k for k in start if not k.startswith("_")]
         try:
-            self.params = np.empty((n, dim), dtype)
+            self.params = cache_aligned((n, dim), dtype)
             ids = placement.global_ids(ps)
             for lo in range(0, n, 1 << 16):  # bounded scratch while drawing a large table
                 self.params[lo:lo + (1 << 16)] = initial_rows(spec, seed,
                                                               ids[lo:lo + (1 << 16)])
-            self.slots = {k: np.full((n, dim), start[k][0], dtype) for k in slots}
+            self.slots = {k: cache_aligned((n, dim), dtype, start[k][0]) for k in slots}
         except MemoryError:
             need = n * dim * dtype.itemsize * (1 + len(slots)) / 2**20
             raise MemoryError(
@@ -66,31 +67,34 @@ class _Table:
         self.mod = placement.kind == "mod" and placement.num_ps > 1
         self.lo, self.hi = (0, n) if self.mod else (int(placement.starts[ps]),
                                                     int(placement.starts[ps + 1]))
+        self.same = not self.mod and self.lo == 0  # local rows are the ids (one ps, say)
 
-    def locate(self, ids, worker_desc):
-        """Return the local rows of ``ids`` (a view of scratch); refuse ids not held here.
+    def locate(self, ids, worker_desc, out=None):
+        """Return the local rows of ``ids`` (in ``out``, else scratch); refuse ids not held here.
 
-        A message naming rows of another ps, or more rows than this ps holds (so some
-        twice), is a worker's routing bug, never user data.
+        Where local rows are the ids themselves (one ps, or the first range), ``ids`` is
+        returned, checked. A message naming rows of another ps, or more rows than this ps
+        holds (so some twice), is a worker's routing bug, never user data.
         """
-        pl, n = self.placement, len(ids)
-        bad = n > len(self.local)
-        if not bad:
+        pl, n, out = self.placement, len(ids), self.local if out is None else out
+        bad = n > len(out)
+        if not bad and self.same:
+            bad = first_outside(ids, 0, self.hi) >= 0
+        elif not bad:
             bad = local_rows(ids, pl.rows, pl.num_ps, self.ps, self.mod, self.lo, self.hi,
-                             self.local[:n]) >= 0
+                             out[:n]) >= 0
         if bad:
             raise PeerError(f"sparse message for table {self.spec.name!r} names rows this ps "
                             f"does not hold", **worker_desc)
-        return self.local[:n]
+        return ids if self.same else out[:n]
 
     def gather(self, ids, out, worker_desc):
         """Write the rows of ``ids`` into ``out`` (a reply's rows)."""
         take_rows(self.params, self.locate(ids, worker_desc), out)
 
-    def apply(self, optimizer, ids, grads, step):
-        """Apply row gradients ``grads`` of unique ``ids`` at global ``step``."""
-        u, params = len(ids), self.params
-        local = self.locate(ids, {})
+    def apply(self, optimizer, local, grads, step):
+        """Apply row gradients ``grads`` of unique local rows ``local`` at global ``step``."""
+        u, params = len(local), self.params
         if optimizer.name == "sgd" and grads.dtype == params.dtype and params.dtype in (
                 np.float32, np.float64):  # no slots: the rows are updated where they lie
             sgd_rows(params, local, grads, params.dtype.type(optimizer.learning_rate(step)))
@@ -126,7 +130,10 @@ class SparseTables:
         self.placements = [RowPlacement(t.rows, num_ps, t.placement) for t in self.specs]
         self.tables = [_Table(t, pl, ps, optimizer, seed, n * num_workers)
                        for t, pl, n in zip(self.specs, self.placements, self.layout.max_ids)]
-        self.pending = [None] * num_workers  # each worker's push, in the frame it came in
+        self.messages = [None] * num_workers  # each worker's push, in the frame it came in
+        self.pending = [None] * num_workers  # ... and its local rows of every table
+        self.locals = [[np.empty(n, np.int64) for n in self.layout.max_ids]
+                       for _ in range(num_workers)]
         self.has_pending = [False] * num_workers
         self.replies = [self.layout.allocate(reply=True) for _ in range(num_workers)]
         total = [n * num_workers for n in self.layout.max_ids]
@@ -162,13 +169,16 @@ class SparseTables:
         return reply[:lay.reply_end(counts)]
 
     def stash(self, worker, message, describe):
-        """Keep a sparse push (its frame's bytes, not copied) until the policy applies it."""
+        """Keep a sparse push (its frame's bytes, not copied) until the policy applies it.
+
+        Its ids are checked now; their local rows are kept for the apply (checked once).
+        """
         lay = self.layout
         counts = lay.counts(message).tolist()
         self._check_counts(counts, describe)
-        for table, ids in zip(self.tables, lay.ids(message, counts)):
-            table.locate(ids, describe)
-        self.pending[worker] = message
+        self.pending[worker] = [table.locate(ids, describe, out) for table, ids, out in
+                                zip(self.tables, lay.ids(message, counts), self.locals[worker])]
+        self.messages[worker] = message
         self.has_pending[worker] = True
         return lay.end(counts)
 
@@ -184,31 +194,33 @@ class SparseTables:
             return
         parts = []
         for w in present:
-            counts = lay.counts(self.pending[w]).tolist()
-            parts.append((lay.ids(self.pending[w], counts), lay.rows(self.pending[w], counts)))
+            counts = lay.counts(self.messages[w]).tolist()
+            parts.append((lay.ids(self.messages[w], counts), lay.rows(self.messages[w], counts),
+                          self.pending[w]))
             self.has_pending[w] = False
         for t, table in enumerate(self.tables):
-            ids, grads = self._sum(t, [(i[t], g[t]) for i, g in parts])
-            if len(ids) == 0:
+            local, grads = self._sum(t, [(i[t], g[t], r[t]) for i, g, r in parts])
+            if len(local) == 0:
                 continue
             if count > 1:
                 np.divide(grads, count, out=grads)
-            table.apply(self.optimizer, ids, grads, step)
+            table.apply(self.optimizer, local, grads, step)
 
     def _sum(self, t, parts):
-        """Return (unique ids, summed rows) of one table over the parts, in their order."""
+        """Return (local rows, summed rows) of one table over the parts, in their order."""
         table = self.tables[t]
         if len(parts) == 1:  # the lent frame is this ps's: divided and read in place
-            return parts[0]
+            _, grads, local = parts[0]
+            return local, grads
         n = 0
         cat_ids, cat_grads = self.cat_ids[t], self.cat_grads[t]
-        for ids, grads in parts:
+        for ids, grads, _ in parts:
             cat_ids[n:n + len(ids)] = ids
             cat_grads[n:n + len(ids)] = grads
             n += len(ids)
         uids, inverse = self.dedup[t](cat_ids[:n], table.spec.rows)
-        return uids, segment_sum(cat_grads[:n], inverse, table.grad_buf[:len(uids)],
-                                 self.scratch[t])
+        return table.locate(uids, {}), segment_sum(cat_grads[:n], inverse,
+                                                   table.grad_buf[:len(uids)], self.scratch[t])
 
     def _check_counts(self, counts, describe):
         if any(c < 0 or c > m for c, m in zip(counts, self.layout.max_ids)):

@@ -4,7 +4,13 @@ A sparse push is not copied aside: the pool frame it arrived in is lent to the t
 until the policy applies (or drops) its worker's push, and a spare frame, made at start-up
 with its own persistent receive, takes its place in the pool. A worker has at most one
 sparse push waiting, so one spare per worker is enough.
+
+The apply itself waits until the step's replies have left (:meth:`SparseInbox.flush`,
+called by the event loop before it reads the next message): a worker's next batch is
+deduplicated while this ps updates the rows, and every request still sees them updated.
 """
+
+import time
 
 from mpi4py import MPI
 
@@ -29,9 +35,11 @@ class SparseInbox:
             self.spares.append((frame, frame.recv_init(service.comm, MPI.ANY_SOURCE,
                                                        P.TAG_REQUEST)))
         self.lent = [None] * service.num_workers  # worker -> (frame, its receive)
+        self.deferred = None  # (workers, step) of the apply to run at the next flush
 
     def handle(self, worker, kind, index):
         """Answer a pull, or keep a push for the policy's apply; return True (repost)."""
+        self.flush()
         s, tables = self.service, self.tables
         message = s.pool[index].bytes
         describe = s.describe_worker(worker, P.KIND_NAMES[kind])
@@ -47,18 +55,38 @@ class SparseInbox:
         return True
 
     def apply(self, workers, step):
-        """Apply the sparse pushes of ``workers`` (their mean) and take back their frames."""
+        """Apply the sparse pushes of ``workers`` (their mean) at the next :meth:`flush`."""
+        self.flush()
+        self.deferred = (tuple(workers), step)
+
+    def flush(self):
+        """Run the apply kept by :meth:`apply` (if any) and take back its workers' frames.
+
+        The event loop calls it after a request's replies were posted, and anything that
+        reads or saves the tables calls it first.
+        """
+        if self.deferred is None:
+            return
+        workers, step = self.deferred
+        self.deferred = None
+        timeline = self.service.timeline
+        self.service.pipeline.progress()  # else the replies wait for this rank's next MPI call
+        start = time.perf_counter()
         self.tables.apply(workers, len(workers), step)
         for w in workers:
             self._give_back(w)
+        if timeline.enabled:
+            timeline.add("apply", start, time.perf_counter(), step=step, tables=True)
 
     def discard(self, worker):
         """Forget ``worker``'s sparse push (its dense push was dropped as stale)."""
+        self.flush()
         self.tables.discard(worker)
         self._give_back(worker)
 
     def close(self):
         """Free the persistent receives of the frames not in the pool (none is posted)."""
+        self.flush()
         for item in self.spares + [x for x in self.lent if x is not None]:
             item[1].Free()
 

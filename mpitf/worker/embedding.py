@@ -1,18 +1,19 @@
 """A worker's embedding lookups: pull the rows a batch uses, push their summed gradients.
 
 Per step and table: the batch's ids are deduplicated in one compiled pass
-(:meth:`~mpitf.rows.Dedup.route`), which checks their range and sorts the unique ids'
+(:meth:`~mpitf.rows.Dedup.start`), which checks their range and sorts the unique ids'
 keys (:meth:`~mpitf.rows.RowPlacement.keys`, numbering each ps's rows together), so they
-come grouped by the ps that holds them; each ps
-gets one sparse pull with its ids in every table and answers their rows, all ps at once,
-nonblocking. The model runs forward and backward on the pulled rows (:class:`Lookup`):
-per occurrence (``rows``, ``grad``: gathered and summed per id by the worker) or per
-pulled row (``unique_rows``, ``inverse``, ``unique_grad``). The summed row gradients are
-pushed with their ids, one message per ps, just before the dense push (same tag, so MPI
-keeps them in order and the ps applies both under one policy decision). Buffers are made
-once for the largest batch (``batch_size * lookups`` ids per table); messages are views
-of them; with one ps the model reads the rows in the reply and writes their gradients
-into the push itself (no copy either way). A worker never holds more of a table than one
+come grouped by the ps that holds them; each ps gets one sparse pull with its ids in
+every table and answers their rows, all ps at once, nonblocking; while they travel, each
+id's index among the unique ids is found (:meth:`~mpitf.rows.Dedup.finish`). The model
+runs forward and backward on the pulled rows (:class:`Lookup`): per occurrence
+(``rows``, ``grad``: gathered and summed per id by the worker) or per pulled row
+(``unique_rows``, ``inverse``, ``unique_grad``). The summed row gradients are pushed
+with their ids, one message per ps, just before the dense push (same tag, so MPI keeps
+them in order and the ps applies both under one policy decision). Buffers are made once
+for the largest batch (``batch_size * lookups`` ids per table); messages are views of
+them; with one ps the model reads the rows in the reply and writes their gradients into
+the push itself (no copy either way). A worker never holds more of a table than one
 batch's rows.
 """
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from ..errors import DataError, PeerError
 from ..models.embedding import check_tables
-from ..rows import Dedup, RowPlacement, segment_sum, take_rows
+from ..rows import Dedup, RowPlacement, all_finite, segment_sum, take_rows
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.sparse import SparseLayout
@@ -111,17 +112,22 @@ class _TableState:
         self.keys = self.inverse = self.offsets = self.pulled = self.summed = None
 
     def route(self, ids):
-        """Deduplicate ``ids`` and group them by ps (keys ascending within each)."""
+        """Deduplicate ``ids`` and group them by ps; the inverse waits for :meth:`number`."""
         spec, flat = self.spec, ids.reshape(-1)
         if flat.size > len(self.occ_rows):
             raise DataError(f"table {spec.name!r}: a batch looks up {flat.size} ids, more than "
                             f"batch_size x lookups = {len(self.occ_rows)}; raise the table's "
                             "lookups")
-        self.keys, self.inverse, bad = self.dedup.route(flat, self.placement)
+        self.keys, bad = self.dedup.start(flat, self.placement)
+        self.inverse = None  # numbered by number(), while the pulls travel
         if bad >= 0:
             raise DataError(f"table {spec.name!r}: id {int(flat[bad])} is outside "
                             f"[0, {spec.rows}) (ids are never wrapped or clipped)")
         self.offsets = np.searchsorted(self.keys, self.placement.starts)
+
+    def number(self):
+        """Find each id's index among the unique ids (the inverse), once the pulls are sent."""
+        self.inverse = self.dedup.finish()
 
     def ids_to(self, p, out):
         """Write the ids ps ``p`` holds of this batch into ``out``."""
@@ -196,6 +202,8 @@ class Embeddings:
                                        P.TAG_SPARSE_REPLY))
             sends.append(P.frame_op(client.comm.Isend, buf[:end], rank, P.TAG_REQUEST))
             self.bytes_sent += end
+        for table in self.tables:
+            table.number()
         nps = len(client.ps_ranks)
         P.wait_all(receives + sends, client.deadline,
                    lambda i: dict(client._describe_ps(i % nps), operation="sparse pull"))
@@ -227,9 +235,8 @@ class Embeddings:
     def nonfinite(self):
         """Return the name of a table whose row gradients hold NaN or Inf, or None."""
         for table in self.tables:
-            if not np.isfinite(np.add.reduce(table.summed, axis=None)):
-                if not np.isfinite(table.summed).all():
-                    return table.spec.name
+            if not all_finite(table.summed):
+                return table.spec.name
         return None
 
     def push(self):
