@@ -38,8 +38,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from mpitf.bench.overlap import median_ms  # noqa: E402  (the same warm-up: WARMUP = 3)
 from mpitf.bench.scaling import write_json  # noqa: E402
+from mpitf.bench.timing import median_ms  # noqa: E402
 from mpitf.ps.service import serve  # noqa: E402
 from mpitf.runtime.exits import run_job  # noqa: E402
 from mpitf.runtime.server import Server  # noqa: E402

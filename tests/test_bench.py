@@ -1,4 +1,4 @@
-"""The push/pull and overlap benchmarks' JSON, and the timeline of a training job.
+"""The push/pull, overlap and sparse benchmarks' JSON, and the timeline of a training job.
 
 The cost model and the planner: tests/test_costmodel.py."""
 
@@ -28,6 +28,23 @@ def test_pushpull_json(mpirun, tmp_path):
     assert data["ps_peak_rss"] and all(v > 0 for v in data["ps_peak_rss"].values())
     for k in ("mpi_library", "hostname", "date", "repetitions"):
         assert data["metadata"][k]
+
+
+@pytest.mark.mpi
+def test_sparse_json(mpirun, tmp_path):
+    # issue 13's command and JSON, on a small table: the bytes on the wire within the bound
+    out = tmp_path / "s.json"
+    run = mpirun(2, REPO / "benchmarks" / "sparse.py", "--rows", 10000, "--dim", 8,
+                 "--batch", 64, "--fields", 4, "--zipf", 1.2, "--num-ps", 1, "--steps", 5,
+                 "--json", out, timeout=60)
+    assert run.returncode == 0, run.output
+    (row,) = json.loads(out.read_text())["results"]
+    for key in ("step_us", "raw_us", "dense_us", "gather_scatter_us", "dedup_us"):
+        assert row[key] > 0, row
+    assert 1 < row["unique_ids"] <= 64 * 4
+    headers = 2048  # the sparse and dense messages' headers and alignment: ~1.4 KB measured
+    assert row["unique_ids"] * (8 + 2 * 8 * 4) < row["bytes_per_step"] \
+        <= row["bytes_bound"] + headers, row
 
 
 @pytest.mark.mpi

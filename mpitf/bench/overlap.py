@@ -23,8 +23,6 @@ and the ps's apply do not fight over the cores. Rank 0 writes the JSON.
 """
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 from mpi4py import MPI
@@ -37,8 +35,8 @@ from mpitf.runtime.server import Server
 from mpitf.worker.client import Client
 
 from .scaling import write_json
+from .timing import median_ms
 
-WARMUP = 3
 LR = 1e-6
 
 
@@ -99,17 +97,6 @@ class Layers:
                 final((self.names[i],))
             if i:
                 np.matmul(self.tmp, params[self.names[i]].T, out=self.delta)
-
-
-def median_ms(fn, steps):
-    """Return the median milliseconds of ``fn()`` over ``steps`` calls after WARMUP."""
-    times = []
-    for i in range(WARMUP + steps):
-        t0 = time.perf_counter()
-        fn()
-        if i >= WARMUP:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def _session(server, model, bucket_bytes, init):

@@ -33,8 +33,6 @@ fastest repetition, the figure least moved by other processes on a shared machin
 """
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 from mpi4py import MPI
@@ -51,9 +49,9 @@ from mpitf.worker.client import Client
 from mpitf.worker.session import TrainingSession
 
 from .scaling import write_json
+from .timing import WARMUP, median_us, timed
 
 LR = 1e-4
-WARMUP = 3
 BATCHES = 8  # distinct batches, drawn once and cycled
 
 
@@ -101,20 +99,6 @@ class TableModel:
         return 0.0
 
 
-def _median_us(times):
-    return statistics.median(times) * 1e6
-
-
-def _timed(fn, reps):
-    times = []
-    for i in range(WARMUP + reps):
-        t0 = time.perf_counter()
-        fn()
-        if i >= WARMUP:
-            times.append(time.perf_counter() - t0)
-    return times
-
-
 def _segment_sums(values, inverse, n):
     out = np.zeros((n, values.shape[1]), values.dtype)
 
@@ -127,8 +111,8 @@ def _segment_sums(values, inverse, n):
     def bincount():
         segment_sum(values, inverse, out, scratch)
 
-    return {"add_at": _median_us(_timed(add_at, 10)),
-            "segment_sum": _median_us(_timed(bincount, 10))}
+    return {"add_at": median_us(timed(add_at, 10)),
+            "segment_sum": median_us(timed(bincount, 10))}
 
 
 def main(argv=None):
@@ -155,21 +139,21 @@ def main(argv=None):
         k = iter(range(10**9))
         session.run(batches[0])
         b0, r0 = emb.bytes_sent, emb.bytes_received
-        times = _timed(lambda: session.run(batches[next(k) % BATCHES]), args.steps)
+        times = timed(lambda: session.run(batches[next(k) % BATCHES]), args.steps)
         steps = WARMUP + args.steps
         dense_bytes = 2 * (64 + 4) * len(ps_ranks)
-        row["step_us"], row["step_min_us"] = _median_us(times), min(times) * 1e6
+        row["step_us"], row["step_min_us"] = median_us(times), min(times) * 1e6
         row["bytes_per_step"] = (emb.bytes_sent - b0 + emb.bytes_received - r0) / steps \
             + dense_bytes
         model.per_occurrence = True
-        row["step_occurrences_us"] = _median_us(
-            _timed(lambda: session.run(batches[next(k) % BATCHES]), args.steps))
+        row["step_occurrences_us"] = median_us(
+            timed(lambda: session.run(batches[next(k) % BATCHES]), args.steps))
         uniques = [len(np.unique(b)) for b in batches]
         row["unique_ids"] = float(np.mean(uniques))
         table = emb.tables[0]
         n = table.offsets[-1]
         dedup, flat = Dedup(batches[0].size), batches[0].reshape(-1)
-        row["dedup_us"] = _median_us(_timed(lambda: dedup(flat, args.rows), args.steps))
+        row["dedup_us"] = median_us(timed(lambda: dedup(flat, args.rows), args.steps))
         row["segment_sum_us"] = _segment_sums(table.occ_grads[:len(table.inverse)],
                                               table.inverse, n)
         # per ps, the sizes of the last step's messages, for the raw exchange
@@ -199,8 +183,8 @@ def main(argv=None):
                          for bb, r in zip(bufs, ps_ranks)]
                 MPI.Request.Waitall(reqs)
 
-        times = _timed(exchange, args.steps)
-        row["raw_us"], row["raw_min_us"] = _median_us(times), min(times) * 1e6
+        times = timed(exchange, args.steps)
+        row["raw_us"], row["raw_min_us"] = median_us(times), min(times) * 1e6
     # -- numpy's gather and scatter of the same rows (ps task 0) -------------------------
     ids = raw.bcast(np.unique(batches[0]) if server.is_chief else None, root=worker)
     if is_ps and server.task_index == 0:
@@ -216,7 +200,7 @@ def main(argv=None):
         for aligned in (False, True):  # one table at a time
             shape = (args.rows, args.dim)
             full = cache_aligned(shape, np.float32, 0) if aligned else np.zeros(shape, np.float32)
-            gs.append(_median_us(_timed(lambda t=full: gather_scatter(t), args.steps)))
+            gs.append(median_us(timed(lambda t=full: gather_scatter(t), args.steps)))
             del full
         raw.send(gs, dest=worker, tag=5)
     elif server.is_chief:
@@ -233,8 +217,8 @@ def main(argv=None):
         client.grads_flat[...] = 0
         client.start(TrainingConfig(mode="sync"), make_optimizer("sgd", LR).config(),
                      initial_values=client.params)
-        times = _timed(lambda: client.push_pull().wait(), max(3, args.steps // 5))
-        row["dense_us"], row["dense_min_us"] = _median_us(times), min(times) * 1e6
+        times = timed(lambda: client.push_pull().wait(), max(3, args.steps // 5))
+        row["dense_us"], row["dense_min_us"] = median_us(times), min(times) * 1e6
         client.done()
     if not server.is_chief:
         return 0
