@@ -21,7 +21,8 @@ def test_pushpull_json(mpirun, tmp_path):
     rows = data["results"]
     assert {(r["bytes"], r["optimizer"]) for r in rows} == {
         (b, o) for b in (4096, 1048576) for o in ("none", "sgd")}
-    keys = ("mpitf_gbps", "raw_mpi_gbps", "ratio", "mpitf_us", "raw_mpi_us", "axpy_us")
+    keys = ("mpitf_gbps", "raw_mpi_gbps", "ratio", "mpitf_us", "raw_mpi_us", "axpy_us",
+            "apply_us")
     for r in rows:
         assert r["num_ps"] == 1 and r["num_workers"] == 1
         assert all(r[k] > 0 for k in keys), r

@@ -172,7 +172,8 @@ def test_validation_entries_count_only_predicted_points_within_the_cores():
                  examples_per_sec=32 / (1.5e-3 + 1e-4 * w)) for w in (1, 2)]),
         pushpull_main=dict(metadata=dict(ranks=2), results=[
             dict(bytes=b, optimizer=o, mpitf_us=10 + b / 1e3 + (b / 2e3 if o == "sgd" else 0),
-                 axpy_us=b / 2e3) for b in (4096, 1 << 20) for o in ("none", "sgd")]))
+                 axpy_us=b / 1e3, apply_us=b / 2e3)  # sgd pays the ps's own kernel
+            for b in (4096, 1 << 20) for o in ("none", "sgd")]))
     entries = val.validate(results)
     keys = {"suite", "point", "ranks", "cores", "measured", "projected", "error_pct"}
     assert all(keys <= set(e) for e in entries) and len(entries) == 6
@@ -181,6 +182,7 @@ def test_validation_entries_count_only_predicted_points_within_the_cores():
     assert abs(scaling[0]["error_pct"]) < 1  # the profile's own configuration
     assert [e["basis"] for e in entries if e["suite"] == "pushpull"] == [
         "fitted", "predicted", "fitted", "predicted"]
+    assert all(abs(e["error_pct"]) < 1e-6 for e in entries if e["suite"] == "pushpull")
     assert all(e["counted"] == (e["ranks"] <= e["cores"] and e["basis"] == "predicted")
                for e in entries)
     counted, worst, ok = val.claim(entries)

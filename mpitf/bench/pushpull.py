@@ -11,7 +11,9 @@ rest workers. For each size B, interleaved in rounds so drift affects every figu
 * mpitf: the real ps service loop (``mpitf.ps.service.serve``) configured with one
   variable of B/P bytes per ps, the workers doing ``Client.push_pull().wait()``, once
   with ``--optimizer none`` (the ps echoes its parameters) and once with SGD;
-* axpy: SGD's own in-place kernel on a ps's B/P bytes, timed on ps task 0;
+* axpy: SGD as two numpy passes on a ps's B/P bytes (the baseline of the first targets),
+  and apply: SGD as the ps applies it (its fused kernel, one thread), both timed on ps
+  task 0 on private buffers;
 * with ``--bucket-bytes K1,K2,...``: mpitf again per optimizer with the push cut in buckets
   of about K bytes per ps (0: one bucket), the model then made of ``--variable-bytes``
   variables (buckets are cut between variables), the one-bucket figures on the same ones.
@@ -38,6 +40,7 @@ from mpi4py import MPI
 
 from mpitf.config import TrainingConfig
 from mpitf.placement import Placement
+from mpitf.ps.kernels import fused_apply
 from mpitf.ps.optimizers import make_optimizer
 from mpitf.ps.service import serve
 from mpitf.runtime.exits import run_job
@@ -198,19 +201,28 @@ class Bench:
         return times
 
     def axpy_block(self, nbytes, reps):
-        """Time SGD's in-place kernel on one ps's share (ps task 0 only); median seconds."""
+        """Time SGD on one ps's share (ps task 0 only): median seconds (axpy, fused apply).
+
+        axpy is two numpy passes (``multiply`` into a scratch, ``subtract``); apply is the
+        ps's own fused kernel (:func:`mpitf.ps.kernels.fused_apply`, one thread), which is
+        what a push with ``sgd`` pays.
+        """
         if not (self.is_ps and self.server.task_index == 0):
             return None
         n = nbytes // 4 // self.num_ps
         params, grad, tmp = (np.ones(n, np.float32) for _ in range(3))
-        times = []
+        sgd = make_optimizer("sgd", learning_rate=LR)
+        axpy, fused = [], []
         for i in range(WARMUP + reps):
             t0 = time.perf_counter()
-            np.multiply(grad, LR, out=tmp)  # as GradientDescent._update
+            np.multiply(grad, LR, out=tmp)  # as the reference passes of GradientDescent
             np.subtract(params, tmp, out=params)
+            t1 = time.perf_counter()
+            fused_apply(sgd, params, grad, {}, 0)
             if i >= WARMUP:
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+                axpy.append(t1 - t0)
+                fused.append(time.perf_counter() - t1)
+        return statistics.median(axpy), statistics.median(fused)
 
     # -- one size --------------------------------------------------------------------------
 
@@ -221,7 +233,8 @@ class Bench:
         per_round = max(1, reps // args.rounds)
         clients = {(b, w): None if self.is_ps else self.client_for(nbytes, b, w)
                    for b in args.bucket_bytes for w in args.wire_dtypes}
-        samples = {"raw": [], "axpy": [], **{label(*c): [] for c in configurations(args)}}
+        samples = {"raw": [], "axpy": [], "apply": [],
+                   **{label(*c): [] for c in configurations(args)}}
         for _ in range(args.rounds):
             self.raw.Barrier()
             samples["raw"] += self.raw_block(nbytes, per_round)
@@ -232,7 +245,8 @@ class Bench:
             self.raw.Barrier()
             a = self.axpy_block(nbytes, per_round)
             if a is not None:
-                samples["axpy"].append(a)
+                samples["axpy"].append(a[0])
+                samples["apply"].append(a[1])
         return samples, per_round * args.rounds
 
 
@@ -270,12 +284,14 @@ def main(argv=None):
         reps_used[nbytes] = reps
         raw = _worker_median(gathered, "raw", bench.worker_ranks)
         axpy = statistics.median(next(g["axpy"] for g in gathered if g["axpy"]))
+        apply = statistics.median(next(g["apply"] for g in gathered if g["apply"]))
         for opt, b, wire in configurations(args):
             t = _worker_median(gathered, label(opt, b, wire), bench.worker_ranks)
             row = dict(bytes=nbytes, num_ps=bench.num_ps, num_workers=len(bench.worker_ranks),
                        optimizer=opt, mode=args.mode, bucket_bytes=b, wire_dtype=wire,
                        mpitf_gbps=2 * nbytes / t / 1e9, raw_mpi_gbps=2 * nbytes / raw / 1e9,
                        ratio=raw / t, mpitf_us=_us(t), raw_mpi_us=_us(raw), axpy_us=_us(axpy),
+                       apply_us=_us(apply),
                        repetitions=reps)
             results.append(row)
             print(f"{nbytes:>10} B  {label(opt, b, wire):<14} mpitf {row['mpitf_us']:10.1f} us "

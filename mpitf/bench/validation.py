@@ -131,8 +131,9 @@ def validate_pushpull(results):
     """Return entries for the 1-worker push+pull points (round-trip seconds).
 
     The mpitf link (alpha + beta x bytes) is fitted on the ps-``none`` points (basis
-    ``fitted``); the ``sgd`` points are predicted from that fit plus SGD's axpy, timed
-    apart on the ps in the same run.
+    ``fitted``); the ``sgd`` points are predicted from that fit plus SGD as the ps applies
+    it (its fused kernel, ``apply_us``), timed apart on the ps in the same run (older
+    results: the two-pass ``axpy_us``).
     """
     pp = results.get("pushpull_main")
     if not pp:
@@ -147,7 +148,8 @@ def validate_pushpull(results):
     out = []
     for r in rows:
         link = alpha + beta * r["bytes"]
-        projected = link if r["optimizer"] == "none" else link + r["axpy_us"] * 1e-6
+        apply_s = r.get("apply_us", r["axpy_us"]) * 1e-6
+        projected = link if r["optimizer"] == "none" else link + apply_s
         out.append(entry("pushpull", f"{r['bytes']} B ps {r['optimizer']}", ranks,
                          r["mpitf_us"] * 1e-6, projected,
                          "fitted" if r["optimizer"] == "none" else "predicted", "s"))
