@@ -10,11 +10,11 @@ three ``evaluate`` calls: three passes over memory. The numba kernel is the ps's
 import argparse
 import os
 import statistics
-import time
 
 import numexpr as ne
 import numpy as np
 
+from mpitf.bench.timing import timed
 from mpitf.ps.kernels import warm_up
 from mpitf.ps.optimizers import make_optimizer
 
@@ -23,13 +23,7 @@ F32 = np.float32
 
 def median(fn, reps=7):
     """Median seconds of ``fn()`` over ``reps`` runs after one warm-up run."""
-    fn()
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
+    return statistics.median(timed(fn, reps, warmup=1))
 
 
 def main():
