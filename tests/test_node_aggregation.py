@@ -32,7 +32,7 @@ from mpitf.conflicts import check_aggregation
 from mpitf.errors import ConfigurationError
 from mpitf.ps.consistency import make_policy
 from mpitf.ps.optimizers import make_optimizer
-from mpitf.testing import kill_group, run_mpi
+from mpitf.testing import run_mpi
 from mpitf.worker.node import node_plan
 
 STEPS = 5
@@ -106,8 +106,7 @@ def test_kill_and_resume_with_two_nodes_gives_the_bits_of_no_aggregation(tmp_pat
     job = Background(tmp, n=4, ckpt=root, steps=30, step_sleep=0.03, run_dir="killed",
                      env=two_nodes, extra=[*extra, *agg, "--log-every", "1"])
     job.wait_until(lambda: (latest_step(root) or 0) >= 10, 60, "a checkpoint at step 10")
-    kill_group(job.proc)
-    job.finish()
+    job.kill_and_finish()
     saved = latest_step(root)
     assert saved is not None and 10 <= saved < 30, job.output
     # every replica's data position is in the checkpoint (replica 1's came via its leader)

@@ -89,6 +89,18 @@ def final_summary(run):
     return json.loads(found[-1].replace("NaN", "null"))
 
 
+def process_gone(pid):
+    """Return True if ``pid`` is no process any more (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
 class Background:
     """An mpiexec run in its own process group, output to a file, for tests that hit it."""
 
@@ -159,6 +171,23 @@ class Background:
             self._out.close()
         return self.proc.returncode, time.monotonic() - start
 
+    def wait_ranks_gone(self, timeout=30):
+        """Wait until every rank that wrote its pid has exited: after mpiexec, a killed rank
+        may still finish the system call it was in (the rename of `latest`, say)."""
+        pids = [int(p.read_text()) for p in self.pid_dir.glob("*.pid")]
+        end = time.monotonic() + timeout
+        while not all(process_gone(p) for p in pids):
+            if time.monotonic() > end:
+                pytest.fail(f"ranks {pids} still alive {timeout} s after the job was killed")
+            time.sleep(0.01)
+
+    def kill_and_finish(self):
+        """SIGKILL the job; return its exit code once mpiexec and every rank have exited."""
+        kill_group(self.proc)
+        code, _ = self.finish()
+        self.wait_ranks_gone()  # else one may still rename `latest` while a test reads it
+        return code
+
     def kill(self):
         kill_group(self.proc)
         self.proc.wait(30)
@@ -221,8 +250,7 @@ def test_sigkill_then_resume_gives_the_same_bits(tmp, optimizer):
                      extra=[*extra, "--log-every", "1", "--export", tmp / "dead.npz"])
     job.wait_until(lambda: (latest_step(root) or 0) > 20, 30, "a checkpoint beyond step 20")
     time.sleep(0.07)  # two steps or so past the checkpoint: not a checkpoint step
-    kill_group(job.proc)
-    code, _ = job.finish()
+    code = job.kill_and_finish()
     assert code != 0 and not (tmp / "dead.npz").exists()
     saved = latest_step(root)
     assert saved is not None and saved % 10 == 0 and 20 < saved < 60, job.output
@@ -251,8 +279,7 @@ def test_sigkill_then_resume_with_buckets_gives_the_one_frame_bits(tmp):
     job = Background(tmp, ckpt=root, steps=40, step_sleep=0.03, run_dir="killed",
                      extra=[*extra, *buckets, "--log-every", "1"])
     job.wait_until(lambda: (latest_step(root) or 0) >= 20, 30, "a checkpoint at step 20")
-    kill_group(job.proc)
-    job.finish()
+    job.kill_and_finish()
     saved = latest_step(root)
     assert saved is not None and 20 <= saved < 40, job.output
     resumed = run_job(tmp, ckpt=root, steps=40,
@@ -452,8 +479,7 @@ def test_kills_at_random_instants_leave_latest_whole(tmp):
         job.wait_until(lambda before=before: latest_step(root) not in (None, before), 30,
                        "a new checkpoint")
         time.sleep(rng.uniform(0.0, 0.3))
-        kill_group(job.proc)
-        job.finish()
+        job.kill_and_finish()
         out = job.output
         m = RESTORED.search(out)
         if i:

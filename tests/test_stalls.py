@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_recovery import JOB, REPO, Background, names_stopped_rank
+from test_recovery import JOB, REPO, Background, names_stopped_rank, process_gone
 
 from mpitf.cli.flags import add_training_arguments
 from mpitf.config import (
@@ -173,18 +173,6 @@ def test_a_stopped_rank_is_named_within_40_s_by_default(tmp):
 # ---------------------------------------------------------- the launcher's proxy dies
 
 
-def _gone(pid):
-    """Return True if ``pid`` is no process any more (a zombie counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
-
-
 @pytest.mark.mpi
 def test_killing_the_proxy_leaves_no_orphan(tmp):
     job = Background(tmp, steps=100000, step_sleep=0)
@@ -199,12 +187,12 @@ def test_killing_the_proxy_leaves_no_orphan(tmp):
         os.kill(proxy, signal.SIGKILL)
         killed = time.monotonic()
         while time.monotonic() - killed < 10:
-            if job.proc.poll() is not None and all(_gone(p) for p in pids):
+            if job.proc.poll() is not None and all(process_gone(p) for p in pids):
                 break
             time.sleep(0.01)
         seconds = time.monotonic() - killed
         assert job.proc.poll() is not None, "mpiexec still runs 10 s after its proxy died"
-        assert [p for p in pids if not _gone(p)] == [], "orphaned ranks"
+        assert [p for p in pids if not process_gone(p)] == [], "orphaned ranks"
         assert job.proc.returncode != 0
         assert seconds < 3, seconds  # measured: about 0.1 s
         print(f"proxy killed: mpiexec and every rank gone {seconds:.2f} s later")
@@ -212,7 +200,7 @@ def test_killing_the_proxy_leaves_no_orphan(tmp):
         if job.proc.poll() is None:
             job.kill()
         for p in pids if "pids" in locals() else ():
-            if not _gone(p):
+            if not process_gone(p):
                 os.kill(p, signal.SIGKILL)
 
 

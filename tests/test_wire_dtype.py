@@ -17,7 +17,7 @@ import pytest
 
 from mpitf.config import TrainingConfig
 from mpitf.errors import ConfigurationError
-from mpitf.testing import kill_group, run_mpi
+from mpitf.testing import run_mpi
 from mpitf.wire import header as H
 
 pytestmark = pytest.mark.mpi
@@ -163,8 +163,7 @@ def test_bfloat16_digits_keep_their_accuracy_and_resume_bit_for_bit(tmp_path):
                      extra=[*bf16, "--log-every", "1"])
     job.wait_until(lambda: (latest_step(root) or 0) >= 20, 30, "a checkpoint at step 20")
     time.sleep(0.07)  # a step or two past the checkpoint
-    kill_group(job.proc)
-    job.finish()
+    job.kill_and_finish()
     saved = latest_step(root)
     assert saved is not None and 20 <= saved < 60, job.output
     resumed = run_job(tmp_path, ckpt=root, steps=60, run_dir="resumed",
