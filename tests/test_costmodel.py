@@ -39,7 +39,7 @@ def test_one_worker_step_is_compute_plus_a_round_trip():
     work = cm.Workload(1e6, 0.01, batch=32, overhead=0.001)
     ps = cm.PsNode(apply_rate=1e9, threads=2, msg_overhead=5e-6)
     pr = cm.project(IB, work, ps, cm.Layout(1))
-    trip = 2 * (1e6 / 2.5e10 + 5e-6) + 2 * 1e6 / 2e9 + 2 * 1.5e-6  # in, out, apply, L
+    trip = 2 * (1e6 / 2.5e10 + 5e-6) + 1e6 / 2e9 + 2 * 1.5e-6  # in, out, one apply, L
     assert pr.step_time == pytest.approx(0.011 + trip)
     assert pr.examples_per_sec == pytest.approx(32 / pr.step_time)
     assert pr.efficiency == pytest.approx(0.011 / pr.step_time)
@@ -162,6 +162,22 @@ def test_plan_bad_input_is_one_message_and_exit_2(args, message):
 
 
 def test_validation_entries_count_only_predicted_points_within_the_cores():
+    def raw_us(b):
+        return 5 + b / 4e3
+
+    def none_us(b):  # mpitf's 8 us over raw; the 64 KiB point off the line
+        return raw_us(b) + 8 + (30 if b == 65536 else 0)
+
+    def apply_us(b):  # the ps's kernel: 3 us per call, 2 GB/s
+        return 3 + b / 2e3
+
+    def sgd_us(b):  # the wire, mpitf's 8 us, the kernel's call and b at its rate, as timed
+        return raw_us(b) + 8 + apply_us(4096) + b * apply_us(1 << 20) / (1 << 20)
+
+    def row(b, o):
+        return dict(bytes=b, optimizer=o, num_ps=1, raw_mpi_us=raw_us(b), axpy_us=b / 1e3,
+                    mpitf_us=sgd_us(b) if o == "sgd" else none_us(b), apply_us=apply_us(b))
+
     prof = dict(model_bytes=40000, compute_s=1e-3, compute_s_per_example=1e-3 / 32,
                 batch_size=32, num_ps=1, push_pull_s=5e-4, overhead_s=1e-4)
     results = dict(
@@ -171,18 +187,19 @@ def test_validation_entries_count_only_predicted_points_within_the_cores():
             dict(model="mlp", scaling="weak", workers=w, ps=1, batch=32,
                  examples_per_sec=32 / (1.5e-3 + 1e-4 * w)) for w in (1, 2)]),
         pushpull_main=dict(metadata=dict(ranks=2), results=[
-            dict(bytes=b, optimizer=o, mpitf_us=10 + b / 1e3 + (b / 2e3 if o == "sgd" else 0),
-                 axpy_us=b / 1e3, apply_us=b / 2e3)  # sgd pays the ps's own kernel
-            for b in (4096, 1 << 20) for o in ("none", "sgd")]))
+            row(b, o) for b in (4096, 65536, 1 << 20) for o in ("none", "sgd")]))
     entries = val.validate(results)
     keys = {"suite", "point", "ranks", "cores", "measured", "projected", "error_pct"}
-    assert all(keys <= set(e) for e in entries) and len(entries) == 6
+    assert all(keys <= set(e) for e in entries) and len(entries) == 8
     scaling = [e for e in entries if e["suite"] == "scaling"]
     assert [e["ranks"] for e in scaling] == [2, 3]
     assert abs(scaling[0]["error_pct"]) < 1  # the profile's own configuration
-    assert [e["basis"] for e in entries if e["suite"] == "pushpull"] == [
-        "fitted", "predicted", "fitted", "predicted"]
-    assert all(abs(e["error_pct"]) < 1e-6 for e in entries if e["suite"] == "pushpull")
+    pushpull = [e for e in entries if e["suite"] == "pushpull"]
+    assert [e["basis"] for e in pushpull] == ["fitted", "predicted"] * 3
+    # sgd: the same size's raw + mpitf's cost (none - raw at 4 KiB) + the kernel's call
+    # (at 4 KiB) + the bytes at the rate of the kernel at the largest size
+    assert all(abs(e["error_pct"]) < 1e-6 for e in pushpull if e["basis"] == "predicted")
+    assert abs(pushpull[2]["error_pct"]) > 1  # the none point off the line
     assert all(e["counted"] == (e["ranks"] <= e["cores"] and e["basis"] == "predicted")
                for e in entries)
     counted, worst, ok = val.claim(entries)

@@ -24,12 +24,12 @@ def records(steps, seconds_per_step, per_step=32, every=10, start=0.0, slow=()):
 
 
 def test_steady_rate_leaves_out_the_warm_up_and_a_delayed_interval():
-    recs = records(200, 1e-3, slow=(10, 20, 120))  # slow start, one interval delayed
+    recs = records(200, 1e-3, slow=(10, 20, 30, 120))  # slow start, one interval delayed
     rate = jobrate.steady_rate(recs, jobrate.warm_up_steps(200))
-    assert jobrate.warm_up_steps(200) == 20 and rate["first_step"] == 20
+    assert jobrate.warm_up_steps(200) == 40 and rate["first_step"] == 40  # a fifth
     assert rate["examples_per_sec"] == pytest.approx(32 / 1e-3)  # the median interval
-    assert rate["window_steps"] == 180 and rate["intervals"] == 18
-    assert rate["mean_examples_per_sec"] == pytest.approx(180 * 32 / (0.180 + 0.040))
+    assert rate["window_steps"] == 160 and rate["intervals"] == 16
+    assert rate["mean_examples_per_sec"] == pytest.approx(160 * 32 / (0.160 + 0.040))
 
 
 def test_async_rate_counts_every_workers_examples_over_the_chiefs_window():
@@ -78,7 +78,7 @@ def test_a_point_is_projected_from_every_profile_of_its_model():
     profs = [profile(32, 0.3e-3, push_pull=140e-6), profile(96, 0.7e-3, push_pull=160e-6)]
     inputs = val.job_inputs(fabric, profs, 3e9)
     assert inputs["overhead_s"] == pytest.approx(100e-6) and inputs["batches"] == [32, 96]
-    transfer = 2 * 30000 / 8e9 + 2 * 30000 / 3e9 + 2 * 3e-6  # in, out, apply x2, latency
+    transfer = 2 * 30000 / 8e9 + 30000 / 3e9 + 2 * 3e-6  # in, out, one apply, latency
     assert inputs["msg_overhead_s"] == pytest.approx((150e-6 - transfer) / 2)
     one = cm.Layout(1, 1, 1)
     for batch, compute in ((32, 0.3e-3), (48, 0.4e-3), (96, 0.7e-3)):
@@ -103,3 +103,23 @@ def test_the_event_writer_loads_tensorboardx_without_torch(tmp_path):
                          timeout=60)
     assert run.stdout.strip() == "ok", run.stderr
     assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
+
+
+def test_rounds_keep_each_points_best_run_and_the_fastest_profile():
+    from mpitf.bench.runner import best_modes, best_profile, best_scaling
+
+    def scaling_run(w1, w2):
+        return dict(results=[dict(model="mlp", scaling="weak", ps=1, workers=w, batch=32,
+                                  examples_per_sec=eps, efficiency=0.0)
+                             for w, eps in ((1, w1), (2, w2))])
+
+    merged = best_scaling([scaling_run(100.0, 150.0), scaling_run(80.0, 190.0)])
+    assert [r["examples_per_sec"] for r in merged["results"]] == [100.0, 190.0]
+    assert [r["runs"] for r in merged["results"]] == [[100.0, 80.0], [150.0, 190.0]]
+    assert merged["results"][1]["efficiency"] == pytest.approx(190 / (2 * 100))
+    slow, fast = dict(step_s=2e-3, compute_s=1.5e-3), dict(step_s=1e-3, compute_s=0.6e-3)
+    best = best_profile([slow, fast, dict(slow, step_s=3e-3)])
+    assert best["compute_s"] == 0.6e-3 and best["rounds"] == 3  # one round's figures, whole
+    assert best["step_s_rounds"] == [2e-3, 1e-3, 3e-3]
+    modes = best_modes([dict(results=[dict(mode="sync", examples_per_sec=e)]) for e in (5, 9, 7)])
+    assert modes["results"][0]["examples_per_sec"] == 9 and modes["results"][0]["runs"] == [5, 9, 7]

@@ -118,7 +118,8 @@ def comm_terms(fabric, work, ps, layout, pushes):
     worker_link = work.model_bytes / fabric.bandwidth
     ps_link = pushes * share / fabric.bandwidth
     messages = pushes * nb * ps.msg_overhead
-    apply = (pushes + 1) * share / (ps.apply_rate * ps.threads)
+    passes = pushes + 1 if pushes > 1 else 1  # a lone push is applied where it lands
+    apply = passes * share / (ps.apply_rate * ps.threads)
     agg = 0.0
     if pushes < layout.workers and layout.mode in ("sync", "backup"):
         agg = 2.0 * work.model_bytes / ps.shm_bandwidth

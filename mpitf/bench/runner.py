@@ -12,7 +12,6 @@ import json
 import os
 import platform
 import shlex
-import statistics
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from .scaling import default_launcher
 from .validation import model_inputs, validate
 
 SUITES = ("fabric", "pushpull", "scaling", "modes", "kernels")
+PROFILE_STEPS = 800  # steps a profile run times (after its warm-up): as long as a scaling run
 
 
 def require_matplotlib():
@@ -54,22 +54,45 @@ def _load(path):
         return json.load(f)
 
 
-def median_profile(runs):
-    """Return one profile whose numeric figures are the medians over ``runs``."""
-    out = dict(runs[0], rounds=len(runs))
-    for key, value in runs[0].items():
-        if isinstance(value, float):
-            out[key] = statistics.median(r[key] for r in runs)
+def best_profile(runs):
+    """Return the profile round with the shortest step (its figures, all from one run).
+
+    Another process can only slow a run down, so the fastest round is the nearest to the
+    machine's undisturbed speed, the one the cost model describes (as ``timeit`` takes the
+    best); the job points take their best run likewise.
+    """
+    return dict(min(runs, key=lambda r: r["step_s"]), rounds=len(runs),
+                step_s_rounds=[r["step_s"] for r in runs])
+
+
+def best_scaling(runs):
+    """Return one scaling result whose every point is its best over ``runs`` (rounds).
+
+    Efficiency is recomputed against the best 1-worker figure of the same model, scaling
+    and ps count.
+    """
+    def key(row):
+        return row["model"], row["scaling"], row["ps"], row["workers"], row["batch"]
+
+    out = dict(runs[0], results=[])
+    for row in runs[0]["results"]:
+        seen = [r for run in runs for r in run["results"] if key(r) == key(row)]
+        best = max(seen, key=lambda r: r["examples_per_sec"])
+        out["results"].append(dict(best, runs=[r["examples_per_sec"] for r in seen]))
+    base = {key(r)[:3]: r["examples_per_sec"] for r in out["results"] if r["workers"] == 1}
+    for row in out["results"]:
+        b = base.get(key(row)[:3])
+        row["efficiency"] = row["examples_per_sec"] / (row["workers"] * b) if b else None
     return out
 
 
-def median_modes(runs):
-    """Return one modes result whose examples/sec per mode is the median over ``runs``."""
+def best_modes(runs):
+    """Return one modes result whose examples/sec per mode is the best over ``runs``."""
     out = dict(runs[0], results=[dict(r) for r in runs[0]["results"]])
     for row in out["results"]:
         seen = [x["examples_per_sec"] for run in runs for x in run["results"]
                 if x["mode"] == row["mode"]]
-        row["examples_per_sec"], row["runs"] = statistics.median(seen), seen
+        row["examples_per_sec"], row["runs"] = max(seen), seen
     return out
 
 
@@ -107,55 +130,54 @@ def run_suites(args, out, log):
                                         "--json", path, *quick]):
                 res[f"pushpull_{tag}"] = _load(path)
     common = [*quick, "--launcher", shlex.join(launch)]
-    jobs = "scaling" in suites or "modes" in suites
-    repeats = ["--repeats", str(args.repeats)] if args.repeats else []
     profiles = {(m, b): [] for m in ("mlp", "cnn") for b in (32, 96)}  # the W=1 batches
 
-    spread = not args.quick or args.repeats  # --quick alone: one profile round, not three
-
-    def profile_round(i):  # the cost model's compute per model, spread over the suites
-        if i and not spread:
-            return
+    def profile_round(i):  # the cost model's compute per model
         for (model, batch), runs in profiles.items():
             run_dir = os.path.join(out, f"profile-{model}-{batch}-{i}")
-            steps = 230 if args.quick else 630  # as scaling's runs, + the profile's warm-up
             if step(f"profile {model}", [*launch, "-n", "2", py, "-m", "mpitf.jobs.mnist_mlp",
                                          "--model", model, "--num-ps", "1", "--steps",
-                                         str(steps), "--profile-steps", str(steps - 30),
+                                         str(PROFILE_STEPS * 5 // 4 + 30),  # + its warm-up
+                                         "--profile-steps", str(PROFILE_STEPS),
                                          "--log-every", str(LOG_EVERY), "--batch-size",
                                          str(batch), "--run-dir", run_dir], env=job_env(2)):
                 runs.append(_load(os.path.join(run_dir, "profile.json")))
-    if jobs:
-        profile_round(0)
-    if "scaling" in suites:
-        path = os.path.join(out, "scaling.json")
-        workers = [] if args.n is None else ["--workers", ",".join(
-            str(w) for w in range(1, max(2, args.n - 1) + 1))]
-        if step("scaling", [py, "-m", "mpitf.bench.scaling", "--json", path, *common,
-                            "--run-dir", os.path.join(out, "scaling-runs"),
-                            *workers, *repeats]):
-            res["scaling"] = _load(path)
-        profile_round(1)
+
+    # Rounds: each runs the profiles, one run of every scaling point and of the 1-worker
+    # modes, so the profiles and the points they project share the machine's slow and
+    # fast spells (minutes long here); every figure is then the best of its rounds.
+    jobs = "scaling" in suites or "modes" in suites
+    scaling, w1 = [], []
+    for i in range(args.repeats or (1 if args.quick else 3)) if jobs else ():
+        profile_round(i)
+        if "scaling" in suites:
+            path = os.path.join(out, f"scaling-{i}.json")
+            workers = [] if args.n is None else ["--workers", ",".join(
+                str(w) for w in range(1, max(2, args.n - 1) + 1))]
+            if step("scaling", [py, "-m", "mpitf.bench.scaling", "--json", path, *common,
+                                "--run-dir", os.path.join(out, "scaling-runs", str(i)),
+                                *workers, "--repeats", "1"]):
+                scaling.append(_load(path))
+        if "modes" in suites:
+            path = os.path.join(out, f"modes-w1-{i}.json")  # 2 ranks: what the cores hold
+            if step("modes 1 worker", [py, "-m", "mpitf.bench.modes", "--json", path,
+                                       *common, "--workers", "1", "--modes", "sync,async,ssp"]):
+                w1.append(_load(path))
+    if scaling:
+        res["scaling"] = best_scaling(scaling)
+    if w1:
+        res["modes_w1"] = best_modes(w1)
     if "modes" in suites:
         path = os.path.join(out, "modes.json")
         workers = [] if args.n is None else ["--workers", str(max(2, args.n - 1))]
         if step("modes", [py, "-m", "mpitf.bench.modes", "--json", path, *common,
                           *workers]):
             res["modes"] = _load(path)
-        w1 = []  # 2 ranks: points the cores can hold; the median of the repeats
-        for i in range(args.repeats or 1):
-            path = os.path.join(out, f"modes-w1-{i}.json")
-            if step("modes 1 worker", [py, "-m", "mpitf.bench.modes", "--json", path,
-                                       *common, "--workers", "1", "--modes", "sync,async,ssp"]):
-                w1.append(_load(path))
-        if w1:
-            res["modes_w1"] = median_modes(w1)
-    if jobs:
-        profile_round(2)
+    if any(profiles.values()):
         res["profiles"] = {}
         for (model, batch), runs in profiles.items():
             if runs:
-                res["profiles"].setdefault(model, {})[str(batch)] = median_profile(runs)
+                res["profiles"].setdefault(model, {})[str(batch)] = best_profile(runs)
     if "kernels" in suites:
         path = os.path.join(out, "kernels.json")
         if step("kernels", [py, "-m", "mpitf.bench.kernels", "--json", path, *quick]):

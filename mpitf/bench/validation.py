@@ -130,29 +130,41 @@ def validate_jobs(results, fabric):
 def validate_pushpull(results):
     """Return entries for the 1-worker push+pull points (round-trip seconds).
 
-    The mpitf link (alpha + beta x bytes) is fitted on the ps-``none`` points (basis
-    ``fitted``); the ``sgd`` points are predicted from that fit plus SGD as the ps applies
-    it (its fused kernel, ``apply_us``), timed apart on the ps in the same run (older
-    results: the two-pass ``axpy_us``).
+    An ``sgd`` point is predicted as the model composes a step, from figures that are not
+    its own: the wire (the raw MPI round trip of the same rounds and size, which on one
+    machine is a copy through caches whose cost moves with where the host runs the two
+    ranks), mpitf's software cost per round trip (``none`` minus raw at the smallest
+    size), the fused kernel's cost per call (``apply_us`` at the smallest size) and the
+    shard's bytes at the kernel's rate on the ps (``apply_us`` at the largest size, the
+    same run; else the kernels suite's ``A``): one worker's push is applied where it
+    lands, one pass. The ``none`` points fit the mpitf link (alpha + beta x bytes, basis
+    ``fitted``): a ps that changes nothing sends back lines both ranks hold in cache, so
+    they are not a wire a training step meets.
     """
     pp = results.get("pushpull_main")
     if not pp:
         return []
     rows = pp["results"]
-    none = [r for r in rows if r["optimizer"] == "none"]
-    if len({r["bytes"] for r in none}) < 2:
+    none = {r["bytes"]: r["mpitf_us"] * 1e-6 for r in rows if r["optimizer"] == "none"}
+    if len(none) < 2:
         return []
-    alpha, beta, _ = cm.fit_alpha_beta([r["bytes"] for r in none],
-                                       [r["mpitf_us"] * 1e-6 for r in none])
+    alpha, beta, _ = cm.fit_alpha_beta(list(none), list(none.values()))
+    smallest, largest = (f(rows, key=lambda r: r["bytes"]) for f in (min, max))
+    software = max(0.0, none[smallest["bytes"]] - smallest["raw_mpi_us"] * 1e-6)
+    per_call = smallest.get("apply_us", smallest["axpy_us"]) * 1e-6
+    rate = (largest["bytes"] / largest["num_ps"] / (largest["apply_us"] * 1e-6)
+            if largest.get("apply_us") else apply_rate(results))
     ranks = pp["metadata"]["ranks"]
     out = []
     for r in rows:
-        link = alpha + beta * r["bytes"]
-        apply_s = r.get("apply_us", r["axpy_us"]) * 1e-6
-        projected = link if r["optimizer"] == "none" else link + apply_s
+        if r["optimizer"] == "none":
+            projected, basis = alpha + beta * r["bytes"], "fitted"
+        else:
+            projected = (r["raw_mpi_us"] * 1e-6 + software + per_call +
+                         r["bytes"] / r["num_ps"] / rate)
+            basis = "predicted"
         out.append(entry("pushpull", f"{r['bytes']} B ps {r['optimizer']}", ranks,
-                         r["mpitf_us"] * 1e-6, projected,
-                         "fitted" if r["optimizer"] == "none" else "predicted", "s"))
+                         r["mpitf_us"] * 1e-6, projected, basis, "s"))
     return out
 
 

@@ -93,8 +93,9 @@ def add_training_arguments(parser, steps=300, batch_size=32, lr=_JOB["lr"]):
                         f"may take up to $MPITF_DEADLINE, else {DEFAULT_DEADLINE:g} s")
     g.add_argument("--timeline", default=None, help="write a Chrome trace of every rank here")
     g.add_argument("--profile-steps", type=int, default=0,
-                   help="the chief times N steps and writes RUN_DIR/profile.json: model bytes, "
-                        "compute per step and example, push+pull (for mpitf bench --plan)")
+                   help="the chief times N steps after N/4 warm-up steps and writes "
+                        "RUN_DIR/profile.json: model bytes, compute per step and example, "
+                        "push+pull (for mpitf bench --plan)")
     g.add_argument("--wire-dtype", default=_TRAINING["wire_dtype"],
                    help="the dtype gradients and parameters travel in: float32, bfloat16 or "
                         "float16 (the ps keeps float32 parameters and optimizer slots)")

@@ -318,7 +318,9 @@ def build_parser():
                         "written to OUT/fabric.json for --plan)")
     p.add_argument("-n", type=int, default=None, help="MPI ranks (default: the suite's own)")
     p.add_argument("--repeats", type=int, default=None,
-                   help="runs per scaling point and of the 1-worker modes (median taken)")
+                   help="rounds of the job suites, each running the profiles, every scaling "
+                        "point and the 1-worker modes once; a figure is its best round "
+                        "(default 3, --quick 1)")
     g = p.add_argument_group("planning (no benchmark runs; see docs/costmodel.md)")
     g.add_argument("--plan", action="store_true",
                    help="recommend ps count, buckets and aggregation for a cluster")

@@ -1,10 +1,10 @@
 """``--profile-steps N``: time N steps on the chief and write the figures the planner needs.
 
-After ``WARM_UP`` steps the chief's compute (forward + backward, the batch read, and
-with buckets the pushes that leave during backward) and push+pull wait are timed for N
-steps from the session's timeline spans; the steady figures (the median over blocks of
-``BLOCK_STEPS`` steps of each block's mean: what mpitf bench's examples/s measures too)
-and the plain means go to ``RUN_DIR/profile.json``:
+After a warm-up (N // 4 steps, at least ``WARM_UP``) the chief's compute (forward +
+backward, the batch read, and with buckets the pushes that leave during backward) and
+push+pull wait are timed for N steps from the session's timeline spans; the steady
+figures (the median over blocks of ``BLOCK_STEPS`` steps of each block's mean: what mpitf
+bench's examples/s measures too) and the plain means go to ``RUN_DIR/profile.json``:
 ``model_bytes``, ``bytes_per_ps``, ``compute_s`` per step and per example, ``push_pull_s``,
 ``step_s`` and ``overhead_s`` (the rest of a step: checks, hooks). ``mpitf bench --plan
 --model-bytes B --compute-ms C`` takes ``model_bytes`` and ``compute_s`` (scaled to the
@@ -22,7 +22,7 @@ import time
 
 from .hooks import Hook
 
-WARM_UP = 3  # steps left out: first touches, lazy imports, the first pull
+WARM_UP = 3  # steps left out at least: first touches, lazy imports, the first pull
 BLOCK_STEPS = 10  # steps per block: the figures are medians over blocks of their means
 
 
@@ -43,10 +43,15 @@ _log = logging.getLogger("mpitf")
 
 
 class ProfileHook(Hook):
-    """Time ``steps`` steps after the warm-up; write ``path`` (JSON) once, on the chief."""
+    """Time ``steps`` steps after the warm-up; write ``path`` (JSON) once, on the chief.
+
+    The warm-up is ``steps // 4`` steps (at least ``WARM_UP``): on shared cores a job's
+    first hundred or so steps ran up to 1.6x slower than its steady state.
+    """
 
     def __init__(self, steps, path):
         self.steps = steps
+        self.warm_up = max(WARM_UP, steps // 4)
         self.path = path
         self.ticks = []
         self.written = False
@@ -70,22 +75,22 @@ class ProfileHook(Hook):
         if self.written:
             return
         self.ticks.append(time.perf_counter())
-        if len(self.ticks) > WARM_UP + self.steps:
+        if len(self.ticks) > self.warm_up + self.steps:
             self.write(session)
 
     def end(self, session):
         """Write what was profiled if the run ended first (saying so)."""
-        if not self.written and len(self.ticks) > WARM_UP + 1:
+        if not self.written and len(self.ticks) > self.warm_up + 1:
             _log.warning("--profile-steps %d: the run ended after %d profiled steps; "
-                         "writing those", self.steps, len(self.ticks) - 1 - WARM_UP)
+                         "writing those", self.steps, len(self.ticks) - 1 - self.warm_up)
             self.write(session)
 
     def figures(self, session):
         """Return the profile as a dict (seconds; steady figures and plain means)."""
         events = session.timeline.events[self.mark:]
-        spans = {k: [e["dur"] * 1e-6 for e in events if e["name"] == k][WARM_UP:]
+        spans = {k: [e["dur"] * 1e-6 for e in events if e["name"] == k][self.warm_up:]
                  for k in ("compute", "push_pull")}
-        spans["step"] = [b - a for a, b in zip(self.ticks, self.ticks[1:])][WARM_UP:]
+        spans["step"] = [b - a for a, b in zip(self.ticks, self.ticks[1:])][self.warm_up:]
         mean = {k: statistics.fmean(v) if v else 0.0 for k, v in spans.items()}
         steady = {k: steady_mean(v) for k, v in spans.items()}
         step, batch = steady["step"], session.batch_size
@@ -99,7 +104,7 @@ class ProfileHook(Hook):
             overhead_s=max(0.0, step - steady["compute"] - steady["push_pull"]),
             examples_per_sec_per_worker=batch / step if step > 0 else 0.0,
             compute_s_mean=mean["compute"], push_pull_s_mean=mean["push_pull"],
-            step_s_mean=mean["step"], steps=len(spans["step"]), warm_up=WARM_UP,
+            step_s_mean=mean["step"], steps=len(spans["step"]), warm_up=self.warm_up,
             block_steps=BLOCK_STEPS,
             statistic=f"median over blocks of {BLOCK_STEPS} steps of the block's mean "
                       "(the plain means alongside, *_mean)",
