@@ -66,9 +66,18 @@ def profile(batch, compute, push_pull=150e-6, overhead=100e-6, model_bytes=30000
 def test_compute_has_a_fixed_part_per_step_measured_by_two_profiles():
     fixed, per_example = val.compute_line([profile(32, 0.3e-3), profile(96, 0.7e-3)])
     assert fixed == pytest.approx(0.1e-3) and per_example == pytest.approx(6.25e-6)
-    # one profile: no fixed part; a negative one refits through zero
+    # one profile: no fixed part
     assert val.compute_line([profile(32, 0.3e-3)]) == pytest.approx((0, 0.3e-3 / 32))
-    assert val.compute_line([profile(32, 0.3e-3), profile(96, 2e-3)])[0] == 0.0
+    # compute growing faster than the batch: the line still holds at both batches, and
+    # below the smallest one the smallest profile is scaled instead of the line
+    fixed, per_example = val.compute_line([profile(32, 0.3e-3), profile(96, 2e-3)])
+    assert fixed < 0 and fixed + 32 * per_example == pytest.approx(0.3e-3)
+    inputs = dict(compute_fixed_s=fixed, compute_per_example_s=per_example, batches=[32, 96])
+    assert val.compute_at(inputs, 96) == pytest.approx(2e-3)
+    assert val.compute_at(inputs, 64) == pytest.approx(0.3e-3 + 32 * per_example)
+    assert val.compute_at(inputs, 8) == pytest.approx(0.3e-3 / 4)
+    positive = dict(inputs, compute_fixed_s=0.1e-3, compute_per_example_s=6.25e-6)
+    assert val.compute_at(positive, 8) == pytest.approx(0.1e-3 + 8 * 6.25e-6)
     assert val.compute_line([profile(32, 0.7e-3), profile(96, 0.5e-3)]) == pytest.approx(
         (0.6e-3, 0.0))  # batch 96 faster than 32: noise, so no slope
 

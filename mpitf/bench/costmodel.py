@@ -199,11 +199,12 @@ def ps_for_links(fabric, work, layout):
 
 # -- fitting measurements ---------------------------------------------------------------
 
-def fit_alpha_beta(sizes, times, relative=True):
+def fit_alpha_beta(sizes, times, relative=True, nonnegative=True):
     """Fit ``time = alpha + beta * size`` by least squares; return ``(alpha, beta, max_err)``.
 
     ``relative`` weights each point by ``1/time`` so that small and large messages count
-    alike (plain least squares lets the largest sizes decide alpha alone).
+    alike (plain least squares lets the largest sizes decide alpha alone). ``nonnegative``
+    refits a negative ``alpha`` through the origin (a latency cannot be negative).
     """
     sizes = [float(s) for s in sizes]
     times = [float(t) for t in times]
@@ -219,7 +220,7 @@ def fit_alpha_beta(sizes, times, relative=True):
     sxy = sum(wi * x * y for wi, x, y in zip(w, sizes, times))
     beta = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
     alpha = (sy - beta * sx) / sw
-    if alpha < 0:  # latency cannot be negative: refit the slope through the origin
+    if alpha < 0 and nonnegative:
         alpha, beta = 0.0, sxy / sxx
     beta = max(beta, 0.0)
     err = max(abs(alpha + beta * x - y) / y for x, y in zip(sizes, times) if y > 0)

@@ -46,18 +46,34 @@ def message_cost(fabric, profile, rate):
 def compute_line(profiles):
     """Return ``(fixed, per_example)``: compute per step = fixed + per_example x batch.
 
-    The line through the profiles' (batch, compute) (least squares over more than two; a
-    negative fixed part refits through zero; a larger batch measured faster, which only
-    noise does, gives the mean compute for every batch); one profile: no fixed part.
+    The line through the profiles' (batch, compute) (least squares over more than two),
+    so it holds at the profiled batches; its fixed part may be negative (compute growing
+    faster than the batch: the CNN here), see :func:`compute_at`. A larger batch measured
+    faster, which only noise does, gives the mean compute for every batch; one profile: no
+    fixed part.
     """
     batches = [p["batch_size"] for p in profiles]
     if len(set(batches)) < 2:
         return 0.0, statistics.fmean(p["compute_s_per_example"] for p in profiles)
     computes = [p["compute_s"] for p in profiles]
-    fixed, per_example, _ = cm.fit_alpha_beta(batches, computes)
+    fixed, per_example, _ = cm.fit_alpha_beta(batches, computes, nonnegative=False)
     if per_example <= 0:
         return statistics.fmean(computes), 0.0
     return fixed, per_example
+
+
+def compute_at(inputs, batch):
+    """Return a model's compute per step at ``batch`` from its :func:`job_inputs`.
+
+    The line; below the smallest profiled batch a negative fixed part would shrink compute
+    faster than the batch (to nothing), so there the smallest profile is scaled instead.
+    """
+    line = inputs["compute_fixed_s"] + inputs["compute_per_example_s"] * batch
+    smallest = inputs["batches"][0]
+    if inputs["compute_fixed_s"] >= 0 or batch >= smallest:
+        return line
+    return (inputs["compute_fixed_s"] + inputs["compute_per_example_s"] * smallest) * (
+        batch / smallest)
 
 
 def job_inputs(fabric, profiles, rate):
@@ -78,8 +94,7 @@ def job_inputs(fabric, profiles, rate):
 
 def project_job(fabric, inputs, batch, layout):
     """Return the :class:`~mpitf.bench.costmodel.Projection` of a job point (see the docs)."""
-    work = cm.Workload(inputs["model_bytes"], inputs["compute_fixed_s"] +
-                       inputs["compute_per_example_s"] * batch, batch,
+    work = cm.Workload(inputs["model_bytes"], compute_at(inputs, batch), batch,
                        overhead=inputs["overhead_s"])
     ps = cm.PsNode(apply_rate=inputs["apply_rate"], threads=1,
                    msg_overhead=inputs["msg_overhead_s"])
