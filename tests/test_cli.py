@@ -84,6 +84,10 @@ def test_usage_errors_exit_2(capsys):
     assert main([]) == 2
     assert main(["run", "jobs/hello.py"]) == 2  # -n is required
     assert main(["bench", "--suite", "nope"]) == 2
+    capsys.readouterr()
+    for bad, says in (("0", "must be at least 1, got 0"), ("x", "expecting a whole number")):
+        assert main(["bench", "--quick", "--repeats", bad]) == 2
+        assert f"argument --repeats: {says}" in capsys.readouterr().err
     assert main(["--version"]) == 0
     assert "mpitf 0.1.0" in capsys.readouterr().out
 

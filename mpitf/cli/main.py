@@ -226,6 +226,17 @@ def cmd_bench(args):
 
 
 # --- parser -----------------------------------------------------------------------------
+def _at_least_one(text):
+    """Return ``text`` as an int >= 1, for argparse (which prints one usage line, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expecting a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser():
     """Return the argparse parser of the ``mpitf`` command."""
     parser = argparse.ArgumentParser(
@@ -317,7 +328,7 @@ def build_parser():
                    help="which benchmarks (default: all; fabric: a two-rank ping-pong, "
                         "written to OUT/fabric.json for --plan)")
     p.add_argument("-n", type=int, default=None, help="MPI ranks (default: the suite's own)")
-    p.add_argument("--repeats", type=int, default=None,
+    p.add_argument("--repeats", type=_at_least_one, default=None,
                    help="rounds of the job suites, each running the profiles, every scaling "
                         "point and the 1-worker modes once; a figure is its best round "
                         "(default 3, --quick 1)")
