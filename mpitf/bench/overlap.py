@@ -193,10 +193,10 @@ def main(argv=None):
     for k, v in row["step_ms"].items():
         print(f"  {k} bucket(s): step {v:.2f} ms, exposed {row['exposed_ms'][k]:.2f} ms, "
               f"hidden {100 * row['hidden'][k]:.0f} %", flush=True)
-    if row["backward_ms"] > 1.5 * row["comm_ms"]:
+    if "backward_fixed_ms" in row and row["backward_ms"] > 1.5 * row["comm_ms"]:
         print(f"  note: backward takes {row['backward_ms']:.2f} ms at batch {row['batch']}, "
               f"more than the round trip; its part independent of the batch is "
-              f"{row.get('backward_fixed_ms', 0):.2f} ms", flush=True)
+              f"{row['backward_fixed_ms']:.2f} ms", flush=True)
     print(f"  ratio {row['ratio']:.3f} (target <= 0.75)", flush=True)
     write_json(args.json, row)
     return 0

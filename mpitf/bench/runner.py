@@ -148,12 +148,12 @@ def run_suites(args, out, log):
     # fast spells (minutes long here); every figure is then the best of its rounds.
     jobs = "scaling" in suites or "modes" in suites
     scaling, w1 = [], []
+    workers = [] if args.n is None else ["--workers", ",".join(
+        str(w) for w in range(1, max(2, args.n - 1) + 1))]
     for i in range(args.repeats or (1 if args.quick else 3)) if jobs else ():
         profile_round(i)
         if "scaling" in suites:
             path = os.path.join(out, f"scaling-{i}.json")
-            workers = [] if args.n is None else ["--workers", ",".join(
-                str(w) for w in range(1, max(2, args.n - 1) + 1))]
             if step("scaling", [py, "-m", "mpitf.bench.scaling", "--json", path, *common,
                                 "--run-dir", os.path.join(out, "scaling-runs", str(i)),
                                 *workers, "--repeats", "1"]):

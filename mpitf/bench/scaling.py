@@ -97,7 +97,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=None,
                    help="steps per run (default 1000, --quick too: 200-step runs spread 2-3x here)")
     p.add_argument("--repeats", type=int, default=None,
-                   help="runs per point, median taken (default 3; quick 1)")
+                   help="runs per point, the best taken (default 3; quick 1)")
     p.add_argument("--launcher", default=None,
                    help='launcher command, e.g. "srun" or "mpiexec -bind-to core"')
     p.add_argument("--run-dir", default=None,
