@@ -70,3 +70,23 @@ def digits_file(tmp_path_factory):
     from mpitf.data.datasets import ensure_digits
 
     return ensure_digits(str(tmp_path_factory.mktemp("data") / "digits.h5"))
+
+
+@pytest.fixture(scope="session")
+def box():
+    """A 3-node cluster in a box (mpitf.testing.netcluster), made once, always removed.
+
+    Skips with the reason where this machine cannot make one (not root, no iproute2); CI
+    here runs as root, so there the multi-node tests run.
+    """
+    from mpitf.testing import netcluster
+
+    why = netcluster.unavailable()
+    if why:
+        pytest.skip(why)
+    made = netcluster.Box(3, name=f"t{os.getpid() % 10_000_000}")
+    made.up()
+    try:
+        yield made
+    finally:
+        made.down()

@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import pkgutil
+import re
 import shlex
 import shutil
 import subprocess
@@ -123,11 +124,25 @@ def job_argv(job):
         "a .py script or a program")
 
 
-def run_command(n, job, job_args, mpiexec=None):
+def run_command(n, job, job_args, mpiexec=None, hosts=None, hostfile=None):
     """Return the mpiexec argv that runs ``job`` (see job_argv) on n ranks."""
     from ..runtime.launch import mpiexec_command
 
-    return mpiexec_command(n, job_argv(job) + list(job_args), mpiexec=mpiexec)
+    return mpiexec_command(n, job_argv(job) + list(job_args), mpiexec=mpiexec, hosts=hosts,
+                           hostfile=hostfile)
+
+
+def _run_hosts(args):
+    """Return ``--hosts`` as a list (None when not given), checked."""
+    if args.hosts is None:
+        return None
+    hosts = [h.strip() for h in args.hosts.split(",")]
+    if not all(hosts) or not all(re.fullmatch(r"[^:\s]+(:[1-9]\d*)?", h) for h in hosts):
+        raise ConfigurationError(f"--hosts {args.hosts!r}: expecting host names, each with "
+                                 "an optional slot count, e.g. 'n1:4,n2:4'")
+    if args.hostfile is not None:
+        raise ConfigurationError("give --hosts or --hostfile, not both")
+    return hosts
 
 
 def cmd_run(args):
@@ -147,7 +162,10 @@ def cmd_run(args):
         mpiexec = args.mpiexec or find_mpiexec()
     except RuntimeError as exc:
         return _error(str(exc), EXIT_ERROR)
-    cmd = run_command(args.n, args.job, args.args, mpiexec=mpiexec)
+    if args.hostfile is not None and not os.path.isfile(args.hostfile):
+        raise ConfigurationError(f"--hostfile {args.hostfile}: no such file")
+    cmd = run_command(args.n, args.job, args.args, mpiexec=mpiexec, hosts=_run_hosts(args),
+                      hostfile=args.hostfile)
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
@@ -263,6 +281,12 @@ def build_parser():
                               " job's flags.")
     p.add_argument("-n", type=int, required=True, help="number of MPI ranks")
     p.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    p.add_argument("--hosts", default=None,
+                   help="spread the ranks over these hosts, e.g. 'n1:4,n2:4' (NAME:SLOTS, one"
+                        " slot when omitted): mpiexec's -hosts (Open MPI: --host); ranks fill"
+                        " each host's slots in turn")
+    p.add_argument("--hostfile", default=None,
+                   help="a host file for mpiexec's -f (Open MPI: --hostfile)")
     p.add_argument("--mpiexec", default=None,
                    help="the mpiexec to use (default: the one next to this Python, else PATH)")
     p.add_argument("job", metavar="JOB",

@@ -133,7 +133,7 @@ class SyncReplicas:
                 _add(svc.xp, accum, held[w][0])
             for w in order:
                 if held[w][1] is not None:
-                    svc.repost(held[w][1])
+                    svc.release(held[w][1])
             held.clear()
         if self.weights is not None:
             count = sum(self.weights[w] for w in waiting)

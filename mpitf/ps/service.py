@@ -1,16 +1,14 @@
 """The parameter-server event loop: serve whichever worker's message arrives first.
 
-The ps keeps a small, fixed pool of receive frames posted with ``MPI.ANY_SOURCE``; a
-message waits in MPI's queues (or at its sender) until a frame is free, so memory does not
-grow with the number of workers. Replies are sent from the shard's own parameter frame;
-before the parameters change, outstanding replies are completed (MPI forbids touching a
-buffer that is being sent).
+The ps keeps a small, fixed pool of receive frames that take messages from any worker
+(:mod:`mpitf.ps.receive_pool`); a message waits in MPI's queues (or at its sender) until a
+frame is free, so memory does not grow with the number of workers. Replies are sent from
+the shard's own parameter frame; before the parameters change, outstanding replies are
+completed (MPI forbids touching a buffer that is being sent).
 """
 
 import logging
 import time
-
-from mpi4py import MPI
 
 from ..ckpt import cut
 from ..errors import ConfigurationError, DeadlineError, PeerError
@@ -24,6 +22,7 @@ from ..wire import protocol as P
 from ..wire.frame import Frame
 from .consistency import Senders, make_policy
 from .pipeline import Pipeline
+from .receive_pool import ReceivePool
 from .shard import Shard
 from .sparse import SparseTables
 from .sparse_inbox import SparseInbox
@@ -64,16 +63,11 @@ class Service:
         self.chunk_bytes = assignment.chunk_bytes
         self.chunked_workers = set()  # workers that stage through host memory, in chunks
         capacity = senders.capacity(self.tables.capacity if self.tables else None)
-        # Buckets: a second frame receives bucket k+1 while bucket k is applied.
         frames = self.policy.receive_buffers(self.num_workers, self.pipeline.bucketed)
-        self.pool = [Frame.allocate(self.backend, size, wire, capacity) for _ in range(frames)]
-        # Each pool frame has one persistent receive, built once and restarted after use.
-        self.recv_requests = [frame.recv_init(self.comm, MPI.ANY_SOURCE, P.TAG_REQUEST)
-                              for frame in self.pool]
-        self.ring = None  # with buckets: each pool frame's receive, waited for alone
+        self.pool = ReceivePool(self.comm, [Frame.allocate(self.backend, size, wire, capacity)
+                                            for _ in range(frames)], P.TAG_REQUEST)
         self.sparse = SparseInbox(self, size, wire, capacity) if self.tables else None
         self.global_step = 0
-        self.next_frame = 0  # with buckets: the pool frame whose receive was posted first
         self.initialized = False
         self.pending_pulls = []
         self.done, self.paused = set(), set()
@@ -168,9 +162,9 @@ class Service:
         self.pipeline.add(requests, worker, reads)
         self.counters["bytes_out"] += frame.bytes.nbytes if span is None else span[1] - span[0]
 
-    def repost(self, index):
-        """Post the receive of pool frame ``index`` again (a persistent request, restarted)."""
-        self.recv_requests[index].Start()
+    def release(self, index):
+        """Give pool frame ``index`` back to the receives (a held gradient was used)."""
+        self.pool.release(index)
 
     # -- internals -----------------------------------------------------------------------
 
@@ -185,6 +179,12 @@ class Service:
         if average is not None:
             average.header[...] = reply.header
             average.publish(0, hi)
+
+    def _describe_sender(self, rank):
+        worker = self.worker_of.get(rank)
+        if worker is None:
+            return self.server.peer(rank, "request")
+        return self.describe_worker(worker, "push")
 
     def _describe_reply(self, worker):
         return self.describe_worker(worker, "reply (the worker stopped receiving)")
@@ -338,30 +338,17 @@ class Service:
 
     def run(self):
         """Serve until every worker is done; return the process exit code."""
-        for i in range(len(self.pool)):
-            self.repost(i)
-        status = MPI.Status()
-        # Buckets: wait for the frames in posting order, which is the order messages came.
-        ring = self.ring = [[r] for r in self.recv_requests] if self.pipeline.bucketed else None
+        pool = self.pool
         while len(self.done) < self.num_workers:
-            if ring is None:
-                index = P.wait_any(self.recv_requests, self.check_every, self._timeout, status)
-            else:
-                index = self.next_frame
-                P.wait_any(ring[index], self.check_every, self._timeout, status)
-                self.next_frame = (index + 1) % len(ring)
-            if self._handle(index, status.Get_source()):
-                self.repost(index)
+            index = pool.wait_next(self.check_every, self._timeout, self.deadline,
+                                   self._describe_sender)
+            if self._handle(index, pool.source):
+                pool.release(index)
             if self.sparse is not None:
                 self.sparse.flush()  # the step's replies have left: now its sparse apply
             if self.check_every is not None and self.last_message > self.next_check:
                 self._timeout()  # busy: without this, one silent worker would go unseen
         self._finish_replies()
-        for req in self.recv_requests:
-            if not req.Test():  # still posted: nobody will send to it now
-                req.Cancel()
-                req.Wait()
-            req.Free()
         if self.sparse:
             self.sparse.close()
         self.shard.close()

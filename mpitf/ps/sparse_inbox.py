@@ -1,8 +1,8 @@
 """The ps's sparse requests: answer a pull of rows, keep a push in the frame it came in.
 
 A sparse push is not copied aside: the pool frame it arrived in is lent to the tables
-until the policy applies (or drops) its worker's push, and a spare frame, made at start-up
-with its own persistent receive, takes its place in the pool. A worker has at most one
+until the policy applies (or drops) its worker's push, and a spare frame, made at start-up,
+takes its place in the pool. A worker has at most one
 sparse push waiting, so one spare per worker is enough.
 
 The apply itself waits until the step's replies have left (:meth:`SparseInbox.flush`,
@@ -11,8 +11,6 @@ deduplicated while this ps updates the rows, and every request still sees them u
 """
 
 import time
-
-from mpi4py import MPI
 
 from ..wire import protocol as P
 from ..wire.frame import Frame
@@ -29,16 +27,13 @@ class SparseInbox:
 
     def __init__(self, service, size, dtype, capacity):
         self.service, self.tables = service, service.tables
-        self.spares = []
-        for _ in range(service.num_workers):
-            frame = Frame.allocate(service.backend, size, dtype, capacity)
-            self.spares.append((frame, frame.recv_init(service.comm, MPI.ANY_SOURCE,
-                                                       P.TAG_REQUEST)))
-        self.lent = [None] * service.num_workers  # worker -> (frame, its receive)
+        self.spares = [Frame.allocate(service.backend, size, dtype, capacity)
+                       for _ in range(service.num_workers)]
+        self.lent = [None] * service.num_workers  # worker -> the frame of its sparse push
         self.deferred = None  # (workers, step) of the apply to run at the next flush
 
     def handle(self, worker, kind, index):
-        """Answer a pull, or keep a push for the policy's apply; return True (repost)."""
+        """Answer a pull, or keep a push for the policy's apply; return True (frame free)."""
         self.flush()
         s, tables = self.service, self.tables
         message = s.pool[index].bytes
@@ -85,19 +80,14 @@ class SparseInbox:
         self._give_back(worker)
 
     def close(self):
-        """Free the persistent receives of the frames not in the pool (none is posted)."""
+        """Run the last apply."""
         self.flush()
-        for item in self.spares + [x for x in self.lent if x is not None]:
-            item[1].Free()
 
     def _lend(self, worker, index):
         """Lend pool frame ``index`` to ``worker``'s push; a spare takes its place."""
         s = self.service
         self._give_back(worker)
-        self.lent[worker] = (s.pool[index], s.recv_requests[index])
-        s.pool[index], s.recv_requests[index] = self.spares.pop()
-        if s.ring is not None:
-            s.ring[index][0] = s.recv_requests[index]
+        self.lent[worker] = s.pool.swap(index, self.spares.pop())
 
     def _give_back(self, worker):
         if self.lent[worker] is not None:

@@ -40,17 +40,25 @@ def is_hydra(mpiexec):
     return _HYDRA[mpiexec]
 
 
-def mpiexec_command(n, argv, mpiexec=None, tag_output=False):
+def mpiexec_command(n, argv, mpiexec=None, tag_output=False, hosts=None, hostfile=None):
     """Build the argv that runs ``argv`` on ``n`` ranks.
 
     Under Hydra, ``-disable-auto-cleanup`` lets mpitf name a rank that was killed (see
     :mod:`mpitf.runtime.lifeline`) and end the job itself; Hydra's own cleanup message names a
-    pid, often not the dead one.
+    pid, often not the dead one. ``hosts`` (a list, ``name`` or ``name:slots``) or
+    ``hostfile`` spread the ranks over other machines, as ``mpiexec -hosts``/``-f`` (Open
+    MPI: ``--host``/``--hostfile``) do: ranks fill each host's slots (one by default) in
+    turn, round after round.
     """
     mpiexec = mpiexec or find_mpiexec()
     cmd = [mpiexec]
-    if is_hydra(mpiexec):
+    hydra = is_hydra(mpiexec)
+    if hydra:
         cmd.append("-disable-auto-cleanup")
+    if hosts:
+        cmd += ["-hosts" if hydra else "--host", ",".join(hosts)]
+    if hostfile:
+        cmd += ["-f" if hydra else "--hostfile", str(hostfile)]
     cmd += ["-n", str(n)]
     if tag_output:
         cmd.append("-prepend-rank")

@@ -6,8 +6,8 @@ frames. Where MPI can read the memory (host, or a device with CUDA-aware MPI) a 
 as it is; where it cannot, through a pinned host mirror of the same layout
 (:class:`MPIBuffer`). A side that stages sends and receives its frames in chunks, so that
 the device-host copy of one chunk overlaps the transfer of another; chunks after the first
-travel on their own tag (:func:`chunk_tag`), so a ps's ``ANY_SOURCE`` receives never match
-them, and the ps receives the rest of a staging worker's push, and answers it, in chunks.
+travel on their own tag (:func:`chunk_tag`), so a ps's receives from any worker never
+match them, and the ps receives the rest of a staging worker's push, and answers it, in chunks.
 """
 
 import numpy as np
@@ -78,8 +78,8 @@ class Frame:
     goes chunk by chunk, each copied out while the one before travels); :meth:`publish`
     then :meth:`isend_published` send one state many times (the ps: its reply frame goes
     to every worker from one copy). Two ways in: :meth:`irecv` and
-    :meth:`receive_chunks` (the worker, from a known ps), and :meth:`recv_init`,
-    :meth:`receive_rest`, :meth:`received` (the ps, from any worker).
+    :meth:`receive_chunks` (the worker, from a known ps), and :meth:`receive_rest`,
+    :meth:`received` (the ps, after :mod:`mpitf.ps.receive_pool` took the first chunk).
 
     Args:
         buffer: the :class:`MPIBuffer` of the flat array the frame lies in.
@@ -190,10 +190,6 @@ class Frame:
                 event = self.buffer.from_mpi_async(e0, e1)
         if event is not None:
             event.synchronize()
-
-    def recv_init(self, comm, source, tag):
-        """Return a persistent receive of the whole frame (``source`` may be ANY_SOURCE)."""
-        return P.frame_op(comm.Recv_init, self.bytes, source, tag)
 
     def receive_rest(self, comm, source, tag, chunk_bytes, deadline, describe, nbytes=None):
         """Receive chunks 1.. of a frame ``source`` stages in chunks (chunk 0 has arrived).

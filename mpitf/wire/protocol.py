@@ -117,18 +117,18 @@ def wait_all(requests, deadline, describe):
             raise DeadlineError(f"no answer within {deadline:g} s", **info)
 
 
-def wait_any(requests, deadline, on_timeout, status=None):
-    """Return the index of a completed request, polling with backoff; None if none is active.
+def wait_message(comm, tag, poll_every, on_quiet, status):
+    """Return the next message on ``tag`` from any rank, matched (``MPI_Improbe``).
 
-    After ``deadline`` seconds with nothing completed, ``on_timeout()`` is called (it raises).
+    Every ``poll_every`` seconds (None: never) without one, ``on_quiet()`` is called.
     """
-    poll = _Poll(deadline)
+    poll = _Poll(poll_every)
     while True:
-        index, flag = MPI.Request.Testany(requests, status)
-        if flag:
-            return None if index == MPI.UNDEFINED else index
+        message = comm.Improbe(MPI.ANY_SOURCE, tag, status)
+        if message is not None:
+            return message
         if poll.pause():
-            on_timeout()
+            on_quiet()
             poll.restart()
 
 

@@ -1,0 +1,73 @@
+"""The ps's receive frames: a fixed pool, filled from any worker in the order messages come.
+
+A ps does not know which worker speaks next, so it receives from ``ANY_SOURCE`` into one
+of a few frames; a message waits in MPI (or at its sender) until a frame is free, so the
+ps's memory does not grow with the number of workers.
+
+Each message is taken by a *matched probe* (``MPI_Improbe``, then ``MPI_Imrecv`` into a
+free frame) rather than by receives posted ahead with ``ANY_SOURCE``. MPI promises that
+both see every message, but MPICH 5.0 with its default UCX netmod does not match a posted
+``ANY_SOURCE`` receive against a small (eager) message from another node that arrived
+before the receive was posted: the message waits forever while ``MPI_Iprobe`` sees it
+(``tests/cluster/test_box.py`` shows it on two network namespaces; OFI, and shared memory
+within a node, match it). A matched probe works with every MPI we run, takes messages in
+the order they came (what the bucketed pipeline needs), and binds a frame only to a
+message that has arrived, so no frame is ever cancelled or left posted.
+"""
+
+from mpi4py import MPI
+
+from ..wire import protocol as P
+
+
+class ReceivePool:
+    """Frames that take requests from any worker on one tag, one at a time.
+
+    ``wait_next`` returns the index of the frame that holds the next message; the frame
+    stays the caller's until ``release(index)`` (a held gradient keeps its frame);
+    ``swap(index, frame)`` lends the frame away and puts another in its place.
+    """
+
+    def __init__(self, comm, frames, tag):
+        self.comm, self.tag = comm, tag
+        self.frames = list(frames)
+        self.free = list(range(len(self.frames)))[::-1]  # a stack: the warmest frame first
+        self.status = MPI.Status()
+
+    def __getitem__(self, index):
+        return self.frames[index]
+
+    def __len__(self):
+        return len(self.frames)
+
+    @property
+    def source(self):
+        """Return the rank that sent the message :meth:`wait_next` returned last."""
+        return self.status.Get_source()
+
+    def wait_next(self, poll_every, on_quiet, deadline, describe):
+        """Receive the next message into a free frame; return the frame's index.
+
+        Every ``poll_every`` seconds without a message ``on_quiet()`` is called (it may
+        raise); ``deadline``/``describe`` bound the transfer of a message once it started.
+        """
+        if not self.free:
+            raise RuntimeError("every receive frame is held: a policy kept more frames "
+                               "than it asked for")
+        message = P.wait_message(self.comm, self.tag, poll_every, on_quiet, self.status)
+        index = self.free.pop()
+        request = message.Irecv([self.frames[index].bytes, MPI.BYTE])
+        P.wait_all([request], deadline, lambda _: describe(self.source))
+        return index
+
+    def release(self, index):
+        """Give frame ``index`` back: the next message may land in it."""
+        self.free.append(index)
+
+    def swap(self, index, frame):
+        """Put ``frame`` in slot ``index`` and return the frame that was there (lent away).
+
+        The slot stays the caller's until :meth:`release`, as before the swap.
+        """
+        lent, self.frames[index] = self.frames[index], frame
+        return lent
