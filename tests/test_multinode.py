@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -134,3 +135,56 @@ def test_mpitf_run_spreads_a_job_over_hosts(box, digits_file):
     assert summary["step"] == 50
     assert re.search(r"/job:ps/replica:0/task:0\s+node2", proc.stdout), proc.stdout
     assert re.search(r"/job:worker/replica:0/task:0\s+node3", proc.stdout), proc.stdout
+
+
+def start_on_head(box, argv, log):
+    """Start ``argv`` on the box's head (mpitf run and its launcher), output into ``log``."""
+    with open(log, "w") as out:
+        return subprocess.Popen(box.on_head(argv), stdout=out, stderr=subprocess.STDOUT,
+                                cwd=str(REPO), start_new_session=True,
+                                stdin=subprocess.DEVNULL,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1", **box.env()))
+
+
+def wait_for_line(proc, log, pattern, deadline=120):
+    """Return once ``pattern`` shows in ``log`` (fail when the job ends or the deadline passes)."""
+    regex = re.compile(pattern, re.MULTILINE)
+    end = time.monotonic() + deadline
+    while not regex.search(log.read_text()):
+        if proc.poll() is not None or time.monotonic() > end:
+            kill_group(proc)
+            pytest.fail(f"{pattern!r} never showed:\n{log.read_text()}")
+        time.sleep(0.05)
+
+
+def test_a_lost_node_is_named_with_its_ranks_and_the_job_resumes(box, digits_file, tmp_path):
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log"
+    job = [sys.executable, "-m", "mpitf.cli.main", "run", "-n", "3", "--hosts",
+           "node1,node2,node3", "mnist_mlp", "--data", digits_file, "--num-ps", "1",
+           "--checkpoint-dir", ckpt, "--checkpoint-every", "50"]
+    proc = start_on_head(box, [*job, "--steps", "1000000"], log)
+    try:
+        wait_for_line(proc, log, r"^step 200, ")  # checkpoints at 50..200 are behind it
+        assert box.kill_node("node3")
+        code = proc.wait(timeout=10)  # the job ends within 10 s of the loss
+    finally:
+        kill_group(proc)
+    text = log.read_text()
+    assert code != 0, text
+    assert "mpitf: node node3 was lost: its MPI launcher proxy ended (killed by signal 9)" \
+           in text and "rank 2 ran there" in text, text
+    assert not box.pids("node3")
+    name = (ckpt / "latest").read_text().strip()
+    step = int(name.split("-")[1])
+    assert step >= 200
+    verify = subprocess.run([sys.executable, "-m", "mpitf.cli.main", "ckpt", "verify",
+                             str(ckpt)], capture_output=True, text=True, timeout=60)
+    assert verify.returncode == 0 and f"{name}: OK" in verify.stdout, verify.stdout
+    proc = start_on_head(box, [*job, "--steps", str(step + 20)], log)
+    try:
+        code = proc.wait(timeout=120)
+    finally:
+        kill_group(proc)
+    summary = final(code, log.read_text())
+    assert summary["step"] == step + 20
+    assert re.search(rf"^restored \S*{name} at step {step}$", log.read_text(), re.MULTILINE)

@@ -27,6 +27,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 
 from .. import __version__
 from ..errors import ConfigurationError, MpitfError
@@ -147,7 +148,7 @@ def _run_hosts(args):
 
 def cmd_run(args):
     """Run a job under the installed MPI's mpiexec and return its exit code."""
-    from ..runtime.launch import find_mpiexec
+    from ..runtime.launch import find_mpiexec, lost_node_message
 
     if args.n < 1:
         raise ConfigurationError(f"-n {args.n}: expecting at least one rank")
@@ -169,10 +170,16 @@ def cmd_run(args):
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
-    try:
-        code = subprocess.call(cmd)
-    except KeyboardInterrupt:  # mpiexec got the same SIGINT and ends the ranks
-        return 130
+    with tempfile.TemporaryDirectory(prefix="mpitf-run-") as tmp:
+        launch_log = os.path.join(tmp, "launch.log")  # launchers that know it say how
+        try:  # each node's proxy ended, so a lost node can be named (runtime/launch.py)
+            code = subprocess.call(cmd, env=dict(os.environ, MPITF_LAUNCH_LOG=launch_log))
+        except KeyboardInterrupt:  # mpiexec got the same SIGINT and ends the ranks
+            return 130
+        if code != 0:
+            lost = lost_node_message(launch_log, _run_hosts(args), args.n)
+            if lost:
+                sys.stderr.write(f"mpitf: {lost}\n")
     return 128 - code if code < 0 else code  # killed by a signal: the shell's convention
 
 

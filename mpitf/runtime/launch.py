@@ -63,3 +63,53 @@ def mpiexec_command(n, argv, mpiexec=None, tag_output=False, hosts=None, hostfil
     if tag_output:
         cmd.append("-prepend-rank")
     return cmd + list(argv)
+
+
+def ranks_by_host(hosts, n):
+    """Return {host: [ranks]} as ``mpiexec -hosts`` places ``n`` ranks on ``hosts``.
+
+    Each entry is ``name`` or ``name:slots``; ranks fill each host's slots in turn, round
+    after round (Hydra's and Open MPI's placement by slot).
+    """
+    slots = []
+    for entry in hosts:
+        name, _, count = entry.partition(":")
+        slots.append((name, int(count or 1)))
+    placed, rank = {}, 0
+    while rank < n:
+        for name, count in slots:
+            take = min(count, n - rank)
+            placed.setdefault(name, []).extend(range(rank, rank + take))
+            rank += take
+            if rank == n:
+                break
+    return placed
+
+
+def lost_node_message(launch_log, hosts, n):
+    """Return a line naming the node whose launcher ended first and badly, or None.
+
+    ``launch_log`` holds ``HOST CODE`` lines that launchers append as their remote proxy
+    ends (``MPITF_LAUNCH_LOG``; the network box's launcher writes them). The first one
+    that failed is the node whose loss ended the job: Hydra then ends every other proxy.
+    """
+    try:
+        with open(launch_log) as f:
+            ended = [line.split() for line in f if line.strip()]
+    except OSError:
+        return None
+    placed = ranks_by_host(hosts, n) if hosts else {}
+    for host, code in (e for e in ended if len(e) == 2 and e[1].isdigit()):
+        code = int(code)
+        if code <= 128:  # it ended on its own (an abort ends every proxy that way)
+            continue
+        how = "the connection to it was lost" if code == 255 else \
+            f"killed by signal {code - 128}"
+        ranks = placed.get(host)
+        on = ""
+        if ranks:
+            word = "rank" if len(ranks) == 1 else "ranks"
+            on = f"; {word} {', '.join(map(str, ranks))} ran there"
+        return (f"node {host} was lost: its MPI launcher proxy ended ({how}) while the job "
+                f"ran, so mpiexec ended every other rank{on}")
+    return None

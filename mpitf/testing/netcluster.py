@@ -39,12 +39,9 @@ BRIDGE = "br0"
 BURST = "512kb"  # tbf's bucket: about 4 ms at 1 Gbit/s
 _NAME = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 _RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit)$")
-_NODE = re.compile(r"^node([1-9]\d?)$")
 
 LAUNCHER = """#!/bin/sh
 # Hydra's ssh launcher calls: SCRIPT [ssh options] HOST COMMAND...
-# Runs COMMAND on node HOST of box {name}: its network namespace, with a host name,
-# /dev/shm, IPC and PIDs of its own (so no shared memory crosses nodes).
 while [ $# -gt 0 ]; do
     case "$1" in -*) shift ;; *) break ;; esac
 done
@@ -53,9 +50,24 @@ case " {nodes} " in
     *" $host "*) ;;
     *) echo "netcluster: box {name} has no node '$host' (it has: {nodes})" >&2; exit 255 ;;
 esac
-exec ip netns exec "{name}-$host" unshare --uts --mount --ipc --pid --fork --mount-proc \\
+# In a session of its own, so that it outlives mpiexec's kill and can say how the node's
+# proxy ended (mpiexec kills its launchers as it ends).
+setsid "$(dirname "$0")/node" "$host" "$*" &
+wait $!
+"""
+
+NODE = """#!/bin/sh
+# Runs COMMAND on node HOST of box {name}: its network namespace, with a host name,
+# /dev/shm, IPC and PIDs of its own (so no shared memory crosses nodes).
+ip netns exec "{name}-$1" unshare --uts --mount --ipc --pid --fork --mount-proc \\
     sh -c 'hostname "$0" && mount -t tmpfs -o mode=1777 tmpfs /dev/shm && exec sh -c "$1"' \\
-    "$host" "$*"
+    "$1" "$2"
+code=$?
+# How this node's proxy ended, for mpitf run to name a lost node (runtime/launch.py).
+if [ -n "$MPITF_LAUNCH_LOG" ]; then
+    echo "$1 $code" >> "$MPITF_LAUNCH_LOG"
+fi
+exit $code
 """
 
 
@@ -188,8 +200,9 @@ class Box:
                 for where, dev in ((ns, "eth0"), (self.head, port)):
                     _sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev,
                         "root", "tbf", "rate", self.rate, "burst", BURST, "latency", "10ms")
-        self.launcher.write_text(LAUNCHER.format(name=self.name, nodes=" ".join(self.nodes)))
-        self.launcher.chmod(0o755)
+        for path, text in ((self.launcher, LAUNCHER), (self.state / "node", NODE)):
+            path.write_text(text.format(name=self.name, nodes=" ".join(self.nodes)))
+            path.chmod(0o755)
 
     def down(self):
         """Kill every process on the box and remove all it made; safe to call twice."""
