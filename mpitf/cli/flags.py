@@ -25,15 +25,25 @@ def add_training_arguments(parser, steps=None, batch_size=None, lr=None):
 
 
 def setup_backend(args, server):
-    """Choose this rank's array backend from the flags, make it current, log it on rank 0."""
+    """Choose this rank's array backend from the flags, make it current, log it on rank 0.
+
+    Collective over ``server.comm``: a rank that cannot have the device it asked for
+    (``--device gpu`` without a working CuPy and GPU) ends every rank with one message
+    and exit 2.
+    """
     import logging
 
     from ..runtime.backend import describe_backend, select_backend, set_backend
 
-    be = select_backend(args.device, server.local_rank, rank=server.rank,
-                        allow_soft_placement=args.allow_soft_placement,
-                        memory_fraction=args.gpu_memory_fraction,
-                        allow_growth=args.allow_growth)
+    be, problem = None, None
+    try:
+        be = select_backend(args.device, server.local_rank, rank=server.rank,
+                            allow_soft_placement=args.allow_soft_placement,
+                            memory_fraction=args.gpu_memory_fraction,
+                            allow_growth=args.allow_growth)
+    except ConfigurationError as exc:  # handed to every rank just below
+        problem = exc
+    raise_shared(server.comm, problem)
     set_backend(be)
     if server.rank == 0 and args.device != "cpu":
         logging.getLogger("mpitf").info("%s", describe_backend(be))
