@@ -3,11 +3,11 @@
 import os
 
 from ..cluster import add_cluster_arguments
-from ..cluster_args import check_claimed_role, cluster_from_args
+from ..cluster.flags import check_claimed_role, cluster_from_args
+from ..cluster.roles import check_training_cluster
 from ..config import JobConfig
 from ..errors import ConfigurationError, MpitfError
 from ..options import add_flags
-from ..roles import check_training_cluster
 from ..runtime.exits import collective, setup_logging
 
 

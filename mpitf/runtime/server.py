@@ -1,7 +1,7 @@
 """Give this rank its place in the cluster: its job and task, its communicators, and ``join()``.
 
 ``Server(cluster)`` is collective over ``MPI.COMM_WORLD``: every rank shares its host name,
-every rank computes the same rank -> task map (see :mod:`mpitf.roles`), and a spec that
+every rank computes the same rank -> task map (see :mod:`mpitf.cluster.roles`), and a spec that
 does not fit the world fails identically on every rank, so each exits without waiting for
 the others.
 """
@@ -13,10 +13,10 @@ import os
 from mpi4py import MPI
 
 from ..cluster import ClusterSpec
+from ..cluster.device import device_name, local_rank
+from ..cluster.roles import assign_roles, describe_roles, training_replicas
 from ..config import DEFAULT_DEADLINE, check_deadline
-from ..device import device_name, local_rank
 from ..errors import CollectiveError, ConfigurationError
-from ..roles import assign_roles, describe_roles, training_replicas
 from .lifeline import Lifeline
 
 _log = logging.getLogger("mpitf")
@@ -164,5 +164,5 @@ def _check_claims(claims, roles):
             raise CollectiveError(ConfigurationError(
                 f"Server(job_name={job!r}, task_index={task!r}) on MPI rank {rank}, which runs "
                 f"/job:{role_job}/task:{role_task}; roles come from the MPI rank (see "
-                "mpitf.roles): start the processes in that order or leave job_name and "
+                "mpitf.cluster.roles): start the processes in that order or leave job_name and "
                 "task_index out"))
