@@ -6,7 +6,7 @@ its module on first use.
 """
 
 from .cluster import ClusterSpec
-from .device import DeviceSpec
+from .cluster.device import DeviceSpec
 from .errors import (
     CheckpointError,
     ConfigurationError,
@@ -21,8 +21,8 @@ __version__ = "0.1.0"
 
 # Attributes loaded on first access: name -> module that defines it.
 _LAZY = {
-    "TFConfigClusterResolver": "resolvers",
-    "SlurmClusterResolver": "resolvers",
+    "TFConfigClusterResolver": "cluster.resolvers",
+    "SlurmClusterResolver": "cluster.resolvers",
     "Server": "runtime.server",
     "abort_on_error": "runtime.exits",
     "TrainingSession": "worker.session",
@@ -36,7 +36,7 @@ _LAZY = {
     "ensure_digits": "data.datasets",
     "build_model": "models",
     "EmbeddingTable": "models.embedding",
-    "RowPlacement": "rows",
+    "RowPlacement": "tables.rows",
     "replica_device_setter": "placement",
     "GreedyLoadBalancingStrategy": "placement",
     "min_max_variable_partitioner": "placement",

@@ -1,20 +1,33 @@
-"""One typed configuration: the options of a training job, checked once where they are built.
+"""One typed configuration: the options of a training job, each declared once, checked once.
 
 :class:`TrainingConfig` holds what a :class:`~mpitf.worker.session.TrainingSession` and the
 ps tasks need; :class:`JobConfig` adds what the jobs' flags carry beyond it (model,
-optimizer, deadline, files). Both refuse a bad value when constructed, and a misspelt
-keyword is a ``TypeError`` that names it. Every range check is a function here, so library
-constructors (data sets, optimizers, models) call the same checks instead of copies.
+optimizer, deadline, devices, files). Each option is one field declared with
+:func:`~mpitf.options.option`: its default, flag, help and check in one place, from which
+``mpitf.options`` makes the jobs' flags and reads them back (:meth:`JobConfig.from_args`).
+The options that refuse each other are checked beside the fields, by the class. Both refuse
+a bad value when constructed, and a misspelt keyword is a ``TypeError`` that names it.
+The range checks live in ``mpitf.checks`` (re-exported here), so library constructors
+(data sets, optimizers, models) call the same checks instead of copies.
 """
 
 import dataclasses
-import math
-import numbers
 import os
 from dataclasses import dataclass, field
 
-from .conflicts import check_combinations
+from .checks import (
+    check_batch_size,
+    check_choice,
+    check_deadline,
+    check_int,
+    check_learning_rate,
+    check_memory_fraction,
+    check_moving_average_decay,
+    check_multiple,
+    check_number,
+)
 from .errors import ConfigurationError
+from .options import check_fields, integer, number, option, values_from_args
 
 __all__ = [
     "DEFAULT_DEADLINE", "DEFAULT_MAX_NONFINITE_SKIPS", "DEFAULT_BUCKET_BYTES",
@@ -52,84 +65,6 @@ DEFAULT_SUMMARY_EVERY = 100
 MAX_PS_THREADS = 1024
 
 
-# -- the checks ----------------------------------------------------------------------------
-
-def check_number(name, value, low=None, high=None, low_open=False, high_open=True):
-    """Return ``value`` as a float; raise unless it is a finite real number within range.
-
-    ``low`` and ``high`` bound it; ``low_open`` / ``high_open`` leave the bound out.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ConfigurationError(f"{name} must be a finite number, got {value!r}")
-    below = low is not None and (value < low or (low_open and value == low))
-    above = high is not None and (value > high or (high_open and value == high))
-    if below or above:
-        if high is None:
-            raise ConfigurationError(f"{name} must be {'>' if low_open else '>='} {low}, "
-                                     f"got {value!r}")
-        lo = "(" if low_open else "["
-        hi = ")" if high_open else "]"
-        raise ConfigurationError(f"{name} must be in {lo}{low}, {high}{hi}, got {value!r}")
-    return float(value)
-
-
-def check_int(name, value, low=None):
-    """Return ``value`` as an int; raise unless it is an integer >= ``low``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ConfigurationError(f"{name} must be an integer, got {value!r}")
-    if low is not None and value < low:
-        raise ConfigurationError(f"{name} must be >= {low}, got {value!r}")
-    return int(value)
-
-
-def check_choice(name, value, choices):
-    """Return ``value``; raise unless it is one of ``choices``."""
-    if value not in choices:
-        raise ConfigurationError(
-            f"unknown {name} {value!r}: use {', '.join(repr(c) for c in choices[:-1])} "
-            f"or {choices[-1]!r}")
-    return value
-
-
-def check_multiple(name, value, of):
-    """Return ``value``; raise unless it is a positive integer multiple of ``of``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0 \
-            or value % of:
-        raise ConfigurationError(f"{name} must be a positive multiple of {of}, got {value!r}")
-    return int(value)
-
-
-def check_batch_size(value):
-    """Return the batch size; raise unless it is an integer >= 1."""
-    return check_int("batch_size", value, 1)
-
-
-def check_learning_rate(value, name="learning_rate", allow_zero=False):
-    """Return the learning rate; raise unless finite and > 0 (>= 0 with ``allow_zero``).
-
-    Only an optimizer built directly may take 0 (the "none" optimizer of the benchmarks).
-    """
-    return check_number(name, value, low=0.0, low_open=not allow_zero)
-
-
-def check_moving_average_decay(value):
-    """Return the decay of a moving average; raise unless it is in (0, 1)."""
-    return check_number("moving_average_decay", value, low=0.0, high=1.0, low_open=True)
-
-
-def check_memory_fraction(value):
-    """Return the fraction of a GPU's memory a rank may use; raise unless it is in (0, 1]."""
-    return check_number("gpu memory fraction", value, low=0.0, high=1.0, low_open=True,
-                        high_open=False)
-
-
-def check_deadline(value):
-    """Return the deadline in seconds (None: wait forever); raise unless it is > 0."""
-    if value is None:
-        return None
-    return check_number("deadline", value, low=0.0, low_open=True)
-
-
 def stall_allowance(slowest_step, steps_seen, deadline=DEFAULT_DEADLINE):
     """Return the seconds a worker waits on a ps after ``steps_seen`` steps (None: forever).
 
@@ -160,127 +95,193 @@ def default_deadline():
 
 # -- the configuration ---------------------------------------------------------------------
 
+def _ps_threads(name, value):
+    check_int(name, value, 1)
+    if value > MAX_PS_THREADS:
+        raise ConfigurationError(
+            f"{name} must be at most {MAX_PS_THREADS}, got {value}; leave it out for the cores "
+            "the ps may use")
+    return value
+
+
+def _clients(name, value):
+    return tuple(check_int(name, c, 0) for c in value)
+
+
+def _one_frame_or_buckets(config):
+    """The default bucket size: one frame where an option needs the whole push at once."""
+    one = config.clip_norm is not None or config.clients is not None or config.aggregate_per_node
+    return 0 if one else DEFAULT_BUCKET_BYTES
+
+
 @dataclass(frozen=True)
 class TrainingConfig:
     """What a training session and the ps tasks run by; checked when built.
 
-    Fields:
-        mode: "sync", "async" or "ssp" (bounded staleness).
-        last_step: stop at this global step (None: never).
-        batch_size: examples per worker step (None: the data set's).
-        checkpoint_dir: where checkpoints live; the newest good one is restored.
-        save_checkpoint_steps / save_checkpoint_secs: checkpoint every N steps / T seconds.
-        max_to_keep: checkpoints kept.
-        replicas_to_aggregate: sync: gradients per step (None: every worker).
-        deterministic: sync: sum gradients in worker order (bit-for-bit runs).
-        staleness: ssp: the largest lead of a worker over the slowest.
-        skip_nonfinite: drop NaN/Inf gradients and count them instead of stopping.
-        max_nonfinite_skips: with skip_nonfinite, the job ends (naming the variable) when a
-            worker has skipped this many gradients in a row.
-        moving_average_decay: keep an exponential moving average (None: none).
-        clip_norm: clip to this global L2 norm (None: none): sync, the aggregated gradient
-            (the ps tasks agree on its norm); async and ssp, each push on its worker.
-        ps_strategy: how variables go to ps tasks (None: the placement's default).
-        seed: seed of the initial values.
-        log_every: the chief logs a line, metrics.jsonl and TensorBoard scalars every N steps.
-        summary_every: TensorBoard histograms of gradients and variables every N steps.
-        run_dir: where metrics.jsonl and the TensorBoard event files go (None: nowhere).
-        timeline: write a Chrome trace of every rank to this path.
-        bucket_bytes: buckets of about this many bytes per ps, last layers first (0: one;
-            None: DEFAULT_BUCKET_BYTES, or 0 with clip_norm, clients, aggregate_per_node).
-        clients: in-graph replication: the worker tasks that talk to the ps (None: all).
-        ps_threads: threads each ps applies the optimizer with (None: the cores the ps
-            rank may use, shared among the ranks on its node; see ps/threads.py).
-        profile_steps: the chief times N steps into RUN_DIR/profile.json (worker/profile.py).
-        aggregate_per_node: sync: the replicas of a node sum their gradients in shared
-            memory and one leader per node pushes for them (see worker/node.py).
-        wire_dtype: "float32", "bfloat16" or "float16": the dtype gradients and parameters
-            travel in; the ps keeps float32 parameters and slots (see wire/convert.py).
+    Each field's ``help`` says what it is; a field left at None means what leaving its
+    flag out means.
     """
 
-    mode: str = "sync"
-    last_step: int = None
-    batch_size: int = None
-    checkpoint_dir: str = None
-    save_checkpoint_steps: int = None
-    save_checkpoint_secs: float = None
-    max_to_keep: int = 5
-    replicas_to_aggregate: int = None
-    deterministic: bool = False
-    staleness: int = 2
-    skip_nonfinite: bool = False
-    max_nonfinite_skips: int = DEFAULT_MAX_NONFINITE_SKIPS
-    moving_average_decay: float = None
-    clip_norm: float = None
-    ps_strategy: str = None
-    seed: int = 0
-    log_every: int = 20
-    summary_every: int = DEFAULT_SUMMARY_EVERY
-    run_dir: str = None
-    timeline: str = None
-    bucket_bytes: int = None
-    clients: tuple = None
-    ps_threads: int = None
-    profile_steps: int = 0
-    aggregate_per_node: bool = False
-    wire_dtype: str = "float32"
+    mode: str = option(
+        "sync", "--mode", choices=MODES,
+        help="sync replicas, async, or bounded staleness (ssp)")
+    last_step: int = option(
+        None, "--steps", flag_default=300, check=integer(0), label="last_step (--steps)",
+        help="stop at this global step")
+    batch_size: int = option(
+        None, "--batch-size", flag_default=32, check=integer(1),
+        help="examples per worker step")
+    checkpoint_dir: str = option(
+        None, "--checkpoint-dir", flag_default=lambda: os.environ.get("MPITF_CHECKPOINT_DIR"),
+        help="checkpoint directory; the newest good checkpoint there is restored "
+             "(default: $MPITF_CHECKPOINT_DIR, else none)")
+    save_checkpoint_steps: int = option(
+        None, "--checkpoint-every", check=integer(1),
+        label="save_checkpoint_steps (--checkpoint-every)",
+        help="checkpoint every N global steps")
+    save_checkpoint_secs: float = option(
+        None, "--checkpoint-secs", check=number(low=0.0, low_open=True),
+        label="save_checkpoint_secs (--checkpoint-secs)", help="checkpoint every T seconds")
+    max_to_keep: int = option(
+        5, "--max-to-keep", check=integer(0),
+        help="complete checkpoints kept, the newest (0: keep all)")
+    replicas_to_aggregate: int = option(
+        None, "--replicas-to-aggregate", "--replicas_to_aggregate", check=integer(1),
+        label="replicas_to_aggregate (leave it out for every worker)",
+        help="sync: gradients per step (default: all workers; fewer gives backups)")
+    deterministic: bool = option(
+        False, "--deterministic",
+        help="sync: sum gradients in worker order so runs are bit-for-bit equal")
+    staleness: int = option(
+        2, "--staleness", check=integer(0), help="ssp: largest lead over the slowest")
+    skip_nonfinite: bool = option(
+        False, "--skip-nonfinite",
+        help="drop NaN/Inf gradients and count them instead of stopping; the job still ends "
+             "(exit 1, naming the variable) after --max-nonfinite-skips in a row on one worker")
+    max_nonfinite_skips: int = option(
+        DEFAULT_MAX_NONFINITE_SKIPS, "--max-nonfinite-skips", check=integer(1),
+        label="max_nonfinite_skips (--max-nonfinite-skips)",
+        help="with --skip-nonfinite: consecutive skipped gradients of one worker that end "
+             f"the job (default: {DEFAULT_MAX_NONFINITE_SKIPS})")
+    moving_average_decay: float = option(
+        None, "--moving-average-decay", check=number(low=0.0, high=1.0, low_open=True),
+        help="keep an exponential moving average of the variables for evaluation")
+    clip_norm: float = option(
+        None, check=number(low=0.0, low_open=True),
+        help="clip to this global L2 norm (None: none): sync, the aggregated gradient (the ps "
+             "tasks agree on its norm); async and ssp, each push on its worker")
+    ps_strategy: str = option(
+        None, "--ps-strategy", flag_default="round_robin",
+        flag_choices=("round_robin", "greedy"),
+        help="how variables go to ps tasks: round_robin (TensorFlow's default) or greedy "
+             "(by bytes); in code, also a strategy object")
+    seed: int = option(0, "--seed", check=integer(0), help="seed of initial values and shuffling")
+    log_every: int = option(
+        20, "--log-every", check=integer(0),
+        help="chief logs every N steps (0: never): a line, metrics.jsonl and TensorBoard "
+             "scalars")
+    summary_every: int = option(
+        DEFAULT_SUMMARY_EVERY, "--summary-every", check=integer(0),
+        label="summary_every (--summary-every)",
+        help="chief writes TensorBoard histograms of gradients and variables every N steps "
+             f"(0: never; default: {DEFAULT_SUMMARY_EVERY})")
+    run_dir: str = option(
+        None, "--run-dir", flag_default="runs/latest",
+        help="where metrics.jsonl, summary.json and the TensorBoard event files go "
+             "(tensorboard --logdir runs/)")
+    timeline: str = option(None, "--timeline", help="write a Chrome trace of every rank here")
+    bucket_bytes: int = option(
+        None, "--bucket-bytes", check=integer(0), resolve=_one_frame_or_buckets,
+        label="bucket_bytes (--bucket-bytes; 0 for one frame per ps)",
+        help="push gradients per ps in buckets of about this many bytes, last layers first, "
+             "pipelined on the ps (0: one frame per ps; default: "
+             f"{DEFAULT_BUCKET_BYTES >> 20} MiB; with --aggregate-per-node: 0)")
+    clients: tuple = option(
+        None, check=_clients,
+        help="in-graph replication: the worker tasks that talk to the ps (None: all)")
+    ps_threads: int = option(
+        None, "--ps-threads", check=_ps_threads, label="ps_threads (--ps-threads)",
+        help="threads each ps applies the optimizer with (default: the cores the ps rank may "
+             "use, shared among the ranks on its node)")
+    profile_steps: int = option(
+        0, "--profile-steps", check=integer(0),
+        label="profile_steps (--profile-steps; 0 for none)",
+        help="the chief times N steps after N/4 warm-up steps and writes "
+             "RUN_DIR/profile.json: model bytes, compute per step and example, push+pull "
+             "(for mpitf bench --plan)")
+    aggregate_per_node: bool = option(
+        False, "--aggregate-per-node",
+        help="sync: sum a node's gradients in shared memory; one rank per node pushes")
+    wire_dtype: str = option(
+        "float32", "--wire-dtype", choices=WIRE_DTYPES, flag_choices=None,
+        label="wire_dtype (--wire-dtype)",
+        help="the dtype gradients and parameters travel in: float32, bfloat16 or float16 "
+             "(the ps keeps float32 parameters and optimizer slots)")
+    # The fields that ``resolve`` chose because None was given; replace() chooses them again.
+    defaulted: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        check_choice("mode", self.mode, MODES)
-        if self.last_step is not None:
-            check_int("last_step (--steps)", self.last_step, 0)
-        if self.batch_size is not None:
-            check_batch_size(self.batch_size)
-        if self.save_checkpoint_steps is not None:
-            check_int("save_checkpoint_steps (--checkpoint-every)", self.save_checkpoint_steps, 1)
-        if self.save_checkpoint_secs is not None:
-            check_number("save_checkpoint_secs (--checkpoint-secs)", self.save_checkpoint_secs,
-                         low=0.0, low_open=True)
-        check_int("max_to_keep", self.max_to_keep, 0)
-        if self.replicas_to_aggregate is not None:
-            check_int("replicas_to_aggregate (leave it out for every worker)",
-                      self.replicas_to_aggregate, 1)
-        check_int("staleness", self.staleness, 0)
+        object.__setattr__(self, "defaulted", check_fields(self))
+        self._refuse_combinations()
+
+    def replace(self, **changes):
+        """Return a copy with ``changes`` applied (checked again; misspelt names raise)."""
+        for name in self.defaulted:  # a default stays a default
+            changes.setdefault(name, None)
+        return dataclasses.replace(self, **changes)
+
+    # -- the options that refuse each other: each message names both and the one to drop --
+
+    def _refuse_combinations(self):
         if self.deterministic and self.mode != "sync":
             raise ConfigurationError(
                 f"deterministic (--deterministic) needs mode 'sync', got {self.mode!r}: in "
                 f"{self.mode} mode the order of updates depends on timing; drop one of them")
-        check_int("max_nonfinite_skips (--max-nonfinite-skips)", self.max_nonfinite_skips, 1)
-        if self.moving_average_decay is not None:
-            check_moving_average_decay(self.moving_average_decay)
-        if self.bucket_bytes is None:  # default: one frame where an option needs the whole push
-            one = self.clip_norm is not None or self.clients is not None or self.aggregate_per_node
-            object.__setattr__(self, "bucket_bytes", 0 if one else DEFAULT_BUCKET_BYTES)
-            object.__setattr__(self, "_default_buckets", True)
-        if self.clip_norm is not None:
-            check_number("clip_norm", self.clip_norm, low=0.0, low_open=True)
-            if self.bucket_bytes:
-                raise ConfigurationError(
-                    "clip_norm needs the whole gradient before any of it is applied, but "
-                    f"bucket_bytes={self.bucket_bytes} pushes and applies it in buckets: "
-                    "leave bucket_bytes at 0 to clip")
-        check_int("seed", self.seed, 0)
-        check_int("log_every", self.log_every, 0)
-        check_int("summary_every (--summary-every)", self.summary_every, 0)
-        check_int("bucket_bytes (--bucket-bytes; 0 for one frame per ps)", self.bucket_bytes, 0)
-        check_int("profile_steps (--profile-steps; 0 for none)", self.profile_steps, 0)
-        if self.ps_threads is not None:
-            check_int("ps_threads (--ps-threads)", self.ps_threads, 1)
-            if self.ps_threads > MAX_PS_THREADS:
-                raise ConfigurationError(
-                    f"ps_threads (--ps-threads) must be at most {MAX_PS_THREADS}, got "
-                    f"{self.ps_threads}; leave it out for the cores the ps may use")
-        if self.clients is not None:
-            object.__setattr__(self, "clients", tuple(
-                check_int("clients", c, 0) for c in self.clients))
-        check_choice("wire_dtype (--wire-dtype)", self.wire_dtype, WIRE_DTYPES)
-        check_combinations(self)
+        if self.clip_norm is not None and self.bucket_bytes:
+            raise ConfigurationError(
+                "clip_norm needs the whole gradient before any of it is applied, but "
+                f"bucket_bytes={self.bucket_bytes} pushes and applies it in buckets: "
+                "leave bucket_bytes at 0 to clip")
+        if self.aggregate_per_node:
+            self._refuse("aggregate_per_node (--aggregate-per-node)", (
+                (self.mode != "sync", f"mode {self.mode!r} (--mode): it sums each step's "
+                 "gradients, which only sync mode has"),
+                (self.bucket_bytes, f"bucket_bytes={self.bucket_bytes} (--bucket-bytes): a "
+                 "node pushes one frame per ps"),
+                (self.skip_nonfinite, "skip_nonfinite (--skip-nonfinite): a node pushes whole"),
+                (self.clients is not None, "in-graph replication (clients)")))
+        if self.wire_dtype != "float32":
+            self._refuse(f"wire_dtype {self.wire_dtype} (--wire-dtype)", (
+                (self.aggregate_per_node, "aggregate_per_node (--aggregate-per-node): a "
+                 "node's shared window holds float32 frames"),
+                (self.moving_average_decay is not None,
+                 "moving_average_decay (--moving-average-decay): the average would travel in "
+                 "a third buffer")))
 
-    def replace(self, **changes):
-        """Return a copy with ``changes`` applied (checked again; misspelt names raise)."""
-        if getattr(self, "_default_buckets", False):
-            changes.setdefault("bucket_bytes", None)
-        return dataclasses.replace(self, **changes)
+    @staticmethod
+    def _refuse(option_name, conflicts):
+        for bad, what in conflicts:
+            if bad:
+                raise ConfigurationError(
+                    f"{option_name} does not support {what}; drop one of them")
+
+    def check_aggregation(self, num_replicas):
+        """Raise if this aggregates per node with backup workers (a node's push is whole)."""
+        r = self.replicas_to_aggregate
+        if self.aggregate_per_node and r is not None and r != num_replicas:
+            raise ConfigurationError(
+                f"aggregate_per_node (--aggregate-per-node) does not support backup workers "
+                f"(replicas_to_aggregate {r} of {num_replicas} replicas): a node's push "
+                "stands for all its replicas; leave --replicas-to-aggregate out or drop one "
+                "of them")
+
+
+def _deadline(name, value):
+    return check_deadline(value)
+
+
+def _learning_rate(name, value):
+    return check_learning_rate(value, name)
 
 
 @dataclass(frozen=True)
@@ -292,54 +293,70 @@ class JobConfig:
     """
 
     training: TrainingConfig = field(default_factory=TrainingConfig)
-    model: str = "mlp"
-    hidden: int = 128
-    optimizer: str = "sgd"
-    lr: float = 0.3
-    lr_decay: float = None
-    lr_decay_steps: int = 100
-    deadline: float = field(default_factory=default_deadline)
+    model: str = option("mlp", "--model", choices=("mlp", "cnn"), help="reference model")
+    hidden: int = option(128, "--hidden", check=integer(1), label="hidden units (--hidden)",
+                         help="hidden units of the MLP")
+    optimizer: str = option(
+        "sgd", "--optimizer", choices=("sgd", "momentum", "adam", "adagrad", "ftrl"),
+        help="the ps's update rule")
+    lr: float = option(0.3, "--lr", "--learning_rate", check=_learning_rate,
+                       label="learning rate (--lr)", help="learning rate")
+    lr_decay: float = option(
+        None, "--lr-decay", check=number(low=0.0, low_open=True),
+        label="learning-rate decay (--lr-decay)",
+        help="exponential decay rate of the learning rate per --lr-decay-steps")
+    lr_decay_steps: int = option(100, "--lr-decay-steps", check=integer(1),
+                                 label="decay steps (--lr-decay-steps)", help="steps per decay")
+    deadline: float = option(
+        None, "--deadline", default_factory=default_deadline, check=_deadline,
+        flag_default=None,
+        help="a fixed number of seconds to wait on a silent rank before ending the job (set it "
+             "above the longest step and checkpoint). Without it, a silent rank is named within "
+             "max(30 s, 10 x the slowest step so far) once a few steps have run, and start-up "
+             f"and checkpoints may take up to $MPITF_DEADLINE, else {DEFAULT_DEADLINE:g} s")
     fixed_deadline: bool = False  # True: every wait is ``deadline``; False: adaptive, up to it
-    data: str = None
-    export: str = None
-    gpu_memory_fraction: float = None
+    data: str = option(
+        None, "--data",
+        help="HDF5 data set (x_train, y_train, x_test, y_test); default: the digits set, "
+             "prepared on first use under $MPITF_DATA_DIR or ~/.cache/mpitf")
+    export: str = option(
+        None, "--export",
+        help="after training, the chief writes every variable to this .npz (its directory "
+             "must exist and be writable: checked before training)")
+    evaluator: bool = option(
+        False, "--evaluator",
+        help="with --num-ps (no spec): the highest rank is an evaluator task that evaluates "
+             "each checkpoint of --checkpoint-dir")
+    log_device_placement: bool = option(
+        False, "--log-device-placement",
+        help="print which rank runs which task, and (the chief) which ps task holds each "
+             "variable and slice")
+    device: str = option(
+        "cpu", "--device", choices=("auto", "cpu", "gpu"), group="devices",
+        help="where variables and gradients live: 'auto' takes a GPU (local rank modulo "
+             "visible devices) when CuPy and CUDA are there (default: cpu)")
+    allow_soft_placement: bool = option(
+        False, "--allow-soft-placement", group="devices",
+        help="fall back to the CPU, saying so once, when --device=gpu cannot be had")
+    gpu_memory_fraction: float = option(
+        None, "--gpu-memory-fraction", group="devices", label="gpu memory fraction",
+        check=number(low=0.0, high=1.0, low_open=True, high_open=False),
+        help="cap each rank's CuPy memory pool at this fraction of its GPU "
+             "(per_process_gpu_memory_fraction)")
+    allow_growth: bool = option(
+        True, "--no-allow-growth", dest="allow_growth", group="devices",
+        help="with --gpu-memory-fraction, allocate that much once at start")
 
     def __post_init__(self):
-        check_choice("model", self.model, ("mlp", "cnn"))
-        check_int("hidden units (--hidden)", self.hidden, 1)
-        check_choice("optimizer", self.optimizer,
-                     ("sgd", "momentum", "adam", "adagrad", "ftrl"))
-        check_learning_rate(self.lr, "learning rate (--lr)")
-        if self.lr_decay is not None:
-            check_number("learning-rate decay (--lr-decay)", self.lr_decay, low=0.0,
-                         low_open=True)
-        check_int("decay steps (--lr-decay-steps)", self.lr_decay_steps, 1)
-        check_deadline(self.deadline)
-        if self.gpu_memory_fraction is not None:
-            check_memory_fraction(self.gpu_memory_fraction)
+        check_fields(self)
 
     @classmethod
     def from_args(cls, args):
-        """Build the configuration from parsed job flags (see ``add_training_arguments``)."""
-        training = TrainingConfig(
-            mode=args.mode, last_step=args.steps, batch_size=args.batch_size,
-            checkpoint_dir=args.checkpoint_dir, save_checkpoint_steps=args.checkpoint_every,
-            save_checkpoint_secs=args.checkpoint_secs, max_to_keep=args.max_to_keep,
-            replicas_to_aggregate=args.replicas_to_aggregate, deterministic=args.deterministic,
-            staleness=args.staleness, skip_nonfinite=args.skip_nonfinite,
-            max_nonfinite_skips=args.max_nonfinite_skips,
-            moving_average_decay=args.moving_average_decay, ps_strategy=args.ps_strategy,
-            seed=args.seed, log_every=args.log_every, summary_every=args.summary_every,
-            run_dir=args.run_dir, timeline=args.timeline, bucket_bytes=args.bucket_bytes,
-            ps_threads=args.ps_threads, profile_steps=args.profile_steps,
-            aggregate_per_node=args.aggregate_per_node, wire_dtype=args.wire_dtype)
-        return cls(training=training, model=args.model, hidden=args.hidden,
-                   optimizer=args.optimizer, lr=args.lr, lr_decay=args.lr_decay,
-                   lr_decay_steps=args.lr_decay_steps,
-                   deadline=default_deadline() if args.deadline is None else args.deadline,
-                   fixed_deadline=args.deadline is not None,
-                   data=args.data, export=args.export,
-                   gpu_memory_fraction=args.gpu_memory_fraction)
+        """Build the configuration from parsed job flags (see ``add_training_arguments``).
+
+        Without ``--deadline`` the waits adapt to the step time, up to the default deadline.
+        """
+        return cls(fixed_deadline=args.deadline is not None, **values_from_args(cls, args))
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,24 @@ class ConfigurationError(MpitfError, ValueError):
     """A cluster spec, flag or option that cannot work; the message says how to fix it."""
 
 
+class CollectiveError(ConfigurationError):
+    """An error every rank raised alike, from the same facts: rank 0 says it, every rank exits 2.
+
+    ``cause`` is the error each rank found (a bad spec or flag, a missing data file, a
+    checkpoint directory another job holds); the message is its message. It is a
+    configuration error: the job was started in a way that cannot work.
+    """
+
+    collective = True  # no rank needs to abort the others: each exits on its own
+
+    def __init__(self, cause):
+        super().__init__(str(cause))
+        self.cause = cause
+
+    def __reduce__(self):
+        return type(self), (self.cause,)
+
+
 class DataError(MpitfError, ValueError):
     """A data file that is missing, incomplete or inconsistent; names the file and array."""
 

@@ -32,6 +32,18 @@ def test_layering_contracts_hold():
     assert int(re.search(r"Contracts: (\d+) kept", out)[1]) >= 3
 
 
+def test_the_layers_name_every_module():
+    # A module the layering contract does not name may import anything: name each one.
+    import tomllib
+
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    layers = next(c for c in contracts["contracts"] if c["id"] == "layers")["layers"]
+    named = set(re.findall(r"mpitf\.\w+", " ".join(layers)))
+    modules = {f"mpitf.{p.stem}" for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    modules |= {f"mpitf.{p.name}" for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert modules - named == set()
+
+
 def test_a_backward_import_breaks_the_layering(tmp_path):
     # The contracts must bite: a ps module that imports the worker side is refused.
     shutil.copytree(PACKAGE, tmp_path / "mpitf", ignore=shutil.ignore_patterns("__pycache__"))

@@ -138,6 +138,98 @@ def test_select_gpu_soft_placement_falls_back_and_logs_once(no_cupy, caplog):
     assert "local rank 2" in records[0].getMessage() and "CPU" in records[0].getMessage()
 
 
+# A CuPy that is installed but broken, as a stand-in package on sys.path: its import
+# fails, or the CUDA runtime under it does. device="auto" says so; device="gpu" refuses.
+BROKEN_IMPORT = "raise ImportError('libcudart.so.12: cannot open shared object file')\n"
+MISSING_DEPENDENCY = "import fastrlock_not_here  # noqa\n"
+RUNTIME = """
+class CUDARuntimeError(RuntimeError):
+    def __init__(self, status, text):
+        self.status = status
+        super().__init__(text)
+
+class runtime:
+    @staticmethod
+    def getDeviceCount():
+        raise CUDARuntimeError({status}, {text!r})
+
+cuda = type("cuda", (), {{"runtime": runtime}})
+"""
+NO_DRIVER = RUNTIME.format(status=35, text="cudaErrorInsufficientDriver: CUDA driver version "
+                           "is insufficient for CUDA runtime version")
+NO_DEVICE = RUNTIME.format(status=100, text="cudaErrorNoDevice: no CUDA-capable device is "
+                           "detected")
+
+
+@pytest.fixture
+def fake_cupy(tmp_path, monkeypatch):
+    """Install a stand-in ``cupy`` package whose ``__init__`` is the given source."""
+    import sys
+
+    def install(source):
+        package = tmp_path / "cupy"
+        package.mkdir(exist_ok=True)
+        (package / "__init__.py").write_text(source)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        sys.modules.pop("cupy", None)
+
+    monkeypatch.setattr(bk, "_SOFT_PLACEMENT_WARNED", set())
+    yield install
+    sys.modules.pop("cupy", None)
+
+
+@pytest.mark.parametrize("source, error", [
+    (BROKEN_IMPORT, "ImportError: libcudart.so.12: cannot open shared object file"),
+    (MISSING_DEPENDENCY, "ModuleNotFoundError: No module named 'fastrlock_not_here'"),
+    (NO_DRIVER, "cudaErrorInsufficientDriver"),
+])
+def test_a_broken_gpu_stack_is_a_warning_with_auto_and_an_error_with_gpu(
+        fake_cupy, caplog, source, error):
+    fake_cupy(source)
+    with caplog.at_level(logging.DEBUG, logger="mpitf"):
+        be = select_backend("auto", local_rank=1, rank=5, env={})
+    assert be.name == "numpy"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, caplog.text
+    assert error in warnings[0] and "rank 5 (local rank 1)" in warnings[0]
+    assert "device='cpu'" in warnings[0]  # and how to say so
+    with pytest.raises(ConfigurationError, match="asked for a GPU") as err:
+        select_backend("gpu", local_rank=1, env={})
+    assert error in str(err.value) and "broken" in str(err.value)
+
+
+def test_no_device_under_an_installed_cupy_is_not_a_warning(fake_cupy, caplog):
+    fake_cupy(NO_DEVICE)
+    with caplog.at_level(logging.DEBUG, logger="mpitf"):
+        assert select_backend("auto", env={}).name == "numpy"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert "cudaErrorNoDevice" in caplog.text  # said at debug level, as a missing CuPy is
+    with pytest.raises(ConfigurationError, match="CUDA reports no device"):
+        select_backend("gpu", env={})
+
+
+@pytest.mark.mpi
+def test_device_gpu_with_a_broken_gpu_stack_ends_the_job_with_one_message(
+        digits_file, tmp_path):
+    from pathlib import Path
+
+    from mpitf.testing import run_mpi
+
+    repo = Path(__file__).resolve().parent.parent
+    (tmp_path / "fake" / "cupy").mkdir(parents=True)
+    (tmp_path / "fake" / "cupy" / "__init__.py").write_text(BROKEN_IMPORT)
+    path = os.pathsep.join([str(tmp_path / "fake"), str(repo),
+                            *filter(None, [os.environ.get("PYTHONPATH")])])
+    run = run_mpi(3, [str(repo / "jobs" / "mnist_mlp.py"), "--data", digits_file,
+                      "--num-ps", "1", "--steps", "5", "--device", "gpu"], timeout=60,
+                  cwd=str(tmp_path), env={"PYTHONPATH": path})
+    assert not run.timed_out, run.output
+    assert run.returncode == 2, run.output
+    assert run.output.count("asked for a GPU") == 1, run.output  # rank 0 alone says it
+    assert "ImportError: libcudart.so.12" in run.stderr, run.output
+    assert "Traceback" not in run.output and "final:" not in run.stdout
+
+
 @pytest.mark.parametrize("kwargs", [{"device": "tpu"}, {"memory_fraction": 1.5}])
 def test_select_bad_arguments(kwargs):
     with pytest.raises(ConfigurationError):

@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mpitf import cluster as cluster_mod
 from mpitf.cluster import ClusterSpec, add_cluster_arguments
-from mpitf.cluster_args import check_claimed_role, cluster_from_args
+from mpitf.cluster import spec as cluster_mod
+from mpitf.cluster.flags import check_claimed_role, cluster_from_args
+from mpitf.cluster.roles import assign_roles, check_training_cluster, describe_roles
 from mpitf.errors import ConfigurationError
-from mpitf.roles import assign_roles, check_training_cluster, describe_roles
 
 
 def parse(argv):
@@ -116,7 +116,7 @@ def test_bad_job_name(job):
 
 def test_a_cluster_without_workers_runs_but_does_not_train():
     # issue 14 (on purpose): assign_roles places it (the tutorial's {"local": [a, b]});
-    # the training side refuses it (mpitf.roles.check_training_cluster)
+    # the training side refuses it (mpitf.cluster.roles.check_training_cluster)
     for cluster in ({"ps": ["localhost:1"]}, {"ps": 1, "worker": 0}):
         assert assign_roles(cluster, ["n"]) == [("ps", 0)]
         with pytest.raises(ConfigurationError, match="needs a chief or worker task"):

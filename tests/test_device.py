@@ -4,7 +4,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mpitf.device import DeviceSpec, device_name, gpu_for_local_rank, local_rank, visible_gpus
+from mpitf.cluster.device import (
+    DeviceSpec,
+    device_name,
+    gpu_for_local_rank,
+    local_rank,
+    visible_gpus,
+)
 from mpitf.errors import ConfigurationError
 
 

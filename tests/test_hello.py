@@ -84,7 +84,7 @@ def test_the_tutorials_local_cluster_greets_from_both_tasks(mpirun):
 
 
 def test_ps_chief_worker_evaluator_greet_in_spec_order(mpirun):
-    """Greetings follow the spec's job order; ranks follow mpitf.roles' placement order."""
+    """Greetings follow the spec's job order; ranks follow mpitf.cluster.roles' placement order."""
     spec = ("evaluator|localhost:1,worker|localhost:2;localhost:3,chief|localhost:4,"
             "ps|localhost:5")
     got = greetings(mpirun(5, HELLO, f"--cluster_spec={spec}", timeout=30))

@@ -4,6 +4,7 @@ finishes normally before the others is not taken for dead.
 (Killed ranks mid-training are covered in test_recovery.py.)
 """
 
+import os
 from pathlib import Path
 
 from mpitf.testing import run_mpi
@@ -28,3 +29,49 @@ def test_ranks_finishing_at_different_times_are_not_reported():
     assert sorted(line for line in res.stdout.splitlines() if line.endswith("done")) == [
         "rank 0 done", "rank 1 done", "rank 2 done"]
     assert "died" not in res.output and "uncaught" not in res.output, res.output
+
+
+def test_a_lifeline_names_a_peer_gone_without_a_marker_and_marks_its_own_exit(monkeypatch):
+    import shutil
+    import subprocess
+    import sys
+
+    from mpitf.runtime import lifeline
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # watch() installs its hook
+    monkeypatch.setattr(lifeline, "_active", None)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    aborted = []
+    line = lifeline.Lifeline(0, {1: gone.pid}, f"test-{os.getpid()}", lambda r: f"rank {r}",
+                             lambda: aborted.append(True))
+    try:
+        thread = line.watch()
+        assert lifeline.active() is line and sys.excepthook == line._note_uncaught
+        thread.join(5)  # the peer was gone before it was watched: nothing to wait for
+        assert not thread.is_alive() and not aborted
+        assert line.dead_peer_message() == \
+            f"rank 1 (pid {gone.pid}) died without finishing (killed?); ending the job"
+        seen = []
+        line._previous_hook = lambda *exc: seen.append(exc[0])
+        sys.excepthook(RuntimeError, RuntimeError("boom"), None)  # nobody caught it
+        assert seen == [RuntimeError]
+        line.mark_exit()
+        assert line.leaving.is_set()
+        with open(os.path.join(line.dir, "0.exit")) as f:
+            assert f.read() == "failed"
+    finally:
+        shutil.rmtree(line.dir, ignore_errors=True)
+
+
+def test_an_error_every_rank_raised_alike_is_one_type_whatever_the_cause():
+    import pickle
+
+    from mpitf.errors import CollectiveError, ConfigurationError
+    from mpitf.runtime.exits import collective
+
+    err = collective(OSError(2, "No such file or directory", "x.h5"))
+    assert isinstance(err, CollectiveError) and isinstance(err, ConfigurationError)
+    assert str(err) == "[Errno 2] No such file or directory: 'x.h5'"
+    assert collective(err) is err
+    assert str(pickle.loads(pickle.dumps(err))) == str(err)

@@ -28,7 +28,6 @@ from test_recovery import (
 
 from mpitf.ckpt.names import checkpoint_name, read_manifest
 from mpitf.config import TrainingConfig
-from mpitf.conflicts import check_aggregation
 from mpitf.errors import ConfigurationError
 from mpitf.ps.consistency import make_policy
 from mpitf.ps.optimizers import make_optimizer
@@ -152,9 +151,9 @@ def test_config_refusals_and_the_plan_are_pure():
         with pytest.raises(ConfigurationError, match=f"does not support {what}"):
             TrainingConfig(aggregate_per_node=True, **options)
     config = TrainingConfig(aggregate_per_node=True, replicas_to_aggregate=3)
-    check_aggregation(config, 3)  # every replica: no backup workers, fine
+    config.check_aggregation(3)  # every replica: no backup workers, fine
     with pytest.raises(ConfigurationError, match="backup workers"):
-        check_aggregation(config, 4)
+        config.check_aggregation(4)
     # nodes by shared-memory domain, in replica order; or blocks of MPITF_NODE_SIZE
     assert node_plan([5, 5, 9, 5, 9]) == ((0, 1, 3), (2, 4))
     assert node_plan([0] * 5, size=2) == ((0, 1), (2, 3), (4,))

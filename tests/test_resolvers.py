@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpitf.cluster import add_cluster_arguments
-from mpitf.cluster_args import check_claimed_role, claimed_roles, cluster_from_args
+from mpitf.cluster.flags import check_claimed_role, claimed_roles, cluster_from_args
+from mpitf.cluster.resolvers import SlurmClusterResolver, TFConfigClusterResolver, expand_hostlist
+from mpitf.cluster.roles import assign_roles
 from mpitf.errors import ConfigurationError
-from mpitf.resolvers import SlurmClusterResolver, TFConfigClusterResolver, expand_hostlist
-from mpitf.roles import assign_roles
 
 HELLO = "jobs/hello.py"
 PS_WORKER = {"ps": ["localhost:1"], "worker": ["localhost:2", "localhost:3"]}

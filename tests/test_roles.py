@@ -1,10 +1,13 @@
-"""mpitf.roles' placement order for chief, evaluator and other jobs (issue 14): pure, no MPI."""
+"""mpitf.cluster.roles' placement order for chief, evaluator and other jobs (issue 14): pure.
+
+No MPI.
+"""
 
 import pytest
 
 from mpitf.cluster import ClusterSpec
+from mpitf.cluster.roles import assign_roles, check_training_cluster, job_order, training_replicas
 from mpitf.errors import ConfigurationError
-from mpitf.roles import assign_roles, check_training_cluster, job_order, training_replicas
 
 
 def test_free_tasks_take_ps_chief_worker_others_then_evaluator():

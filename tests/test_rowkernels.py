@@ -1,4 +1,4 @@
-"""The compiled loops over embedding rows (mpitf/rowkernels.py, behind mpitf.rows), in one
+"""The compiled loops over embedding rows (mpitf/rowkernels.py, behind mpitf.tables.rows), in one
 process, against the numpy they replace: deduplication equal to ``np.unique`` (sorted
 unique ids or keys, and the inverse) on both of its paths, the sum per id bit for bit
 ``np.bincount``'s, the gather and scatter of rows, the ps's check of the ids it holds and
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mpitf.rowkernels import first_outside, local_rows, row_words
-from mpitf.rows import Dedup, RowPlacement, all_finite, put_rows, segment_sum, take_rows
+from mpitf.tables.rowkernels import first_outside, local_rows, row_words
+from mpitf.tables.rows import Dedup, RowPlacement, all_finite, put_rows, segment_sum, take_rows
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -200,8 +200,9 @@ def test_scancel_does_not_requeue(submitted):
 
 def test_srun_runs_tensorflows_task_for_slurm_task_r_on_mpi_rank_r(slurm_env, tmp_path):
     # Under srun the jobs' cluster comes from SlurmClusterResolver: each address is a Slurm
-    # node name and a port, mpitf.roles pins the task there, and since srun makes SLURM_PROCID
-    # the MPI rank, rank r runs the task TensorFlow gives Slurm task r. -O: 3 tasks, 2 CPUs.
+    # node name and a port, mpitf.cluster.roles pins the task there, and since srun makes
+    # SLURM_PROCID the MPI rank, rank r runs the task TensorFlow gives Slurm task r.
+    # -O: 3 tasks, 2 CPUs.
     cmd = ["srun", "-O", "-n", "3", "--time=2", sys.executable, str(TF_TASKS), "--num-ps", "1"]
     res = subprocess.run(cmd, env=dict(slurm_env, PYTHONPATH=str(REPO)), cwd=tmp_path,
                          capture_output=True, text=True, timeout=240)

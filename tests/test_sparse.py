@@ -17,7 +17,7 @@ from mpitf.errors import ConfigurationError, DataError, PeerError
 from mpitf.models.embedding import EmbeddingTable, initial_rows
 from mpitf.ps.optimizers import make_optimizer
 from mpitf.ps.sparse import SparseTables
-from mpitf.rows import RowPlacement, segment_sum, unique_inverse
+from mpitf.tables.rows import RowPlacement, segment_sum, unique_inverse
 from mpitf.testing import run_mpi
 from mpitf.wire.header import HEADER_BYTES
 from mpitf.wire.sparse import SparseLayout

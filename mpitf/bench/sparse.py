@@ -13,7 +13,7 @@ Zipf(A) with a fixed seed (``(zipf - 1) % R``). Measured in one run, on the work
 * step_occurrences_us: the same step with the model reading each occurrence's row and
   writing each occurrence's gradient (``Lookup.rows``/``.grad``: B x F rows gathered,
   then summed per id), as a model whose layers take one row per id looked up does.
-* dedup_us: :class:`mpitf.rows.Dedup` of one batch's B x F ids (the worker's, compiled).
+* dedup_us: :class:`mpitf.tables.rows.Dedup` of one batch's B x F ids (the worker's, compiled).
 * raw_us: a raw MPI exchange of the same bytes with every ps, in the same two round
   trips (pull request -> rows; push + dense push -> dense reply).
 * dense_us: ``Client.push_pull`` of the whole table as one dense variable (SGD).
@@ -22,9 +22,9 @@ Zipf(A) with a fixed seed (``(zipf - 1) % R``). Measured in one run, on the work
   way measured), the memory work a step cannot avoid. The table is numpy's own
   allocation (``np.zeros``: 16 bytes past a cache line, as every earlier run);
   gather_scatter_aligned_us is the same on a table that starts on a cache line, as the
-  ps's tables do (:func:`mpitf.rows.cache_aligned`).
+  ps's tables do (:func:`mpitf.tables.rows.cache_aligned`).
 * segment_sum_us: summing B x F row gradients per unique id, with ``np.add.at`` and with
-  :func:`mpitf.rows.segment_sum` (compiled, the one used; the same bits as a
+  :func:`mpitf.tables.rows.segment_sum` (compiled, the one used; the same bits as a
   ``np.bincount`` per column).
 
 ``bytes_per_step`` counts both directions (headers included); rank 0 writes the JSON.
@@ -42,9 +42,9 @@ from mpitf.models.embedding import EmbeddingTable
 from mpitf.placement import Placement
 from mpitf.ps.optimizers import make_optimizer
 from mpitf.ps.service import serve
-from mpitf.rows import Dedup, cache_aligned, row_view, segment_sum
 from mpitf.runtime.exits import run_job
 from mpitf.runtime.server import Server
+from mpitf.tables.rows import Dedup, cache_aligned, row_view, segment_sum
 from mpitf.worker.client import Client
 from mpitf.worker.session import TrainingSession
 

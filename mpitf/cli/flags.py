@@ -1,138 +1,49 @@
 """The training flags every job shares, with the TensorFlow example scripts' names kept."""
 
-import dataclasses
 import os
 
 from ..cluster import add_cluster_arguments
-from ..cluster_args import check_claimed_role, cluster_from_args
-from ..config import DEFAULT_DEADLINE, DEFAULT_MAX_NONFINITE_SKIPS, MODES, JobConfig, TrainingConfig
+from ..cluster.flags import check_claimed_role, cluster_from_args
+from ..cluster.roles import check_training_cluster
+from ..config import JobConfig
 from ..errors import ConfigurationError, MpitfError
-from ..roles import check_training_cluster
+from ..options import add_flags
 from ..runtime.exits import collective, setup_logging
 
-# The defaults of the flags are those of the configuration: written once, there.
-_TRAINING = {f.name: f.default for f in dataclasses.fields(TrainingConfig)}
-_JOB = {f.name: f.default for f in dataclasses.fields(JobConfig)}
 
+def add_training_arguments(parser, steps=None, batch_size=None, lr=None):
+    """Add data, optimiser, consistency, checkpoint, logging and device flags to ``parser``.
 
-def add_training_arguments(parser, steps=300, batch_size=32, lr=_JOB["lr"]):
-    """Add data, optimiser, consistency, checkpoint and logging flags to ``parser``.
-
-    Build the :class:`~mpitf.config.JobConfig` from the parsed flags with
-    :func:`config_from_args`, which checks every value.
+    The flags are the options of :class:`~mpitf.config.JobConfig` (names, defaults and help
+    written there, once); ``steps``, ``batch_size`` and ``lr`` give a job's own defaults.
+    Build the configuration from the parsed flags with :func:`config_from_args`, which
+    checks every value.
     """
     add_cluster_arguments(parser)
-    g = parser.add_argument_group("training")
-    g.add_argument("--data", default=None,
-                   help="HDF5 data set (x_train, y_train, x_test, y_test); default: the digits "
-                        "set, prepared on first use under $MPITF_DATA_DIR or ~/.cache/mpitf")
-    g.add_argument("--model", choices=("mlp", "cnn"), default=_JOB["model"],
-                   help="reference model")
-    g.add_argument("--hidden", type=int, default=_JOB["hidden"], help="hidden units of the MLP")
-    g.add_argument("--steps", type=int, default=steps, help="stop at this global step")
-    g.add_argument("--batch-size", type=int, default=batch_size, help="examples per worker step")
-    g.add_argument("--lr", "--learning_rate", dest="lr", type=float, default=lr,
-                   help="learning rate")
-    g.add_argument("--lr-decay", type=float, default=None,
-                   help="exponential decay rate of the learning rate per --lr-decay-steps")
-    g.add_argument("--lr-decay-steps", type=int, default=_JOB["lr_decay_steps"],
-                   help="steps per decay")
-    g.add_argument("--optimizer", choices=("sgd", "momentum", "adam", "adagrad", "ftrl"),
-                   default=_JOB["optimizer"])
-    g.add_argument("--mode", choices=MODES, default=_TRAINING["mode"],
-                   help="sync replicas, async, or bounded staleness (ssp)")
-    g.add_argument("--replicas-to-aggregate", "--replicas_to_aggregate", type=int, default=None,
-                   help="sync: gradients per step (default: all workers; fewer gives backups)")
-    g.add_argument("--staleness", type=int, default=_TRAINING["staleness"],
-                   help="ssp: largest lead over the slowest")
-    g.add_argument("--ps-threads", type=int, default=None,
-                   help="threads each ps applies the optimizer with (default: the cores the "
-                        "ps rank may use, shared among the ranks on its node)")
-    g.add_argument("--aggregate-per-node", action="store_true",
-                   help="sync: sum a node's gradients in shared memory; one rank per node pushes")
-    g.add_argument("--deterministic", action="store_true",
-                   help="sync: sum gradients in worker order so runs are bit-for-bit equal")
-    g.add_argument("--skip-nonfinite", action="store_true",
-                   help="drop NaN/Inf gradients and count them instead of stopping; the job "
-                        "still ends (exit 1, naming the variable) after --max-nonfinite-skips "
-                        "in a row on one worker")
-    g.add_argument("--max-nonfinite-skips", type=int, default=DEFAULT_MAX_NONFINITE_SKIPS,
-                   help="with --skip-nonfinite: consecutive skipped gradients of one worker "
-                        f"that end the job (default: {DEFAULT_MAX_NONFINITE_SKIPS})")
-    g.add_argument("--moving-average-decay", type=float, default=None,
-                   help="keep an exponential moving average of the variables for evaluation")
-    g.add_argument("--ps-strategy", choices=("round_robin", "greedy"), default="round_robin")
-    g.add_argument("--seed", type=int, default=_TRAINING["seed"],
-                   help="seed of initial values and shuffling")
-    g.add_argument("--evaluator", action="store_true",
-                   help="with --num-ps (no spec): the highest rank is an evaluator task that "
-                        "evaluates each checkpoint of --checkpoint-dir")
-    g.add_argument("--log-every", type=int, default=_TRAINING["log_every"],
-                   help="chief logs every N steps (0: never): a line, metrics.jsonl and "
-                        "TensorBoard scalars")
-    g.add_argument("--summary-every", type=int, default=_TRAINING["summary_every"],
-                   help="chief writes TensorBoard histograms of gradients and variables "
-                        f"every N steps (0: never; default: {_TRAINING['summary_every']})")
-    g.add_argument("--run-dir", default="runs/latest",
-                   help="where metrics.jsonl, summary.json and the TensorBoard event files "
-                        "go (tensorboard --logdir runs/)")
-    g.add_argument("--checkpoint-dir", default=os.environ.get("MPITF_CHECKPOINT_DIR"),
-                   help="checkpoint directory; the newest good checkpoint there is restored "
-                        "(default: $MPITF_CHECKPOINT_DIR, else none)")
-    g.add_argument("--checkpoint-every", type=int, default=None,
-                   help="checkpoint every N global steps")
-    g.add_argument("--checkpoint-secs", type=float, default=None,
-                   help="checkpoint every T seconds")
-    g.add_argument("--max-to-keep", type=int, default=_TRAINING["max_to_keep"],
-                   help="complete checkpoints kept, the newest (0: keep all)")
-    g.add_argument("--deadline", type=float, default=None,
-                   help="a fixed number of seconds to wait on a silent rank before ending "
-                        "the job (set it above the longest step and checkpoint). Without "
-                        "it, a silent rank is named within max(30 s, 10 x the slowest step "
-                        "so far) once a few steps have run, and start-up and checkpoints "
-                        f"may take up to $MPITF_DEADLINE, else {DEFAULT_DEADLINE:g} s")
-    g.add_argument("--timeline", default=None, help="write a Chrome trace of every rank here")
-    g.add_argument("--profile-steps", type=int, default=0,
-                   help="the chief times N steps after N/4 warm-up steps and writes "
-                        "RUN_DIR/profile.json: model bytes, compute per step and example, "
-                        "push+pull (for mpitf bench --plan)")
-    g.add_argument("--wire-dtype", default=_TRAINING["wire_dtype"],
-                   help="the dtype gradients and parameters travel in: float32, bfloat16 or "
-                        "float16 (the ps keeps float32 parameters and optimizer slots)")
-    g.add_argument("--bucket-bytes", type=int, default=_TRAINING["bucket_bytes"],
-                   help="push gradients per ps in buckets of about this many bytes, last "
-                        "layers first, pipelined on the ps (0: one frame per ps; default: "
-                        f"{TrainingConfig().bucket_bytes >> 20} MiB; with --aggregate-per-node: 0)")
-    g.add_argument("--log-device-placement", action="store_true",
-                   help="print which rank runs which task, and (the chief) which ps task "
-                        "holds each variable and slice")
-    g.add_argument("--export", default=None,
-                   help="after training, the chief writes every variable to this .npz (its "
-                        "directory must exist and be writable: checked before training)")
-    d = parser.add_argument_group("devices")
-    d.add_argument("--device", choices=("auto", "cpu", "gpu"), default="cpu",
-                   help="where variables and gradients live: 'auto' takes a GPU (local rank "
-                        "modulo visible devices) when CuPy and CUDA are there (default: cpu)")
-    d.add_argument("--allow-soft-placement", action="store_true",
-                   help="fall back to the CPU, saying so once, when --device=gpu cannot be had")
-    d.add_argument("--gpu-memory-fraction", type=float, default=None,
-                   help="cap each rank's CuPy memory pool at this fraction of its GPU "
-                        "(per_process_gpu_memory_fraction)")
-    d.add_argument("--no-allow-growth", dest="allow_growth", action="store_false",
-                   help="with --gpu-memory-fraction, allocate that much once at start")
-    return parser
+    return add_flags(parser, JobConfig,
+                     defaults=dict(last_step=steps, batch_size=batch_size, lr=lr))
 
 
 def setup_backend(args, server):
-    """Choose this rank's array backend from the flags, make it current, log it on rank 0."""
+    """Choose this rank's array backend from the flags, make it current, log it on rank 0.
+
+    Collective over ``server.comm``: a rank that cannot have the device it asked for
+    (``--device gpu`` without a working CuPy and GPU) ends every rank with one message
+    and exit 2.
+    """
     import logging
 
     from ..runtime.backend import describe_backend, select_backend, set_backend
 
-    be = select_backend(args.device, server.local_rank, rank=server.rank,
-                        allow_soft_placement=args.allow_soft_placement,
-                        memory_fraction=args.gpu_memory_fraction,
-                        allow_growth=args.allow_growth)
+    be, problem = None, None
+    try:
+        be = select_backend(args.device, server.local_rank, rank=server.rank,
+                            allow_soft_placement=args.allow_soft_placement,
+                            memory_fraction=args.gpu_memory_fraction,
+                            allow_growth=args.allow_growth)
+    except ConfigurationError as exc:  # handed to every rank just below
+        problem = exc
+    raise_shared(server.comm, problem)
     set_backend(be)
     if server.rank == 0 and args.device != "cpu":
         logging.getLogger("mpitf").info("%s", describe_backend(be))

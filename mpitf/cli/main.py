@@ -19,7 +19,6 @@ with the job's own code.
 
 import argparse
 import importlib.util
-import json
 import os
 import pkgutil
 import re
@@ -30,15 +29,11 @@ import sys
 import tempfile
 
 from .. import __version__
+from ..cluster.spec import SPEC_FORMS, parse_spec
 from ..errors import ConfigurationError, MpitfError
 from ..runtime.exits import EXIT_ERROR, EXIT_USAGE
 
 __all__ = ["main", "build_parser", "parse_spec"]
-
-SPEC_FORMS = ("'ps|host:port;...,worker|host:port;...', a JSON dict such as "
-              "'{\"ps\": 2, \"worker\": [\"a:1\", \"b:1\"]}' or TF_CONFIG,"
-              " or counts 'ps=2,worker=3'")
-
 
 def _error(message, code):
     sys.stderr.write(f"mpitf: error: {message}\n")
@@ -46,39 +41,9 @@ def _error(message, code):
 
 
 # --- cluster ----------------------------------------------------------------------------
-def parse_spec(text):
-    """Return the ClusterSpec a ``--spec`` value describes, in any of its three forms."""
-    from ..cluster import ClusterSpec
-    from ..resolvers import TFConfigClusterResolver
-
-    text = (text or "").strip()
-    if text.startswith("{"):
-        try:
-            value = json.loads(text)
-        except ValueError as exc:
-            raise ConfigurationError(f"--spec is not valid JSON ({exc}): {text!r}") from None
-        if isinstance(value, dict) and "cluster" in value:
-            return TFConfigClusterResolver(env={"TF_CONFIG": text}).cluster_spec()
-        return ClusterSpec(value)
-    if "|" in text:
-        return ClusterSpec.from_string(text)
-    if "=" in text:
-        counts = {}
-        for token in text.split(","):
-            job, _, count = (t.strip() for t in token.partition("="))
-            if not count.isdigit():
-                raise ConfigurationError(
-                    f"bad count in {token.strip()!r}: expecting 'job=N' with N >= 0")
-            if job in counts:
-                raise ConfigurationError(f"job {job!r} is given twice in --spec {text!r}")
-            counts[job] = int(count)
-        return ClusterSpec(counts)
-    raise ConfigurationError(f"cannot read --spec {text!r}: expecting {SPEC_FORMS}")
-
-
 def cmd_cluster(args):
     """Print which rank runs which task on which host, launching nothing."""
-    from ..roles import assign_roles, describe_roles
+    from ..cluster.roles import assign_roles, describe_roles
 
     cluster = parse_spec(args.spec)
     hosts = [h.strip() for h in args.hosts.split(",")] if args.hosts else None

@@ -9,9 +9,9 @@ to their end and hands the training replicas back.
 
 
 from ..cluster import ClusterSpec
-from ..cluster_args import cluster_from_args
+from ..cluster.flags import cluster_from_args
+from ..cluster.resolvers import TFConfigClusterResolver
 from ..errors import ConfigurationError
-from ..resolvers import TFConfigClusterResolver
 from ..runtime.timeline import Timeline
 
 

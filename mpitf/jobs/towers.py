@@ -26,10 +26,10 @@ from mpitf.cli.flags import (
 )
 from mpitf.cli.reports import evaluate_session, report_final
 from mpitf.cli.side_tasks import run_side_task
+from mpitf.cluster.roles import check_training_cluster
 from mpitf.data.sharded import ShardedDataset, load_split
 from mpitf.errors import ConfigurationError
 from mpitf.models import evaluate
-from mpitf.roles import check_training_cluster
 from mpitf.runtime.backend import describe_backend
 from mpitf.runtime.exits import RankParser, collective, run_job, setup_logging
 from mpitf.runtime.server import Server

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..config import check_choice, check_int, check_number
 from ..errors import ConfigurationError
-from ..rows import ROW_PLACEMENTS
+from ..tables.rows import ROW_PLACEMENTS
 
 INIT_BLOCK = 4096
 INITIALIZERS = ("uniform", "normal", "zeros")
@@ -37,7 +37,7 @@ class EmbeddingTable:
     or "zeros". ``lookups``: how many ids of this table one example looks up at most (a
     table shared by several fields looks up one per field); a step's buffers are made for
     ``batch_size * lookups`` unique ids. ``placement``: how rows are split over the ps
-    tasks, "mod" (row i on ps i % P, the default) or "range" (see :mod:`mpitf.rows`).
+    tasks, "mod" (row i on ps i % P, the default) or "range" (see :mod:`mpitf.tables.rows`).
     """
 
     name: str

@@ -9,14 +9,14 @@ when the ps applies that worker's dense push, so the consistency policy decides 
 Sparse apply is the dense kernel on the rows present: gather the rows and their slots,
 run the optimizer's own arithmetic on them (its fused kernel), scatter them back; SGD
 (no slots) updates the rows where they lie, with the same arithmetic. The
-check of the ids, the gathers and the scatters are compiled loops
-(:mod:`mpitf.rowkernels`) over buffers made at start-up; a push's ids are checked once,
-when it arrives (their local rows kept for the apply), and a lone push's gradients are
-applied where they lie in the frame it came in. Rows absent from a step
-keep their slots untouched; for Adam this is TensorFlow's ``LazyAdamOptimizer`` (only
+check of the ids, the gathers and the scatters are compiled loops over buffers made at
+start-up (:class:`~mpitf.tables.shard.TableShard`, over :mod:`mpitf.tables.rowkernels`); a
+push's ids are checked once, when it arrives (their local rows kept for the apply), and a
+lone push's gradients are applied where they lie in the frame it came in. Rows absent
+from a step keep their slots untouched; for Adam this is TensorFlow's ``LazyAdamOptimizer`` (only
 present rows update ``m`` and ``v``; the bias correction follows the global step). In
 sync mode each step's gradients are summed by id across workers in worker order
-(:func:`~mpitf.rows.segment_sum`, sequential per id) and divided by the number of
+(:func:`~mpitf.tables.rows.segment_sum`, sequential per id) and divided by the number of
 gradients, as the dense mean, so deterministic sync is bit for bit a single process's sum.
 """
 
@@ -24,8 +24,8 @@ import numpy as np
 
 from ..errors import PeerError
 from ..models.embedding import initial_rows
-from ..rowkernels import first_outside, local_rows, sgd_rows
-from ..rows import Dedup, RowPlacement, cache_aligned, put_rows, segment_sum, take_rows
+from ..tables.rows import Dedup, RowPlacement, segment_sum
+from ..tables.shard import TableShard
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.sparse import SparseLayout
@@ -35,80 +35,6 @@ def message_layout(tables, batch_size):
     """Return the :class:`SparseLayout` of the sparse messages of ``tables``."""
     return SparseLayout([(t.dim, t.dtype) for t in tables],
                         [t.max_ids(batch_size) for t in tables])
-
-
-class _Table:
-    """The rows of one table on this ps, its slots and the scratch of one apply."""
-
-    def __init__(self, spec, placement, ps, optimizer, seed, max_rows):
-        self.spec, self.placement, self.ps = spec, placement, ps
-        n, dim, dtype = placement.rows_on(ps), spec.dim, np.dtype(spec.dtype)
-        start = optimizer.make_slots(1, np, dtype)  # each slot's initial value
-        slots = [k for k in start if not k.startswith("_")]
-        try:
-            self.params = cache_aligned((n, dim), dtype)
-            ids = placement.global_ids(ps)
-            for lo in range(0, n, 1 << 16):  # bounded scratch while drawing a large table
-                self.params[lo:lo + (1 << 16)] = initial_rows(spec, seed,
-                                                              ids[lo:lo + (1 << 16)])
-            self.slots = {k: cache_aligned((n, dim), dtype, start[k][0]) for k in slots}
-        except MemoryError:
-            need = n * dim * dtype.itemsize * (1 + len(slots)) / 2**20
-            raise MemoryError(
-                f"ps task {ps} cannot hold its {n} rows of table {spec.name!r} ({need:.0f} "
-                f"MiB with the optimizer's slots): split the table over more ps tasks "
-                f"(--num-ps)") from None
-        rows = min(n, max_rows)
-        self.gathered = {k: v.reshape(-1, dim) if v.size else v.reshape(0, dim)
-                         for k, v in optimizer.make_slots(rows * dim, np, dtype).items()}
-        self.rows_buf = np.empty((rows, dim), dtype)
-        self.grad_buf = np.empty((rows, dim), dtype)
-        self.local = np.empty(rows, np.int64)
-        self.mod = placement.kind == "mod" and placement.num_ps > 1
-        self.lo, self.hi = (0, n) if self.mod else (int(placement.starts[ps]),
-                                                    int(placement.starts[ps + 1]))
-        self.same = not self.mod and self.lo == 0  # local rows are the ids (one ps, say)
-
-    def locate(self, ids, worker_desc, out=None):
-        """Return the local rows of ``ids`` (in ``out``, else scratch); refuse ids not held here.
-
-        Where local rows are the ids themselves (one ps, or the first range), ``ids`` is
-        returned, checked. A message naming rows of another ps, or more rows than this ps
-        holds (so some twice), is a worker's routing bug, never user data.
-        """
-        pl, n, out = self.placement, len(ids), self.local if out is None else out
-        bad = n > len(out)
-        if not bad and self.same:
-            bad = first_outside(ids, 0, self.hi) >= 0
-        elif not bad:
-            bad = local_rows(ids, pl.rows, pl.num_ps, self.ps, self.mod, self.lo, self.hi,
-                             out[:n]) >= 0
-        if bad:
-            raise PeerError(f"sparse message for table {self.spec.name!r} names rows this ps "
-                            f"does not hold", **worker_desc)
-        return ids if self.same else out[:n]
-
-    def gather(self, ids, out, worker_desc):
-        """Write the rows of ``ids`` into ``out`` (a reply's rows)."""
-        take_rows(self.params, self.locate(ids, worker_desc), out)
-
-    def apply(self, optimizer, local, grads, step):
-        """Apply row gradients ``grads`` of unique local rows ``local`` at global ``step``."""
-        u, params = len(local), self.params
-        if optimizer.name == "sgd" and grads.dtype == params.dtype and params.dtype in (
-                np.float32, np.float64):  # no slots: the rows are updated where they lie
-            sgd_rows(params, local, grads, params.dtype.type(optimizer.learning_rate(step)))
-            return
-        p = take_rows(self.params, local, self.rows_buf[:u])
-        slots = {}
-        for k, buf in self.gathered.items():
-            if k in self.slots:
-                take_rows(self.slots[k], local, buf[:u])
-            slots[k] = buf[:u].reshape(-1)
-        optimizer.apply(p.reshape(-1), grads.reshape(-1), slots, step)
-        put_rows(self.params, local, p)
-        for k in self.slots:
-            put_rows(self.slots[k], local, self.gathered[k][:u])
 
 
 class SparseTables:
@@ -128,7 +54,8 @@ class SparseTables:
         self.ps, self.optimizer = ps, optimizer
         self.layout = message_layout(self.specs, sparse["batch_size"])
         self.placements = [RowPlacement(t.rows, num_ps, t.placement) for t in self.specs]
-        self.tables = [_Table(t, pl, ps, optimizer, seed, n * num_workers)
+        self.tables = [TableShard(t, pl, ps, optimizer, n * num_workers,
+                                  lambda ids, t=t: initial_rows(t, seed, ids))
                        for t, pl, n in zip(self.specs, self.placements, self.layout.max_ids)]
         self.messages = [None] * num_workers  # each worker's push, in the frame it came in
         self.pending = [None] * num_workers  # ... and its local rows of every table

@@ -6,7 +6,7 @@ buffers), ``lifeline`` (names a killed peer), ``exits`` (exit codes, abort-on-er
 signals), ``launch`` (mpiexec argv), ``stall`` (how long a wait may last before a rank
 is named) and ``timeline``.
 
-May import: the spec layer (``mpitf.cluster``, ``roles``, ``device``, ``placement``,
-``config``, ``errors``). ``Server.join`` reaches up to ``mpitf.ps`` on purpose (see
-``docs/design.md``).
+May import: the spec layer (``mpitf.cluster``, ``mpitf.tables``, ``placement``,
+``config``, ``options``, ``checks``, ``errors``). ``Server.join`` reaches up to
+``mpitf.ps`` on purpose (see ``docs/design.md``).
 """

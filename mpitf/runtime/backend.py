@@ -240,18 +240,41 @@ def set_backend(be):
 # ------------------------------------------------------------------ selection
 
 
+class _BrokenGpuStack(Exception):
+    """CuPy is installed but cannot be used: its import or the CUDA runtime failed.
+
+    Unlike an absent GPU (no CuPy, no device), this is worth saying even with
+    ``device="auto"``: the rank would otherwise train on the CPU without a word.
+    """
+
+
+# The CUDA runtime's answer on a machine with no GPU: an absent device, not a broken stack.
+_NO_DEVICE = 100  # cudaErrorNoDevice
+
+
 def _load_cupy():
-    """Import CuPy and count the visible devices; return ``(cupy, count, why_not)``."""
+    """Import CuPy and count the visible devices; return ``(cupy, count, why_not)``.
+
+    ``cupy`` is None, with the reason in ``why_not``, when there is no GPU to use: CuPy is
+    not installed, or CUDA sees no device. Raises ``_BrokenGpuStack`` naming the error when
+    CuPy is there but broken (its import or the CUDA runtime fails otherwise).
+    """
     try:
         import cupy
-    except ImportError as exc:
+    except ModuleNotFoundError as exc:
+        if exc.name != "cupy":  # CuPy is there, one of its own imports is not
+            raise _BrokenGpuStack(f"CuPy failed to import ({type(exc).__name__}: {exc})") \
+                from exc
         return None, 0, f"CuPy is not installed ({exc})"
     except Exception as exc:  # a broken CUDA install can fail in many ways on import
-        return None, 0, f"CuPy failed to import ({type(exc).__name__}: {exc})"
+        raise _BrokenGpuStack(f"CuPy failed to import ({type(exc).__name__}: {exc})") from exc
     try:
         count = int(cupy.cuda.runtime.getDeviceCount())
-    except Exception as exc:  # CUDARuntimeError when there is no driver or device
-        return None, 0, f"CUDA reports no device ({exc})"
+    except Exception as exc:  # CUDARuntimeError: no device, or no (or a mismatched) driver
+        if getattr(exc, "status", None) == _NO_DEVICE or "cudaErrorNoDevice" in str(exc):
+            return None, 0, f"CUDA reports no device ({exc})"
+        raise _BrokenGpuStack(
+            f"CUDA failed to count the devices ({type(exc).__name__}: {exc})") from exc
     if count < 1:
         return None, 0, "CUDA reports no device"
     return cupy, count, ""
@@ -273,7 +296,8 @@ def select_backend(
 
     Args:
         device: "auto" (a GPU when CuPy imports and a device is visible, else
-            CPU), "cpu" or "gpu".
+            CPU; a CuPy or CUDA that is there but fails is a warning naming the
+            error), "cpu" or "gpu" (a ConfigurationError naming why not).
         local_rank: this rank's index on its node; picks the GPU. CuPy's
             device count already respects ``CUDA_VISIBLE_DEVICES``.
         allow_soft_placement: fall back to numpy, with one warning, when
@@ -298,14 +322,20 @@ def select_backend(
         raise ConfigurationError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
     if kind == "cpu":
         return numpy_backend()
-    cupy, count, why_not = _load_cupy()
+    who = f"local rank {local_rank}" if rank is None else f"rank {rank} (local rank {local_rank})"
+    try:
+        cupy, count, why_not = _load_cupy()
+    except _BrokenGpuStack as exc:  # said even with "auto": the CPU would be a surprise
+        cupy, count, why_not = None, 0, f"the GPU stack is broken: {exc}"
+        if kind == "auto":
+            log.warning("%s: device='auto' found a GPU stack that does not work: %s; using "
+                        "the CPU (numpy): fix the CuPy/CUDA install, or pass device='cpu' "
+                        "(--device cpu)", who, exc)
+            return numpy_backend()
     if cupy is None:
         if kind == "auto":
             log.debug("device='auto' on local rank %s: %s; using CPU (numpy)", local_rank, why_not)
             return numpy_backend()
-        who = (
-            f"local rank {local_rank}" if rank is None else f"rank {rank} (local rank {local_rank})"
-        )
         visible = env.get("CUDA_VISIBLE_DEVICES")
         if visible is not None:
             why_not += f", CUDA_VISIBLE_DEVICES={visible!r}"

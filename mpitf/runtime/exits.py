@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from ..errors import MpitfError
+from ..errors import CollectiveError, MpitfError
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -59,9 +59,11 @@ def setup_logging(verbose=False):
 
 
 def collective(exc):
-    """Mark an error every rank raised alike from the same facts, so rank 0 alone prints it."""
-    exc.collective = True
-    return exc
+    """Return ``exc`` as a :class:`~mpitf.errors.CollectiveError`: every rank raised it alike.
+
+    Rank 0 alone prints it; every rank exits 2.
+    """
+    return exc if isinstance(exc, CollectiveError) else CollectiveError(exc)
 
 
 def report(exc):
@@ -80,14 +82,15 @@ def abort_on_error():
     except KeyboardInterrupt:
         _abort(130)
     except BaseException as exc:  # noqa: BLE001 - every failure must end the whole job
-        if getattr(exc, "collective", False):
+        if isinstance(exc, CollectiveError):
             # Every rank raised this same error from the same shared facts: say it once.
             if world_rank() == 0:
                 report(exc)
             sys.exit(EXIT_USAGE)
         from . import lifeline
 
-        dead = lifeline.dead_peer_message()
+        watching = lifeline.active()
+        dead = watching.dead_peer_message() if watching is not None else None
         if dead is not None:  # the real cause: an MPI error stack would only obscure it
             report(dead)
             _abort(EXIT_ERROR)
@@ -110,7 +113,9 @@ def run_job(main):
 def _abort(code):
     from . import lifeline
 
-    lifeline.mark_exit("aborted")  # the error above is the cause: peers need not report us
+    watching = lifeline.active()
+    if watching is not None:  # the error above is the cause: peers need not report us
+        watching.mark_exit("aborted")
     sys.stderr.flush()
     sys.stdout.flush()
     time.sleep(0.3)  # the launcher drops output still in flight when the job is aborted

@@ -20,166 +20,195 @@ import tempfile
 import threading
 import time
 
-_state = {"dir": None, "rank": None, "local": (), "peers": {}, "describe": str}
+__all__ = ["Lifeline", "active"]
+
+# The lifeline that watch() started in this process (a Server's), for the exit paths of
+# runtime.exits, which run where no Server is at hand. Set by the main thread only.
+_active = None
 
 
-def _marker(rank):
-    return os.path.join(_state["dir"], f"{rank}.exit")
+def active():
+    """Return the lifeline watching in this process (None: no Server has started one)."""
+    return _active
 
 
-def mark_exit(reason=None):
-    """Record why this rank is leaving: "done", "aborted" (it said why) or "failed".
+class Lifeline:
+    """One rank's watch over its same-node peers and its launcher's proxy.
 
-    A rank that leaves through an exception nobody caught is marked "failed": its peers
-    would otherwise wait for it until a deadline, so they end the job instead.
+    A :class:`~mpitf.runtime.server.Server` builds it and calls :meth:`watch`. What the
+    constructor sets is read, never written, by the watcher thread; the two things that
+    change later cross threads explicitly: ``leaving`` (an Event the exit path sets, so the
+    watcher reports no peer any more) and whether an exception went uncaught (written by
+    the hook on the main thread, read by :meth:`mark_exit` on the same thread at exit).
+
+    Args:
+        rank: this rank.
+        peers: ``{rank: pid}`` of the other ranks on this node.
+        token: a job-wide token naming the marker directory.
+        describe: ``describe(rank)`` names a rank for a message.
+        abort: ends the job (``COMM_WORLD.Abort``).
+        parent: the launcher's proxy (``os.getppid()``); when it ends, this rank exits.
     """
-    if _state["dir"] is None:
-        return
-    reason = reason or ("failed" if _state.get("uncaught") else "done")
-    _state["leaving"] = True  # from now on this rank reports no peer
-    try:
-        with open(_marker(_state["rank"]), "w") as f:
-            f.write(reason)
-        # Every rank of the node has marked its exit, so no watcher reports any more.
-        if all(os.path.exists(_marker(r)) for r in _state["local"]):
-            shutil.rmtree(_state["dir"], ignore_errors=True)
-    except OSError:
-        pass
 
+    def __init__(self, rank, peers, token, describe, abort, parent=None):
+        self.rank = rank
+        self.peers = dict(peers)
+        self.local = tuple(sorted([rank, *self.peers]))
+        self.describe = describe
+        self.abort = abort
+        self.parent = parent
+        self.base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        self.dir = os.path.join(self.base, f"mpitf-{token}")
+        self.leaving = threading.Event()
+        self.uncaught = False
+        self._previous_hook = None
 
-def watch(rank, peers, token, describe, abort, parent=None):
-    """Start watching the same-node ``peers`` ({rank: pid}); report a killed one.
+    def watch(self):
+        """Start watching; return the watcher thread (None: no peer and no parent to watch).
 
-    ``describe(rank)`` names a rank for the message; ``abort()`` ends the job. When the
-    process ``parent`` (the launcher's proxy, ``os.getppid()``) ends, this rank exits.
-    """
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    if rank == min([rank, *peers]):
-        _collect_garbage(base)
-    _state.update(dir=os.path.join(base, f"mpitf-{token}"), rank=rank,
-                  local=tuple(sorted([rank, *peers])), peers=dict(peers), describe=describe)
-    os.makedirs(_state["dir"], exist_ok=True)
-    with open(os.path.join(_state["dir"], f"{rank}.pid"), "w") as f:
-        f.write(str(os.getpid()))
-    parent_fd = _open_parent(parent)
-    if not peers and parent_fd is None:
+        Installs the ``sys.excepthook`` that marks an uncaught exception, so this rank's
+        exit says "failed" and its peers end the job instead of waiting for it.
+        """
+        global _active
+        if self.rank == self.local[0]:
+            _collect_garbage(self.base)
+        os.makedirs(self.dir, exist_ok=True)
+        with open(os.path.join(self.dir, f"{self.rank}.pid"), "w") as f:
+            f.write(str(os.getpid()))
+        self._previous_hook = sys.excepthook
+        sys.excepthook = self._note_uncaught
+        _active = self
+        parent_fd = self._open_parent()
+        if not self.peers and parent_fd is None:
+            return None
+        thread = threading.Thread(target=self._run, args=(parent_fd,), name="mpitf-lifeline",
+                                  daemon=True)
+        thread.start()
+        return thread
+
+    def mark_exit(self, reason=None):
+        """Record why this rank is leaving: "done", "aborted" (it said why) or "failed".
+
+        A rank that leaves through an exception nobody caught is marked "failed": its peers
+        would otherwise wait for it until a deadline, so they end the job instead.
+        """
+        reason = reason or ("failed" if self.uncaught else "done")
+        self.leaving.set()  # from now on this rank reports no peer
+        try:
+            with open(self._marker(self.rank), "w") as f:
+                f.write(reason)
+            # Every rank of the node has marked its exit, so no watcher reports any more.
+            if all(os.path.exists(self._marker(r)) for r in self.local):
+                shutil.rmtree(self.dir, ignore_errors=True)
+        except OSError:
+            pass
+
+    def dead_peer_message(self):
+        """Return a message naming a same-node peer that died without finishing, or None.
+
+        An MPI call that fails because its peer vanished reports an error stack; this names
+        the rank instead.
+        """
+        for r, pid in sorted(self.peers.items()):
+            if not _alive(pid) and self._read_marker(r) is None:
+                return self._dead(r, pid)
         return None
-    thread = threading.Thread(target=_run, args=(rank, dict(peers), describe, abort,
-                                                 parent_fd),
-                              name="mpitf-lifeline", daemon=True)
-    thread.start()
-    return thread
 
+    def _note_uncaught(self, exc_type, exc, tb):
+        self.uncaught = True
+        self._previous_hook(exc_type, exc, tb)
 
-def dead_peer_message():
-    """Return a message naming a same-node peer that died without finishing, or None.
+    def _marker(self, rank):
+        return os.path.join(self.dir, f"{rank}.exit")
 
-    An MPI call that fails because its peer vanished reports an error stack; this names
-    the rank instead.
-    """
-    for r, pid in sorted(_state["peers"].items()):
-        if not _alive(pid) and _read_marker(r) is None:
-            return _dead(r, pid)
-    return None
+    def _read_marker(self, r):
+        """Return the exit reason rank ``r`` recorded, or None if it left none (killed)."""
+        try:
+            with open(self._marker(r)) as f:
+                return f.read().strip() or "done"
+        except OSError:
+            return None
 
+    def _dead(self, r, pid):
+        return f"{self.describe(r)} (pid {pid}) died without finishing (killed?); ending the job"
 
-def _read_marker(r):
-    """Return the exit reason rank ``r`` recorded, or None if it left none (killed)."""
-    try:
-        with open(_marker(r)) as f:
-            return f.read().strip() or "done"
-    except (OSError, TypeError):
-        return None
+    def _open_parent(self):
+        """Return a pidfd on the parent (None: no parent to watch, or no pidfds)."""
+        parent = self.parent
+        if not parent or parent == 1 or not hasattr(os, "pidfd_open"):
+            return None
+        try:
+            fd = os.pidfd_open(parent)
+        except OSError:
+            return None
+        if os.getppid() != parent:  # it died before the pidfd was opened
+            self._orphaned()
+        return fd
 
+    def _orphaned(self):
+        """Say that the launcher's proxy is gone and end this rank (no one else can now)."""
+        from .exits import EXIT_ERROR
 
-def _note_uncaught(exc_type, exc, tb):
-    _state["uncaught"] = True
-    _previous_excepthook(exc_type, exc, tb)
+        self.mark_exit("aborted")  # the same-node peers lose the same parent: none report us
+        try:
+            sys.stderr.write(f"mpitf: error on {self.describe(self.rank)} (pid "
+                             f"{os.getpid()}): its launcher process (pid {self.parent}) died; "
+                             f"ending this rank\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass  # the proxy held the other end of stderr
+        os._exit(EXIT_ERROR)
 
-
-_previous_excepthook = sys.excepthook
-sys.excepthook = _note_uncaught
-
-
-def _dead(r, pid):
-    return (f"{_state['describe'](r)} (pid {pid}) died without finishing (killed?); "
-            f"ending the job")
-
-
-def _open_parent(parent):
-    """Return a pidfd on ``parent`` (None: no parent to watch, or no pidfds)."""
-    if not parent or parent == 1 or not hasattr(os, "pidfd_open"):
-        return None
-    try:
-        fd = os.pidfd_open(parent)
-    except OSError:
-        return None
-    if os.getppid() != parent:  # it died before the pidfd was opened
-        _orphaned(parent)
-    return fd
-
-
-def _orphaned(parent):
-    """Say that the launcher's proxy is gone and end this rank (no one else can now)."""
-    from .exits import EXIT_ERROR
-
-    mark_exit("aborted")  # the same-node peers lose the same parent: none need report us
-    try:
-        sys.stderr.write(f"mpitf: error on {_state['describe'](_state['rank'])} (pid "
-                         f"{os.getpid()}): its launcher process (pid {parent}) died; "
-                         f"ending this rank\n")
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        pass  # the proxy held the other end of stderr
-    os._exit(EXIT_ERROR)
-
-
-def _run(rank, peers, describe, abort, parent_fd=None):
-    gone = set()
-    fds = {}
-    parent = os.getppid()
-    if hasattr(os, "pidfd_open"):
-        for r, pid in peers.items():
-            try:
-                fds[os.pidfd_open(pid)] = r
-            except OSError:
+    def _run(self, parent_fd=None):
+        """The watcher thread: wait for a peer or the parent to end, and act on it."""
+        peers, gone, fds = self.peers, set(), {}
+        if hasattr(os, "pidfd_open"):
+            for r, pid in peers.items():
+                try:
+                    fds[os.pidfd_open(pid)] = r
+                except OSError:
+                    gone.add(r)
+        if parent_fd is not None:
+            fds[parent_fd] = None
+        while len(gone) < len(peers) or parent_fd is not None:
+            if fds:
+                poller = select.poll()
+                for fd in fds:
+                    poller.register(fd, select.POLLIN)
+                ready = [fds.pop(fd) for fd, _ in poller.poll(1000)]
+                if None in ready:
+                    self._orphaned()
+            else:  # no pidfd: look every half second
+                time.sleep(0.5)
+                ready = [r for r, pid in peers.items() if r not in gone and not _alive(pid)]
+            # A rank that failed may linger in MPI_Finalize, waiting for the others: its
+            # marker says so before its process ends.
+            ready += [r for r in peers if r not in gone and r not in ready
+                      and self._read_marker(r) == "failed"]
+            for r in ready:
                 gone.add(r)
-    if parent_fd is not None:
-        fds[parent_fd] = None
-    while len(gone) < len(peers) or parent_fd is not None:
-        if fds:
-            poller = select.poll()
-            for fd in fds:
-                poller.register(fd, select.POLLIN)
-            ready = [fds.pop(fd) for fd, _ in poller.poll(1000)]
-            if None in ready:
-                _orphaned(parent)
-        else:  # no pidfd: look every half second
-            time.sleep(0.5)
-            ready = [r for r, pid in peers.items() if r not in gone and not _alive(pid)]
-        # A rank that failed may linger in MPI_Finalize, waiting for the others: its marker
-        # says so before its process ends.
-        ready += [r for r in peers if r not in gone and r not in ready
-                  and _read_marker(r) == "failed"]
-        for r in ready:
-            gone.add(r)
-            if _state.get("leaving"):
-                return
-            why = _read_marker(r)
-            if why in ("done", "aborted"):
-                continue
-            survivors = [x for x in (rank, *peers) if x not in gone]
-            if survivors and min(survivors) == rank:
-                message = _dead(r, peers[r]) if why is None else (
-                    f"{_state['describe'](r)} ended on an uncaught exception (see its "
-                    f"traceback above); ending the job")
-                sys.stderr.write(f"mpitf: error on rank {rank}: {message}\n")
-                sys.stderr.flush()
-                time.sleep(0.3)  # let the launcher forward the message before the abort
-            else:
-                time.sleep(2.0)  # let the lowest survivor say it before the job ends
-            abort()
-            return
+                if self.leaving.is_set():
+                    return
+                if self._report(r, gone):
+                    return
+
+    def _report(self, r, gone):
+        """Act on peer ``r`` gone: end the job unless it finished; return True if ended."""
+        why = self._read_marker(r)
+        if why in ("done", "aborted"):
+            return False
+        survivors = [x for x in self.local if x not in gone]
+        if survivors and min(survivors) == self.rank:
+            message = self._dead(r, self.peers[r]) if why is None else (
+                f"{self.describe(r)} ended on an uncaught exception (see its traceback "
+                f"above); ending the job")
+            sys.stderr.write(f"mpitf: error on rank {self.rank}: {message}\n")
+            sys.stderr.flush()
+            time.sleep(0.3)  # let the launcher forward the message before the abort
+        else:
+            time.sleep(2.0)  # let the lowest survivor say it before the job ends
+        self.abort()
+        return True
 
 
 def _collect_garbage(base):

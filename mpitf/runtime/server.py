@@ -1,7 +1,7 @@
 """Give this rank its place in the cluster: its job and task, its communicators, and ``join()``.
 
 ``Server(cluster)`` is collective over ``MPI.COMM_WORLD``: every rank shares its host name,
-every rank computes the same rank -> task map (see :mod:`mpitf.roles`), and a spec that
+every rank computes the same rank -> task map (see :mod:`mpitf.cluster.roles`), and a spec that
 does not fit the world fails identically on every rank, so each exits without waiting for
 the others.
 """
@@ -13,11 +13,11 @@ import os
 from mpi4py import MPI
 
 from ..cluster import ClusterSpec
+from ..cluster.device import device_name, local_rank
+from ..cluster.roles import assign_roles, describe_roles, training_replicas
 from ..config import DEFAULT_DEADLINE, check_deadline
-from ..device import device_name, local_rank
-from ..errors import ConfigurationError
-from ..roles import assign_roles, describe_roles, training_replicas
-from . import lifeline
+from ..errors import CollectiveError, ConfigurationError
+from .lifeline import Lifeline
 
 _log = logging.getLogger("mpitf")
 
@@ -63,8 +63,7 @@ class Server:
         try:
             self.roles = assign_roles(self.cluster, self.hosts)
         except Exception as exc:
-            exc.collective = True  # every rank raised this from the same facts
-            raise
+            raise CollectiveError(exc) from exc  # every rank raised this from the same facts
         _check_claims([g[2:] for g in gathered], self.roles)
         self.job_name, self.task_index = self.roles[self.rank]
         # A private duplicate keeps mpitf's messages apart from the user's own MPI traffic.
@@ -83,10 +82,12 @@ class Server:
         self.exit_code = 0
         me = self.hosts[self.rank]
         peers = {r: g[1] for r, g in enumerate(gathered) if g[0] == me and r != self.rank}
-        lifeline.watch(self.rank, peers, token, self._describe_rank,
-                       lambda: world.Abort(1),
-                       parent=os.getppid() if world.Get_size() > 1 else None)
-        atexit.register(lifeline.mark_exit)
+        # Names a same-node rank that dies, and ends this one if its launcher's proxy does.
+        self.lifeline = Lifeline(self.rank, peers, token, self._describe_rank,
+                                 lambda: world.Abort(1),
+                                 parent=os.getppid() if world.Get_size() > 1 else None)
+        self.lifeline.watch()
+        atexit.register(self.lifeline.mark_exit)
 
     def _describe_rank(self, rank):
         job, task = self.roles[rank]
@@ -159,10 +160,9 @@ def _check_claims(claims, roles):
     """Raise, alike on every rank, if a rank's ``Server(job_name, task_index)`` is not its role."""
     for rank, ((job, task), (role_job, role_task)) in enumerate(zip(claims, roles)):
         if job not in (None, role_job) or task not in (None, role_task):
-            exc = ConfigurationError(
+            # Every rank checks every claim: one message, exit code 2.
+            raise CollectiveError(ConfigurationError(
                 f"Server(job_name={job!r}, task_index={task!r}) on MPI rank {rank}, which runs "
                 f"/job:{role_job}/task:{role_task}; roles come from the MPI rank (see "
-                "mpitf.roles): start the processes in that order or leave job_name and "
-                "task_index out")
-            exc.collective = True  # every rank checks every claim: one message, exit code 2
-            raise exc
+                "mpitf.cluster.roles): start the processes in that order or leave job_name and "
+                "task_index out"))

@@ -1,11 +1,11 @@
 """A worker's embedding lookups: pull the rows a batch uses, push their summed gradients.
 
 Per step and table: the batch's ids are deduplicated in one compiled pass
-(:meth:`~mpitf.rows.Dedup.start`), which checks their range and sorts the unique ids'
-keys (:meth:`~mpitf.rows.RowPlacement.keys`, numbering each ps's rows together), so they
+(:meth:`~mpitf.tables.rows.Dedup.start`), which checks their range and sorts the unique ids'
+keys (:meth:`~mpitf.tables.rows.RowPlacement.keys`, numbering each ps's rows together), so they
 come grouped by the ps that holds them; each ps gets one sparse pull with its ids in
 every table and answers their rows, all ps at once, nonblocking; while they travel, each
-id's index among the unique ids is found (:meth:`~mpitf.rows.Dedup.finish`). The model
+id's index among the unique ids is found (:meth:`~mpitf.tables.rows.Dedup.finish`). The model
 runs forward and backward on the pulled rows (:class:`Lookup`): per occurrence
 (``rows``, ``grad``: gathered and summed per id by the worker) or per pulled row
 (``unique_rows``, ``inverse``, ``unique_grad``). The summed row gradients are pushed
@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import DataError, PeerError
 from ..models.embedding import check_tables
-from ..rows import Dedup, RowPlacement, all_finite, segment_sum, take_rows
+from ..tables.rows import Dedup, RowPlacement, all_finite, segment_sum, take_rows
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.sparse import SparseLayout

@@ -21,7 +21,6 @@ import numpy as np
 from mpi4py import MPI
 
 from ..config import SERVER_FIRST
-from ..conflicts import check_aggregation
 from ..errors import ConfigurationError
 from ..runtime.exits import collective
 from ..wire import header as H
@@ -67,7 +66,7 @@ class NodeGroup:
         """Return the node of a session that aggregates per node, after its checks; or None."""
         if not config.aggregate_per_node:
             return None
-        check_aggregation(config, server.num_replicas)
+        config.check_aggregation(server.num_replicas)
         if tables:
             raise ConfigurationError(
                 "aggregate_per_node (--aggregate-per-node) does not support embedding tables "
@@ -215,7 +214,7 @@ def aggregation_problem(server, config, backend):
     names = server.comm.allgather(backend.name if index is not None else None)
     domains = server.comm.allgather(shared_domain(server.comm))
     try:
-        check_aggregation(config, server.num_replicas)
+        config.check_aggregation(server.num_replicas)
         gpu = sorted({n for n in names if n not in (None, "numpy")})
         if gpu:
             raise ConfigurationError(

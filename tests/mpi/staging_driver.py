@@ -29,7 +29,7 @@ def main():
     chunk = int(sys.argv[3]) if len(sys.argv) > 3 else 1024
     buckets = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     if kind == "gpu":
-        from mpitf.device import local_rank
+        from mpitf.cluster.device import local_rank
 
         be = select_backend("gpu", local_rank(MPI.COMM_WORLD)[0])
     else:

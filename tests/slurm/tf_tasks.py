@@ -1,7 +1,7 @@
 """Print, per rank of an srun step, its MPI rank, SLURM_PROCID, role and TensorFlow's task.
 
 Each rank builds the job's cluster as the jobs do (cluster_from_args: under srun through
-SlurmClusterResolver), takes its role from mpitf.roles through Server, and asks TensorFlow's
+SlurmClusterResolver), takes its role from mpitf.cluster.roles through Server, and asks TensorFlow's
 resolver which task Slurm task SLURM_PROCID is; tests/test_slurm.py compares them.
 """
 
@@ -12,8 +12,8 @@ import os
 from mpi4py import MPI
 
 from mpitf.cluster import add_cluster_arguments
-from mpitf.cluster_args import cluster_from_args
-from mpitf.resolvers import SlurmClusterResolver
+from mpitf.cluster.flags import cluster_from_args
+from mpitf.cluster.resolvers import SlurmClusterResolver
 from mpitf.runtime.server import Server
 
 parser = argparse.ArgumentParser()

@@ -3,7 +3,7 @@
 Origin: tensorflow/python/framework/device_spec_test.py (Apache License 2.0, The
 TensorFlow Authors), class DeviceSpecTest; each test below names the TF test it
 follows. The cases and expected values are TF's; the changes:
-- imports: ``mpitf.device.DeviceSpec`` for ``device_spec.DeviceSpecV2``; pytest
+- imports: ``mpitf.cluster.device.DeviceSpec`` for ``device_spec.DeviceSpecV2``; pytest
   functions for the parameterized ``TensorFlowTestCase`` methods, run for V2 only.
 - mpitf's DeviceSpec is TensorFlow 2's, immutable (a design choice: one spec type):
   the V1-only tests that mutate a spec (``testto_string_legacy``,
@@ -15,7 +15,7 @@ follows. The cases and expected values are TF's; the changes:
 
 import pytest
 
-from mpitf.device import DeviceSpec
+from mpitf.cluster.device import DeviceSpec
 
 
 def test_empty():  # test_empty

@@ -4,7 +4,7 @@ Origin: tensorflow/python/distribute/cluster_resolver/slurm_cluster_resolver_tes
 (Apache License 2.0, The TensorFlow Authors), class SlurmClusterResolverTest; each test
 below names the TF test it follows. The Slurm variables, arguments and expected values
 are TF's; the changes:
-- imports: ``mpitf.resolvers`` for TF's ``slurm_cluster_resolver`` module; pytest
+- imports: ``mpitf.cluster.resolvers`` for TF's ``slurm_cluster_resolver`` module; pytest
   functions for ``test.TestCase`` methods; ``monkeypatch.setenv`` for
   ``mock.patch.dict(os.environ, ...)`` (and every other SLURM_* variable and
   CUDA_VISIBLE_DEVICES cleared first, so a suite run under srun reads only these).
@@ -18,7 +18,7 @@ import os
 import pytest
 
 from mpitf.cluster import ClusterSpec
-from mpitf.resolvers import SlurmClusterResolver, expand_hostlist, expand_tasks_per_node
+from mpitf.cluster.resolvers import SlurmClusterResolver, expand_hostlist, expand_tasks_per_node
 
 
 @pytest.fixture

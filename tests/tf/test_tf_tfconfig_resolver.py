@@ -4,7 +4,7 @@ Origin: tensorflow/python/distribute/cluster_resolver/tfconfig_cluster_resolver_
 (Apache License 2.0, The TensorFlow Authors), class TFConfigClusterResolverTest; each test
 below names the TF test it follows. The TF_CONFIG values and expected values are TF's; the
 changes:
-- imports: ``mpitf.resolvers.TFConfigClusterResolver``; pytest functions for
+- imports: ``mpitf.cluster.resolvers.TFConfigClusterResolver``; pytest functions for
   ``test.TestCase`` methods; ``monkeypatch.setenv`` for ``os.environ[...] = ...``.
 - no protobuf ``ClusterDef`` (a design choice: MPI needs no wire description of the
   cluster): where TF compares ``as_cluster_def()`` protos, these compare the spec, a copy
@@ -17,7 +17,7 @@ changes:
 import pytest
 
 from mpitf.cluster import ClusterSpec
-from mpitf.resolvers import TFConfigClusterResolver
+from mpitf.cluster.resolvers import TFConfigClusterResolver
 
 PS_WORKER = """
     {

@@ -1,25 +1,31 @@
-"""Describe the jobs of a cluster and resolve it from flags, TF_CONFIG or Slurm.
+"""Describe the jobs of a cluster: `ClusterSpec`, and every text or dict form it is given in.
 
 `ClusterSpec` keeps the interface and meaning of ``tf.train.ClusterSpec``, so
 ported code works: any job name, jobs in insertion order, empty jobs kept,
 ValueError for an absent job or task. Addresses keep TensorFlow's ``host:port``
 form, but ports are ignored: MPI carries every message. Every job runs; what the
 ``ps``, ``chief``, ``worker``, ``evaluator`` and other jobs do, and which MPI rank runs
-which task, is :mod:`mpitf.roles`' business.
+which task, is :mod:`mpitf.cluster.roles`' business.
 
-TF_CONFIG and Slurm are read by :mod:`mpitf.resolvers`, as TensorFlow's resolvers read
-them; :mod:`mpitf.cluster_args` picks a job's cluster from its flags and environment.
+The forms, all parsed here: a dict of host lists or counts (TensorFlow's), the flag string
+``ps|h:p;h:p,worker|h:p`` (:meth:`ClusterSpec.from_string`), ``--ps_hosts/--worker_hosts``
+(:meth:`~ClusterSpec.from_hosts`), counts (:meth:`~ClusterSpec.from_counts`), TF_CONFIG's
+``cluster`` (:meth:`~ClusterSpec.from_tf_config`), and the ``--spec`` text of ``mpitf
+cluster`` (:func:`parse_spec`), which takes any of them. TF_CONFIG and Slurm are read by
+:mod:`mpitf.cluster.resolvers`, as TensorFlow's resolvers read them;
+:mod:`mpitf.cluster.flags` picks a job's cluster from its flags and environment.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Mapping
 
 from mpitf.errors import ConfigurationError
 
-__all__ = ["ClusterSpec", "add_cluster_arguments", "split_address"]
+__all__ = ["SPEC_FORMS", "ClusterSpec", "parse_spec", "split_address"]
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "")
 _JOB_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*\Z")
@@ -152,6 +158,16 @@ class ClusterSpec:
             raise ConfigurationError("num_workers is 0: mpitf needs at least one worker")
         return cls({"ps": num_ps, "worker": num_workers})
 
+    @classmethod
+    def from_tf_config(cls, config):
+        """Build the spec of a parsed TF_CONFIG's ``cluster`` (empty when it has none)."""
+        if "cluster" not in config:
+            return cls({})
+        try:
+            return cls(config["cluster"])
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"TF_CONFIG's cluster: {exc}") from None
+
     # --- tf.train.ClusterSpec interface -------------------------------------
     def _tasks(self, job):
         try:
@@ -239,21 +255,38 @@ def _count(value, name):
     return value
 
 
-# --- command-line resolution ------------------------------------------------
-def add_cluster_arguments(parser):
-    """Add the cluster flags of TensorFlow's example scripts to an argparse parser."""
-    group = parser.add_argument_group("cluster")
-    group.add_argument("--cluster_spec", "--cluster-spec", dest="cluster_spec", default=None,
-                       help="cluster in flag form 'ps|host:port;...,worker|host:port;...'")
-    group.add_argument("--ps_hosts", "--ps-hosts", dest="ps_hosts", default=None,
-                       help="comma-separated host:port list of the ps job")
-    group.add_argument("--worker_hosts", "--worker-hosts", dest="worker_hosts", default=None,
-                       help="comma-separated host:port list of the worker job")
-    group.add_argument("--num-ps", "--num_ps", dest="num_ps", type=int, default=1,
-                       help="ps tasks when no spec is given; the other MPI ranks are workers"
-                            " (default: 1)")
-    group.add_argument("--job_name", "--job-name", dest="job_name", default=None,
-                       help="accepted for TF scripts; checked against the role of the MPI rank")
-    group.add_argument("--task_index", "--task-index", dest="task_index", type=int, default=None,
-                       help="accepted for TF scripts; checked against the role of the MPI rank")
-    return group
+# --- the --spec forms of `mpitf cluster` ---------------------------------------------
+SPEC_FORMS = ("'ps|host:port;...,worker|host:port;...', a JSON dict such as "
+              "'{\"ps\": 2, \"worker\": [\"a:1\", \"b:1\"]}' or TF_CONFIG,"
+              " or counts 'ps=2,worker=3'")
+
+
+def parse_spec(text):
+    """Return the ClusterSpec a ``--spec`` value describes, in any of its forms (``SPEC_FORMS``).
+
+    The flag form (:meth:`ClusterSpec.from_string`), a JSON dict (TensorFlow's, or a whole
+    TF_CONFIG: its ``cluster``), or job counts ``ps=2,worker=3``.
+    """
+    text = (text or "").strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise ConfigurationError(f"--spec is not valid JSON ({exc}): {text!r}") from None
+        if isinstance(value, dict) and "cluster" in value:
+            return ClusterSpec.from_tf_config(value)
+        return ClusterSpec(value)
+    if "|" in text:
+        return ClusterSpec.from_string(text)
+    if "=" in text:
+        counts = {}
+        for token in text.split(","):
+            job, _, count = (t.strip() for t in token.partition("="))
+            if not count.isdigit():
+                raise ConfigurationError(
+                    f"bad count in {token.strip()!r}: expecting 'job=N' with N >= 0")
+            if job in counts:
+                raise ConfigurationError(f"job {job!r} is given twice in --spec {text!r}")
+            counts[job] = int(count)
+        return ClusterSpec(counts)
+    raise ConfigurationError(f"cannot read --spec {text!r}: expecting {SPEC_FORMS}")

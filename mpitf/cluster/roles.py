@@ -32,7 +32,7 @@ the ps, rank 1 to the chief, ranks 2-3 to the workers and rank 4 to the evaluato
 several nodes the ps tasks are spread over the nodes.
 """
 
-from mpitf.cluster import LOCAL_HOSTS, ClusterSpec, split_address
+from mpitf.cluster.spec import LOCAL_HOSTS, ClusterSpec, split_address
 from mpitf.errors import ConfigurationError
 
 __all__ = ["assign_roles", "check_training_cluster", "describe_roles", "job_order",

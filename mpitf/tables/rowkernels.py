@@ -4,7 +4,7 @@ A batch's ids are deduplicated in one pass over a preallocated open-addressing h
 (no sort of the ids, as TensorFlow's ``Unique`` op), or, when the ids' bound is small
 enough, through a bitmap with one bit per id (sorted for free); either checks that each
 id lies in ``[0, bound)``. The unique ids are then ordered by their owner-major keys
-(:meth:`~mpitf.rows.RowPlacement.keys`, the routing), so the result is exactly
+(:meth:`~mpitf.tables.rows.RowPlacement.keys`, the routing), so the result is exactly
 ``np.unique``'s of the keys (sorted unique values, inverse). Compiled by
 numba (``cache=True``: loaded from the cache after the first run) and warmed up by
 :func:`warm_up` when a worker or ps builds its buffers, so no step pays for compiling.

@@ -11,9 +11,9 @@ Design differences, all because MPI carries the traffic and mpitf builds no grap
   ``ClusterDef``; ``master()`` and ``rpc_layer`` only format strings (no gRPC is spoken).
 - `TFConfigClusterResolver` has no ``num_accelerators()``: TensorFlow counts them by
   listing a session's devices, and mpitf has no session that sees another task's devices.
-- which task an MPI rank runs is :mod:`mpitf.roles`' business, not the resolver's: a
+- which task an MPI rank runs is :mod:`mpitf.cluster.roles`' business, not the resolver's: a
   rank's role comes from its MPI rank, and the ``task`` of TF_CONFIG is a claim that
-  :func:`mpitf.cluster_args.check_claimed_role` holds against that role.
+  :func:`mpitf.cluster.flags.check_claimed_role` holds against that role.
 - both read a mapping ``env`` (keyword-only; default ``os.environ``) instead of
   ``os.environ`` alone, and raise :class:`~mpitf.errors.ConfigurationError` (a
   ValueError) with a fix where TensorFlow raises RuntimeError, ValueError or KeyError.
@@ -26,7 +26,7 @@ import shutil
 import subprocess
 from collections.abc import Mapping
 
-from mpitf.cluster import ClusterSpec
+from mpitf.cluster.spec import ClusterSpec
 from mpitf.errors import ConfigurationError
 
 __all__ = ["SlurmClusterResolver", "TFConfigClusterResolver", "expand_hostlist",
@@ -130,13 +130,7 @@ class TFConfigClusterResolver:
 
     def cluster_spec(self):
         """Return the `ClusterSpec` of TF_CONFIG's ``cluster``; an empty one when it has none."""
-        config = self._config()
-        if "cluster" not in config:
-            return ClusterSpec({})
-        try:
-            return ClusterSpec(config["cluster"])
-        except ConfigurationError as exc:
-            raise ConfigurationError(f"TF_CONFIG's cluster: {exc}") from None
+        return ClusterSpec.from_tf_config(self._config())
 
     def master(self, task_type=None, task_id=None, rpc_layer=None):
         """Return ``session_master``, else '' for a one-task cluster, else the task's URL."""

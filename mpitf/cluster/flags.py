@@ -4,17 +4,17 @@ The cluster comes from the first of: ``--cluster_spec``; ``--ps_hosts/--worker_h
 the ``cluster`` of TF_CONFIG; the Slurm job step when the MPI world is that step's tasks
 (srun); ``--num-ps`` and the world size. A role claim (``--job_name/--task_index``, the
 ``task`` of TF_CONFIG) is checked against the role the rank runs, which comes from its
-MPI rank (:mod:`mpitf.roles`).
+MPI rank (:mod:`mpitf.cluster.roles`).
 """
 
 import json
 import os
 
-from mpitf.cluster import ClusterSpec
+from mpitf.cluster.resolvers import SlurmClusterResolver, TFConfigClusterResolver
+from mpitf.cluster.spec import ClusterSpec
 from mpitf.errors import ConfigurationError
-from mpitf.resolvers import SlurmClusterResolver, TFConfigClusterResolver
 
-__all__ = ["check_claimed_role", "claimed_roles", "cluster_from_args"]
+__all__ = ["add_cluster_arguments", "check_claimed_role", "claimed_roles", "cluster_from_args"]
 
 _CLUSTER_FLAGS = ("cluster_spec", "ps_hosts", "worker_hosts")
 
@@ -109,4 +109,23 @@ def check_claimed_role(args, job, task_index, rank=None, env=os.environ):
         who = "this MPI rank" if rank is None else f"MPI rank {rank}"
         raise ConfigurationError(
             f"{claim} but {who} runs /job:{job}/task:{task_index}; roles come from the MPI "
-            "rank (see mpitf.roles for the mapping policy): drop the claim or fix the spec")
+            "rank (see mpitf.cluster.roles for the mapping policy): drop the claim or fix the spec")
+
+
+def add_cluster_arguments(parser):
+    """Add the cluster flags of TensorFlow's example scripts to an argparse parser."""
+    group = parser.add_argument_group("cluster")
+    group.add_argument("--cluster_spec", "--cluster-spec", dest="cluster_spec", default=None,
+                       help="cluster in flag form 'ps|host:port;...,worker|host:port;...'")
+    group.add_argument("--ps_hosts", "--ps-hosts", dest="ps_hosts", default=None,
+                       help="comma-separated host:port list of the ps job")
+    group.add_argument("--worker_hosts", "--worker-hosts", dest="worker_hosts", default=None,
+                       help="comma-separated host:port list of the worker job")
+    group.add_argument("--num-ps", "--num_ps", dest="num_ps", type=int, default=1,
+                       help="ps tasks when no spec is given; the other MPI ranks are workers"
+                            " (default: 1)")
+    group.add_argument("--job_name", "--job-name", dest="job_name", default=None,
+                       help="accepted for TF scripts; checked against the role of the MPI rank")
+    group.add_argument("--task_index", "--task-index", dest="task_index", type=int, default=None,
+                       help="accepted for TF scripts; checked against the role of the MPI rank")
+    return group

@@ -9,18 +9,18 @@ function of (rows, num_ps) alone, so every rank computes the same map:
   one row more); row ``i`` lives on the ps whose range holds it, at ``i - start``.
 
 Everything here takes and returns int64 numpy arrays; the loops over ids are compiled
-(:mod:`mpitf.rowkernels`) or numpy's, never one Python step per row.
+(:mod:`mpitf.tables.rowkernels`) or numpy's, never one Python step per row.
 """
 
 import numpy as np
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 ROW_PLACEMENTS = ("mod", "range")
 
 
 def _kernels():
-    """Return :mod:`mpitf.rowkernels`, imported on first use.
+    """Return :mod:`mpitf.tables.rowkernels`, imported on first use.
 
     numba then loads only in a process that has embedding tables: a dense worker never
     imports it.
@@ -153,7 +153,7 @@ def segment_sum(values, segments, out, scratch=None):
     ``out``'s shape, made here when None), as ``np.bincount`` with weights does, so a sum
     is the same on every run and in any process that sums the same rows in the same order
     (the worker's sum per unique id, the ps's sum over workers in worker order). Compiled
-    (:func:`~mpitf.rowkernels.segment_sum_rows`) for float32 and float64 rows; other
+    (:func:`~mpitf.tables.rowkernels.segment_sum_rows`) for float32 and float64 rows; other
     dtypes take one ``np.bincount`` per column, the same sums.
     """
     n, dim = out.shape
@@ -190,11 +190,12 @@ class Dedup:
 
     When the ids' bound is known and its bitmap (one bit per id, and a count per 64) is no
     larger than a hash table for ``capacity`` ids: one bit per id, sorted for free
-    (:func:`~mpitf.rowkernels.bitmap_unique`); else a hash table of ``(id, index)`` pairs
+    (:func:`~mpitf.tables.rowkernels.bitmap_unique`); else a hash table of ``(id, index)`` pairs
     at least twice ``capacity`` and a radix sort of the unique keys alone
-    (:func:`~mpitf.rowkernels.hash_unique`, :func:`~mpitf.rowkernels.sort_unique`). Every
-    buffer is made once (on first use), for ``capacity`` ids; the returned arrays are
-    views, valid until the next call. Measured (4096 x 26 Zipf(1.2) ids below 10**6,
+    (:func:`~mpitf.tables.rowkernels.hash_unique`,
+    :func:`~mpitf.tables.rowkernels.sort_unique`). Every buffer is made once (on first
+    use), for ``capacity`` ids; the returned arrays are views, valid until the next call.
+    Measured (4096 x 26 Zipf(1.2) ids below 10**6,
     20 418 unique, at load 12; benchmarks/README.md): 0.28-0.52 ms, against 3.0 ms for
     the numpy radix argsort it replaces and 17 ms for ``np.unique(return_inverse=True)``.
     """
