@@ -30,6 +30,7 @@ def root_only():
 @pytest.mark.parametrize("args, message", [
     (["up", "--rate", "fast"], "--rate 'fast': give a rate as tc writes it, e.g. 1gbit"),
     (["up", "--nodes", "0"], "--nodes 0: a box has 1 to 16 nodes"),
+    (["up", "--nodes", "2", "--rate", "node3=1gbit"], "box mtfbox has no node 'node3'"),
     (["up", "--name", "Bad-Name"], "box name 'Bad-Name': lower-case letters and digits"),
     (["run", "-n", "1", "--name", "nosuchbx", "--", "true"], "no box nosuchbx is up"),
 ])
@@ -76,16 +77,19 @@ def test_a_box_left_by_a_killed_run_is_swept_by_the_next_one():
 
 
 def test_cli_up_status_run_down(tmp_path):
-    up = subprocess.run([*CLI, "up", "--nodes", "2", "--rate", "1gbit", "--name", "tcli"],
+    up = subprocess.run([*CLI, "up", "--nodes", "2", "--rate", "node1=1gbit", "--name", "tcli"],
                         capture_output=True, text=True, timeout=60)
     try:
         assert up.returncode == 0, up.stderr
-        assert "box tcli up: node1, node2 (1gbit links)" in up.stdout
+        assert "box tcli up: node1, node2 (node1=1gbit links)" in up.stdout
         status = subprocess.run([*CLI, "status"], capture_output=True, text=True, timeout=60)
         assert "tcli: node1 node2" in status.stdout
         qdisc = subprocess.run(["ip", "netns", "exec", "tcli-node1", "tc", "qdisc", "show",
                                 "dev", "eth0"], capture_output=True, text=True).stdout
         assert "tbf" in qdisc and "rate 1Gbit" in qdisc, qdisc
+        other = subprocess.run(["ip", "netns", "exec", "tcli-node2", "tc", "qdisc", "show",
+                                "dev", "eth0"], capture_output=True, text=True).stdout
+        assert "tbf" not in other, other  # node2's link is unshaped
         run = subprocess.run([*CLI, "run", "-n", "2", "--name", "tcli", "--", "hostname"],
                              capture_output=True, text=True, timeout=60)
         assert sorted(run.stdout.split()) == ["node1", "node2"], run.stderr

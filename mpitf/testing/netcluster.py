@@ -114,8 +114,9 @@ class Box:
 
     Args:
         nodes: how many nodes (1 to 16).
-        rate: each link's rate both ways, as tc writes it (``1gbit``, ``500mbit``); None:
-            unshaped (veth runs at memory speed).
+        rate: each link's rate both ways, as tc writes it (``1gbit``, ``500mbit``), or
+            per node (``node1=1gbit,node2=1gbit``: the others unshaped); None: unshaped
+            (veth runs at memory speed).
         name: the box's name, the prefix of everything it makes (lower-case letters and
             digits, at most 8).
     """
@@ -126,14 +127,30 @@ class Box:
                            "starting with a letter")
         if not isinstance(nodes, int) or not 1 <= nodes <= 16:
             raise BoxError(f"--nodes {nodes!r}: a box has 1 to 16 nodes")
-        if rate is not None and not _RATE.match(str(rate)):
-            raise BoxError(f"--rate {rate!r}: give a rate as tc writes it, e.g. 1gbit, "
-                           "500mbit, 10gbit")
         self.name = name
         self.nodes = [f"node{k}" for k in range(1, nodes + 1)]
         self.rate = rate
+        self.rates = self._rates(rate)
         self.state = STATE_ROOT / name
         self.head = f"{name}-head"
+
+    def _rates(self, rate):
+        """Return {node: rate} from ``rate`` (one for all, or ``node=rate,...``)."""
+        if rate is None:
+            return {}
+        text = str(rate)
+        if "=" not in text:
+            pairs = [(node, text) for node in self.nodes]
+        else:
+            pairs = [tuple(p.strip().split("=", 1)) for p in text.split(",")]
+        rates = {}
+        for node, value in pairs:
+            if not _RATE.match(value):
+                raise BoxError(f"--rate {rate!r}: give a rate as tc writes it, e.g. 1gbit, "
+                               "500mbit, 10gbit (or node1=1gbit,node2=1gbit)")
+            self.namespace(node)
+            rates[node] = value
+        return rates
 
     # -- names -------------------------------------------------------------------------
 
@@ -196,10 +213,10 @@ class Box:
             _sh("ip", "-n", self.head, "link", "set", port, "master", BRIDGE, "up")
             _sh("ip", "-n", ns, "addr", "add", f"{self.address(node)}/24", "dev", "eth0")
             _sh("ip", "-n", ns, "link", "set", "eth0", "up")
-            if self.rate:
+            if node in self.rates:
                 for where, dev in ((ns, "eth0"), (self.head, port)):
-                    _sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev,
-                        "root", "tbf", "rate", self.rate, "burst", BURST, "latency", "10ms")
+                    _sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root",
+                        "tbf", "rate", self.rates[node], "burst", BURST, "latency", "10ms")
         for path, text in ((self.launcher, LAUNCHER), (self.state / "node", NODE)):
             path.write_text(text.format(name=self.name, nodes=" ".join(self.nodes)))
             path.chmod(0o755)
@@ -329,7 +346,8 @@ def main(argv=None):
     up = sub.add_parser("up", help="make a box (it stays up until 'down')")
     up.add_argument("--nodes", type=int, default=3, help="how many nodes (default 3)")
     up.add_argument("--rate", default=None,
-                    help="each link's rate, e.g. 1gbit or 10gbit (default: unshaped)")
+                    help="each link's rate, e.g. 1gbit or 10gbit, or per node, e.g. "
+                         "node1=1gbit,node2=1gbit (default: unshaped)")
     down = sub.add_parser("down", help="remove a box and every process on it")
     run = sub.add_parser("run", help="run a command under mpiexec across the box's nodes")
     run.add_argument("-n", type=int, required=True, help="number of ranks")
