@@ -196,6 +196,9 @@ class TrainingConfig:
             memory and one leader per node pushes for them (see worker/node.py).
         wire_dtype: "float32", "bfloat16" or "float16": the dtype gradients and parameters
             travel in; the ps keeps float32 parameters and slots (see wire/convert.py).
+        reset_optimizer_state: restore a checkpoint's parameters but not its optimizer
+            slots (they start afresh): the way to resume under another optimizer, which is
+            refused otherwise (see ckpt/slots.py).
     """
 
     mode: str = "sync"
@@ -224,6 +227,7 @@ class TrainingConfig:
     profile_steps: int = 0
     aggregate_per_node: bool = False
     wire_dtype: str = "float32"
+    reset_optimizer_state: bool = False
 
     def __post_init__(self):
         check_choice("mode", self.mode, MODES)
@@ -332,7 +336,8 @@ class JobConfig:
             seed=args.seed, log_every=args.log_every, summary_every=args.summary_every,
             run_dir=args.run_dir, timeline=args.timeline, bucket_bytes=args.bucket_bytes,
             ps_threads=args.ps_threads, profile_steps=args.profile_steps,
-            aggregate_per_node=args.aggregate_per_node, wire_dtype=args.wire_dtype)
+            aggregate_per_node=args.aggregate_per_node, wire_dtype=args.wire_dtype,
+            reset_optimizer_state=getattr(args, "reset_optimizer_state", False))
         return cls(training=training, model=args.model, hidden=args.hidden,
                    optimizer=args.optimizer, lr=args.lr, lr_decay=args.lr_decay,
                    lr_decay_steps=args.lr_decay_steps,

@@ -79,6 +79,10 @@ def add_training_arguments(parser, steps=300, batch_size=32, lr=_JOB["lr"]):
     g.add_argument("--checkpoint-dir", default=os.environ.get("MPITF_CHECKPOINT_DIR"),
                    help="checkpoint directory; the newest good checkpoint there is restored "
                         "(default: $MPITF_CHECKPOINT_DIR, else none)")
+    g.add_argument("--reset-optimizer-state", action="store_true",
+                   help="restore the parameters of a checkpoint written by another optimizer "
+                        "(or with other slots) and start the optimizer's state afresh; "
+                        "without it such a restore is refused")
     g.add_argument("--checkpoint-every", type=int, default=None,
                    help="checkpoint every N global steps")
     g.add_argument("--checkpoint-secs", type=float, default=None,

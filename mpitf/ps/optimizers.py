@@ -142,7 +142,15 @@ class Optimizer(abc.ABC):
         slots = {name: xp.zeros(size, dtype=dtype) for name in self.slot_names}
         if self._uses_scratch:
             slots[_SCRATCH] = xp.empty(size, dtype=dtype)
+        self.init_slots(slots)
         return slots
+
+    def init_slots(self, slots):  # noqa: B027 - most rules start every slot at zero
+        """Give zeroed slots (views: a group's elements) their initial values, in place."""
+
+    def resolve(self, names):
+        """Return this optimizer for variables ``names`` (options per group: see groups.py)."""
+        return self
 
     def apply(self, params, grad, slots, step, pool=None, reply=None, widened=None):
         """Update ``params`` in place from ``grad``; ``step`` is the global step before it.
@@ -297,11 +305,9 @@ class Adagrad(Optimizer):
                      low_open=True)
         self.initial_accumulator_value = float(initial_accumulator_value)
 
-    def make_slots(self, size, xp, dtype):
-        """Allocate the accumulator filled with ``initial_accumulator_value``, and the scratch."""
-        slots = super().make_slots(size, xp, dtype)
+    def init_slots(self, slots):
+        """Fill the accumulator with ``initial_accumulator_value``."""
         slots["accumulator"].fill(self.initial_accumulator_value)
-        return slots
 
     def _update(self, xp, params, grad, slots, step):
         accum, tmp = slots["accumulator"], slots[_SCRATCH]
@@ -316,7 +322,7 @@ class Adagrad(Optimizer):
 _OPTIMIZERS = {cls.name: cls for cls in (GradientDescent, Momentum, Adam, Adagrad, NoOp)}
 
 
-def make_optimizer(name, learning_rate=0.01, **kwargs):
+def make_optimizer(name, learning_rate=0.01, groups=None, **kwargs):
     """Build an optimizer by name: "sgd", "momentum", "adam", "adagrad", "ftrl", "none", ...
 
     torch.optim's rules are "torch_sgd", "torch_adam", "adamw", "torch_adagrad" and
@@ -326,6 +332,8 @@ def make_optimizer(name, learning_rate=0.01, **kwargs):
     ``kwargs`` are the optimizer's hyper-parameters (``momentum``,
     ``use_nesterov``; ``beta1``, ``beta2``, ``epsilon``;
     ``initial_accumulator_value``; ftrl's ``learning_rate_power``, ``l1``, ``l2``).
+    ``groups``: options per group of variables, ``[{"variables": [names or fnmatch
+    patterns], option: value, ...}]`` (see :mod:`mpitf.ps.groups`); the others keep these.
     Raises ConfigurationError for an unknown name, an unknown hyper-parameter, or a value
     out of range.
     """
@@ -339,6 +347,10 @@ def make_optimizer(name, learning_rate=0.01, **kwargs):
             f"unknown optimizer {name!r}; expected one of {sorted(classes)}"
         )
     cls = classes[key]
+    if groups is not None:
+        from .groups import Grouped
+
+        return Grouped.build(key, learning_rate, kwargs, groups)
     unknown = sorted(set(kwargs) - set(cls._hyper))
     if unknown:
         raise ConfigurationError(

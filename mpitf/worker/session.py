@@ -14,6 +14,7 @@ import time
 import numpy as np
 
 from ..ckpt import cut
+from ..ckpt.slots import check_optimizer_state
 from ..ckpt.tables import table_dicts
 from ..config import TrainingConfig
 from ..errors import ConfigurationError, NonFiniteGradientError
@@ -116,9 +117,16 @@ class TrainingSession:
     # -- start -----------------------------------------------------------------------------
 
     def _start(self, optimizer):
+        # options per group: their names or patterns become the model's variable names
+        optimizer = optimizer.resolve([name for name, _, _ in self.placement.variables])
         restore = cut.agree_on_restore(
             self.server.replica_comm, self.checkpoint_dir if self.server.is_chief else None,
             self.clients, log=lambda m: _log.warning("%s", m))
+        if restore is not None and self.server.is_chief:
+            check_optimizer_state(restore, optimizer,
+                                  [name for name, _, _ in self.placement.variables],
+                                  self.config.reset_optimizer_state,
+                                  log=lambda m: _log.warning("%s", m))
         values = None
         if restore is None:
             rng = np.random.default_rng(self.config.seed)
