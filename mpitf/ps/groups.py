@@ -17,6 +17,7 @@ Learning rates that a worker sends (mpitf.torch's schedulers) come per group, in
 import fnmatch
 
 from mpitf.errors import ConfigurationError
+from mpitf.wire.header import HEADER_BYTES
 
 __all__ = ["ElementRules", "Grouped"]
 
@@ -154,6 +155,17 @@ class ElementRules:
             else:
                 ranges.append((lo, hi, opt))
         self.ranges = tuple(ranges)
+
+    @property
+    def default(self):
+        """Return the optimizer of what is in no group (embedding tables: every row)."""
+        return getattr(self.optimizer, "base", self.optimizer)
+
+    @property
+    def rates_bytes(self):
+        """Return the bytes of a ``RATES`` request for these groups (0: none is sent)."""
+        groups = getattr(self.optimizer, "groups", ())
+        return HEADER_BYTES + 8 * len(groups) if groups else 0
 
     @property
     def optimizers(self):

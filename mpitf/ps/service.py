@@ -59,17 +59,13 @@ class Service:
             if self.backend.name != "numpy":
                 raise ConfigurationError("embedding tables need ps tasks on the host for now; "
                                          "run the ps with the numpy backend")
-            optimizer = getattr(self.shard.optimizer, "base", self.shard.optimizer)  # groups:
-            # the options of the variables in none (tables are in no group)
             self.tables = SparseTables(assignment.sparse, self.ps_task, assignment.num_ps,
-                                       optimizer, config.seed, self.num_workers)
+                                       self.shard.rules.default, config.seed, self.num_workers)
         self.timeline = Timeline(server.rank, server.device, bool(config.timeline))
         self.chunk_bytes = assignment.chunk_bytes
         self.chunked_workers = set()  # workers that stage through host memory, in chunks
         capacity = senders.capacity(self.tables.capacity if self.tables else None)
-        groups = getattr(self.shard.optimizer, "groups", ())
-        if groups:  # a RATES request: one float64 per group after the header
-            capacity = max(capacity or 0, H.HEADER_BYTES + 8 * len(groups))
+        capacity = max(capacity or 0, self.shard.rules.rates_bytes) or None  # RATES fit
         # Buckets: a second frame receives bucket k+1 while bucket k is applied.
         frames = self.policy.receive_buffers(self.num_workers, self.pipeline.bucketed)
         self.pool = [Frame.allocate(self.backend, size, wire, capacity) for _ in range(frames)]
@@ -296,8 +292,8 @@ class Service:
                 self.shard.optimizer.set_learning_rate(lr)
             return self.policy.on_push(self, worker, request.step, frame, index, bucket)
         if kind == P.RATES:  # before a push, within its step: each group's learning rate
-            end = H.HEADER_BYTES + 8 * request.count
-            self.shard.set_learning_rates(frame.bytes[H.HEADER_BYTES:end].view(np.float64))
+            rates = frame.bytes[H.HEADER_BYTES:H.HEADER_BYTES + 8 * request.count]
+            self.shard.set_learning_rates(rates.view(np.float64))
             return True
         if kind == P.SPARSE_PULL or kind == P.SPARSE_PUSH:  # within a step: not a pause
             return self.sparse.handle(worker, kind, index)

@@ -284,7 +284,7 @@ class DistributedOptimizer(SessionFrontEnd):
         if self._rate_groups is None:
             self.client.learning_rate = rates
         else:
-            self.client.learning_rates = rates
+            self.client.rates.values = rates
 
     @ends_the_job
     def step(self, loss=None):
@@ -295,7 +295,7 @@ class DistributedOptimizer(SessionFrontEnd):
         lr = self._learning_rate()
         handle, self._handle = self._handle, None
         sent = self.client.learning_rate if self._rate_groups is None else \
-            self.client.learning_rates
+            self.client.rates.values
         if handle is not None and lr != sent:
             raise ConfigurationError(
                 f"the learning rate changed from {sent} to {lr} between "

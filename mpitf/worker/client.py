@@ -20,6 +20,7 @@ from ..wire.frame import Frame, frames_over
 from ..wire.layout import FlatLayout, bucket_ranges
 from .buckets import BucketedPush
 from .handles import NodeHandle, PushPullHandle, Reply
+from .rates import GroupRates
 
 
 class Client:
@@ -109,10 +110,7 @@ class Client:
         self.timeline = None  # the session's Timeline: bucketed pushes record per bucket
         self.bucketed_push = BucketedPush(self) if self.bucketed else None
         self.learning_rate = None  # a float: each push asks the ps to apply this rate
-        # optimizer groups (mpitf.torch's param groups): a tuple of rates, one per group,
-        # sent in a RATES request before a push whenever it changed (set_learning_rates)
-        self.learning_rates = None
-        self._rates = None  # (frame, the rates it holds, its sends in flight)
+        self.rates = GroupRates()  # several optimizer groups: their rates (see .rates)
         self.position_frames = None  # a node's leader: its PAUSED and DONE carry positions
         if node is not None:  # nobody may use the shared buffers before all have mapped them
             node.sync(node.deadline, "node start-up")
@@ -161,7 +159,7 @@ class Client:
             node.reduce(self.segments, self.deadline, self.timeline)
             if not node.leader:
                 return NodeHandle(self, None)
-        self.send_rates()
+        self.rates.send(self)
         receives, sends = [], []
         for p, rank in enumerate(self.ps_ranks):
             receives.append(self.param_frames[p].irecv(self.comm, rank, P.TAG_REPLY))
@@ -180,28 +178,6 @@ class Client:
             raise ConfigurationError("start_push needs buckets: give the client a "
                                      "bucket_bytes smaller than a ps's shard")
         return self.bucketed_push.begin(data_position)
-
-    def send_rates(self):
-        """Send each optimizer group's learning rate to every ps if they changed (before a push).
-
-        A ``RATES`` request on the request tag reaches each ps before the push sent after it
-        (MPI keeps a pair's messages on one tag in order); its frame is made once, and its
-        last sends are completed before it is written again.
-        """
-        rates = self.learning_rates
-        if rates is None or (self._rates is not None and self._rates[1] == rates):
-            return
-        if self._rates is None:
-            self._rates = [Frame.allocate(numpy_backend(), len(rates), np.float64), None, None]
-        frame, _, sent = self._rates
-        if sent is not None:
-            sent.wait_sends()
-        frame.payload[...] = rates
-        H.pack_request(frame.header, P.RATES, 0, self.worker, len(rates))
-        sends = []
-        for rank in self.ps_ranks:
-            sends.extend(frame.isend(self.comm, rank, P.TAG_REQUEST))
-        self._rates[1:] = [tuple(rates), PushPullHandle(self, [], sends, "rates")]
 
     def _request(self, kind, want_reply, flags=0, operation="pull", payload=None):
         if self.node is not None and not self.node.leader:
