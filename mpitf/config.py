@@ -217,6 +217,11 @@ class TrainingConfig:
         label="wire_dtype (--wire-dtype)",
         help="the dtype gradients and parameters travel in: float32, bfloat16 or float16 "
              "(the ps keeps float32 parameters and optimizer slots)")
+    reset_optimizer_state: bool = option(
+        False, "--reset-optimizer-state",
+        help="restore the parameters of a checkpoint written by another optimizer (or with "
+             "other slots) and start the optimizer's state afresh; without it such a restore "
+             "is refused")
     # The fields that ``resolve`` chose because None was given; replace() chooses them again.
     defaulted: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
 

@@ -128,15 +128,21 @@ def test_what_mpitf_cannot_run_is_refused_before_training(args, words):
     assert "step 1," not in run.output
 
 
-def test_param_groups_that_differ_are_refused():
+def test_param_groups_become_groups_on_the_ps_and_what_it_cannot_run_is_refused():
+    # Param groups that differ were refused before issue 26; now each is a group of
+    # variables with its own options (tests/test_optimizer_groups.py trains them).
     from mpitf.errors import ConfigurationError
     from mpitf.torch.translate import translate
 
     a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([{"params": [a]}, {"params": [b], "weight_decay": 0.1}], lr=0.1)
-    with pytest.raises(ConfigurationError, match=r"param groups 0 and 1 differ in "
-                                                 r"\['weight_decay'\]"):
-        translate(opt)
+    groups = translate(opt, {id(a): "a", id(b): "b"}).config()["groups"]
+    assert [(g["variables"], g["weight_decay"]) for g in groups] == [(["a"], 0.0), (["b"], 0.1)]
+    mixed = torch.optim.Adam([{"params": [a]}, {"params": [b],
+                                                "decoupled_weight_decay": True}], lr=0.1)
+    with pytest.raises(ConfigurationError, match=r"Adam: param group 0 runs torch_adam but "
+                                                 r"group 1 runs adamw"):
+        translate(mixed, {id(a): "a", id(b): "b"})
     with pytest.raises(ConfigurationError, match=r"Adam\(amsgrad=True\) is not supported on "
                                                  r"the ps: leave amsgrad off"):
         translate(torch.optim.Adam([a], lr=0.01, amsgrad=True))

@@ -40,16 +40,28 @@ def describe_checkpoint(ckpt_dir):
     lines = [f"{os.path.basename(os.path.normpath(ckpt_dir))}: global step {m['global_step']}, "
              f"written {when}", f"path: {os.path.abspath(ckpt_dir)}",
              "layout: " + ", ".join(f"{k} {v}" for k, v in layout.items())]
+    rules = []  # options per group: each variable's rule is its group's
     if optimizer is not None:
-        lines.append(f"optimizer: {json.dumps(optimizer, sort_keys=True)}")
+        optimizer = dict(optimizer)
+        rules = optimizer.pop("groups", [])
+        lines.append(f"optimizer: {json.dumps(optimizer, sort_keys=True)}"
+                     + (" (variables in no group)" if rules else ""))
+        for k, rule in enumerate(rules):
+            options = {o: x for o, x in rule.items() if o != "variables"}
+            lines.append(f"  group {k}: {json.dumps(options, sort_keys=True)}")
+    group_of = {n: k for k, rule in enumerate(rules) for n in rule["variables"]}
     lines.append(f"variables ({len(m['variables'])}):")
     width = max([len(v["name"]) for v in m["variables"]] + [8])
     for v in m["variables"]:
         where = " ".join(f"ps{p.ps_task}[{p.start}:{p.stop}]" for p in
                          sorted(groups.get(("params", None, v["name"]), []),
                                 key=lambda p: p.start))
+        rule = ""
+        if rules:
+            k = group_of.get(v["name"])
+            rule = f"{'no group' if k is None else f'group {k}':<9}"
         lines.append(f"  {v['name']:<{width}}  {str(tuple(v['shape'])):<16} "
-                     f"{np.dtype(v['dtype']).name:<8} {where}")
+                     f"{np.dtype(v['dtype']).name:<8} {rule}{where}")
     if tables:
         shards = table_shards(ckpt_dir, m)
         lines.append(f"tables ({len(tables)}):")

@@ -10,7 +10,8 @@ Saving, in order:
   manifest, move ``latest``, prune), :func:`release` the paused workers, who
   :func:`wait_for_release`; the message says whether to stop (after a signal).
 
-Restoring: :func:`agree_on_restore` (the chief chooses, every worker learns the choice),
+Restoring: :func:`agree_on_restore` (the chief chooses, every worker learns the choice;
+:func:`check_optimizer_state`, from ``slots``, refuses slots that do not fit the job),
 :func:`data_position` (each worker's place in its data) and :func:`restore_shard` (each
 ps, through host memory onto its device).
 
@@ -28,6 +29,7 @@ from .files import writing
 from .lock import acquire
 from .names import MANIFEST, checkpoint_name, read_manifest, shard_name
 from .restore import load_shard
+from .slots import check_optimizer_state  # noqa: F401 - the restore check, for the session
 from .tables import load_tables
 from .verify import find_restorable
 from .write import prepare_save, set_aside_newer, write_manifest, write_shard

@@ -15,10 +15,10 @@ import numpy as np
 from ..config import TrainingConfig
 from ..errors import ConfigurationError
 from ..ps.optimizers import make_optimizer
-from ..worker.frontend import SessionFrontEnd
+from ..worker.frontend import SessionFrontEnd, ends_the_job
 from ..worker.session import TrainingSession
 from . import threads
-from .tree import TreeLayout, to_jax
+from .tree import TreeLayout, leaf_name, to_jax
 
 __all__ = ["DistributedOptimizer"]
 
@@ -28,7 +28,7 @@ SESSION_OPTIONS = frozenset(
     [n for n in inspect.signature(TrainingSession).parameters if n not in ("server", "model",
                                                                           "optimizer",
                                                                           "options")]
-    + [f.name for f in dataclasses.fields(TrainingConfig)])
+    + [f.name for f in dataclasses.fields(TrainingConfig) if f.init])
 
 
 class _JaxVariables:
@@ -52,6 +52,27 @@ class _JaxVariables:
         return self.loss
 
 
+def _mask_group(mask, params, names):
+    """Return the group that ``mask`` (optax's: True where weight decay applies) implies.
+
+    ``mask`` is a pytree of bools shaped as ``params``, or a callable ``params -> mask``;
+    the leaves it marks False get ``weight_decay`` 0 (None: every leaf is decayed).
+    """
+    import jax
+
+    if callable(mask):
+        mask = mask(params)
+    flat, _ = jax.tree_util.tree_flatten_with_path(mask)
+    marked = {leaf_name(path): bool(value) for path, value in flat}
+    if set(marked) != set(names):
+        odd = sorted(set(marked) ^ set(names))[0]
+        raise ConfigurationError(
+            f"the weight-decay mask and the parameters differ at leaf {odd!r}: give a "
+            "pytree of bools shaped as the parameters (or a callable params -> mask)")
+    off = [n for n in names if not marked[n]]
+    return {"variables": off, "weight_decay": 0.0} if off else None
+
+
 def _split(options):
     """Return (optimizer options, session options): TrainingSession's names go to it."""
     ps = {k: v for k, v in options.items() if k not in SESSION_OPTIONS}
@@ -72,17 +93,33 @@ class DistributedOptimizer(SessionFrontEnd):
             "torch_sgd", "torch_adam", "torch_adagrad").
         learning_rate: a float or a ps schedule config (``{"schedule": "cosine_decay",
             ...}``); the ps runs it by the global step.
+        mask: as optax.adamw's: a pytree of bools shaped as ``params`` (or a callable
+            ``params -> mask``), True where weight decay applies; the leaves it marks False
+            get ``weight_decay`` 0 (biases, norms).
+        groups: options per subtree: ``[{"variables": [leaf names or fnmatch patterns
+            such as "layers/1/*"], "learning_rate": ..., option: value}]`` (see
+            :mod:`mpitf.ps.groups`); a leaf is in one group at most (the mask's included).
         options: the optimizer's hyper-parameters (``weight_decay``, ``beta1``, ...) and
             :class:`~mpitf.worker.session.TrainingSession`'s options (mode, dataset,
             checkpoint_dir, save_checkpoint_steps, last_step, ...; the deadline is the
             Server's); a name neither takes is refused, naming both lists.
     """
 
-    def __init__(self, params, server, optimizer="sgd", learning_rate=0.01, **options):
+    @ends_the_job
+    def __init__(self, params, server, optimizer="sgd", learning_rate=0.01, *, mask=None,
+                 groups=None, **options):
+        self._server = server
         ps_options, session_options = _split(options)
         if "deadline" in ps_options:
             raise ConfigurationError(
                 "deadline is the Server's, not a session option: Server(cluster, deadline=...)")
+        self.layout = TreeLayout(params)
+        groups = list(groups or ())
+        if mask is not None:
+            masked = _mask_group(mask, params, self.layout.names)
+            groups += [masked] if masked else []
+        if groups:
+            ps_options["groups"] = groups
         try:
             self.ps_optimizer = make_optimizer(optimizer, learning_rate, **ps_options)
         except ConfigurationError as exc:
@@ -90,7 +127,6 @@ class DistributedOptimizer(SessionFrontEnd):
                 raise ConfigurationError(
                     f"{exc}; session options: {sorted(SESSION_OPTIONS)}") from None
             raise
-        self.layout = TreeLayout(params)
         self._variables = _JaxVariables(self.layout, self.layout.leaves(params, "parameter"))
         self._say_threads(server)
         self.session = TrainingSession(server, self._variables, self.ps_optimizer,
@@ -116,6 +152,7 @@ class DistributedOptimizer(SessionFrontEnd):
         """Return the pulled parameters as a new pytree of jax arrays (one copy)."""
         return self.layout.unflatten([to_jax(p) for _, p in self._views])
 
+    @ends_the_job
     def step(self, grads, loss=None):
         """Push ``grads`` (the parameters' pytree structure), update on the ps, pull.
 

@@ -38,11 +38,9 @@ class Ftrl(Optimizer):
         self.initial_accumulator_value = float(initial_accumulator_value)
         self.l1, self.l2 = float(l1), float(l2)
 
-    def make_slots(self, size, xp, dtype):
-        """Allocate ``accum`` at ``initial_accumulator_value``, ``linear`` at 0, the scratch."""
-        slots = super().make_slots(size, xp, dtype)
+    def init_slots(self, slots):
+        """Fill ``accum`` with ``initial_accumulator_value`` (``linear`` starts at 0)."""
         slots["accum"].fill(self.initial_accumulator_value)
-        return slots
 
     def _power(self, xp, x, out):
         if self.learning_rate_power == -0.5:

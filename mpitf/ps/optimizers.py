@@ -19,11 +19,12 @@ from __future__ import annotations
 import abc
 import math
 
-from mpitf.config import check_learning_rate, check_moving_average_decay, check_number
+from mpitf.config import check_learning_rate, check_number
 from mpitf.errors import ConfigurationError
 from mpitf.runtime.backend import array_module
 from mpitf.wire.convert import narrow_into, widen_into
 
+from .average import ExponentialMovingAverage
 from .kernels import fused_apply
 from .schedules import SCHEDULES
 
@@ -142,7 +143,15 @@ class Optimizer(abc.ABC):
         slots = {name: xp.zeros(size, dtype=dtype) for name in self.slot_names}
         if self._uses_scratch:
             slots[_SCRATCH] = xp.empty(size, dtype=dtype)
+        self.init_slots(slots)
         return slots
+
+    def init_slots(self, slots):  # noqa: B027 - most rules start every slot at zero
+        """Give zeroed slots (views: a group's elements) their initial values, in place."""
+
+    def resolve(self, names):
+        """Return this optimizer for variables ``names`` (options per group: see groups.py)."""
+        return self
 
     def apply(self, params, grad, slots, step, pool=None, reply=None, widened=None):
         """Update ``params`` in place from ``grad``; ``step`` is the global step before it.
@@ -297,11 +306,9 @@ class Adagrad(Optimizer):
                      low_open=True)
         self.initial_accumulator_value = float(initial_accumulator_value)
 
-    def make_slots(self, size, xp, dtype):
-        """Allocate the accumulator filled with ``initial_accumulator_value``, and the scratch."""
-        slots = super().make_slots(size, xp, dtype)
+    def init_slots(self, slots):
+        """Fill the accumulator with ``initial_accumulator_value``."""
         slots["accumulator"].fill(self.initial_accumulator_value)
-        return slots
 
     def _update(self, xp, params, grad, slots, step):
         accum, tmp = slots["accumulator"], slots[_SCRATCH]
@@ -316,7 +323,7 @@ class Adagrad(Optimizer):
 _OPTIMIZERS = {cls.name: cls for cls in (GradientDescent, Momentum, Adam, Adagrad, NoOp)}
 
 
-def make_optimizer(name, learning_rate=0.01, **kwargs):
+def make_optimizer(name, learning_rate=0.01, groups=None, **kwargs):
     """Build an optimizer by name: "sgd", "momentum", "adam", "adagrad", "ftrl", "none", ...
 
     torch.optim's rules are "torch_sgd", "torch_adam", "adamw", "torch_adagrad" and
@@ -326,6 +333,8 @@ def make_optimizer(name, learning_rate=0.01, **kwargs):
     ``kwargs`` are the optimizer's hyper-parameters (``momentum``,
     ``use_nesterov``; ``beta1``, ``beta2``, ``epsilon``;
     ``initial_accumulator_value``; ftrl's ``learning_rate_power``, ``l1``, ``l2``).
+    ``groups``: options per group of variables, ``[{"variables": [names or fnmatch
+    patterns], option: value, ...}]`` (see :mod:`mpitf.ps.groups`); the others keep these.
     Raises ConfigurationError for an unknown name, an unknown hyper-parameter, or a value
     out of range.
     """
@@ -339,6 +348,10 @@ def make_optimizer(name, learning_rate=0.01, **kwargs):
             f"unknown optimizer {name!r}; expected one of {sorted(classes)}"
         )
     cls = classes[key]
+    if groups is not None:
+        from .groups import Grouped
+
+        return Grouped.build(key, learning_rate, kwargs, groups)
     unknown = sorted(set(kwargs) - set(cls._hyper))
     if unknown:
         raise ConfigurationError(
@@ -346,55 +359,3 @@ def make_optimizer(name, learning_rate=0.01, **kwargs):
             f"valid options: {['learning_rate', *cls._hyper]}"
         )
     return cls(learning_rate, **kwargs)
-
-
-# ------------------------------------------------------------------------- EMA
-
-
-class ExponentialMovingAverage:
-    """Keep shadow copies of the parameters as tf.train.ExponentialMovingAverage.
-
-    ``shadow -= (1 - decay) * (shadow - params)``, where with ``num_updates``
-    the decay is ``min(decay, (1 + step) / (10 + step))``, so early averages
-    follow the parameters closely.
-    """
-
-    def __init__(self, decay, num_updates=True):
-        check_moving_average_decay(decay)
-        self.decay = float(decay)
-        self.num_updates = bool(num_updates)
-
-    def decay_at(self, step):
-        """Return the decay used by the update at global step ``step``."""
-        if self.num_updates:
-            return min(self.decay, (1.0 + step) / (10.0 + step))
-        return self.decay
-
-    def make_shadow(self, params):
-        """Return a new shadow buffer initialised to ``params`` (as TF initialises it)."""
-        return params.copy()
-
-    def apply(self, ema, params, step):
-        """Move the shadow ``ema`` toward ``params`` in place and return the decay used.
-
-        Needs no scratch: ``ema = decay * (ema - params) + params``, which is
-        TF's ``ema - (1 - decay) * (ema - params)`` rearranged.
-        """
-        if ema.shape != params.shape:
-            raise ValueError(f"expecting params of shape {ema.shape}, got {params.shape}")
-        xp = array_module(ema)
-        d = self.decay_at(int(step))
-        xp.subtract(ema, params, out=ema)
-        xp.multiply(ema, d, out=ema)
-        xp.add(ema, params, out=ema)
-        return d
-
-    def config(self):
-        """Return a JSON-able dict; ``ExponentialMovingAverage(**config)`` rebuilds it."""
-        return {"decay": self.decay, "num_updates": self.num_updates}
-
-    def __eq__(self, other):
-        return type(other) is type(self) and other.config() == self.config()
-
-    def __repr__(self):
-        return f"ExponentialMovingAverage(decay={self.decay!r}, num_updates={self.num_updates!r})"

@@ -10,6 +10,8 @@ completed (MPI forbids touching a buffer that is being sent).
 import logging
 import time
 
+import numpy as np
+
 from ..ckpt import cut
 from ..errors import ConfigurationError, DeadlineError, PeerError
 from ..models.clipping import clip_by_global_norm
@@ -58,11 +60,12 @@ class Service:
                 raise ConfigurationError("embedding tables need ps tasks on the host for now; "
                                          "run the ps with the numpy backend")
             self.tables = SparseTables(assignment.sparse, self.ps_task, assignment.num_ps,
-                                       self.shard.optimizer, config.seed, self.num_workers)
+                                       self.shard.rules.default, config.seed, self.num_workers)
         self.timeline = Timeline(server.rank, server.device, bool(config.timeline))
         self.chunk_bytes = assignment.chunk_bytes
         self.chunked_workers = set()  # workers that stage through host memory, in chunks
         capacity = senders.capacity(self.tables.capacity if self.tables else None)
+        capacity = max(capacity or 0, self.shard.rules.rates_bytes) or None  # RATES fit
         frames = self.policy.receive_buffers(self.num_workers, self.pipeline.bucketed)
         self.pool = ReceivePool(self.comm, [Frame.allocate(self.backend, size, wire, capacity)
                                             for _ in range(frames)], P.TAG_REQUEST)
@@ -223,8 +226,10 @@ class Service:
     def _restore(self, ckpt_dir):
         shard = self.shard
         average = shard.average_frame.payload if shard.average is not None else None
+        # --reset-optimizer-state: the slots start as new (the chief said so in the log)
+        slots = {} if self.config.reset_optimizer_state else shard.saved_slots()
         restored = cut.restore_shard(ckpt_dir, shard.slices, self.backend, shard.params,
-                                     shard.saved_slots(), average,
+                                     slots, average,
                                      self.tables.targets() if self.tables else None)
         if restored["missing_average"]:
             shard.start_average()
@@ -287,6 +292,10 @@ class Service:
             if lr is not None:  # the worker's rate (mpitf.torch): the next update applies it
                 self.shard.optimizer.set_learning_rate(lr)
             return self.policy.on_push(self, worker, request.step, frame, index, bucket)
+        if kind == P.RATES:  # before a push, within its step: each group's learning rate
+            rates = frame.bytes[H.HEADER_BYTES:H.HEADER_BYTES + 8 * request.count]
+            self.shard.set_learning_rates(rates.view(np.float64))
+            return True
         if kind == P.SPARSE_PULL or kind == P.SPARSE_PUSH:  # within a step: not a pause
             return self.sparse.handle(worker, kind, index)
         if kind != P.SKIP:  # pull, pause, counters: not a step (start-up, evaluation,

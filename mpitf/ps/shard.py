@@ -17,6 +17,7 @@ from ..wire import convert
 from ..wire.convert import narrow_into, widen_into
 from ..wire.dtypes import wire_dtype
 from ..wire.frame import Frame
+from .groups import ElementRules
 from .kernels import warm_up
 from .optimizers import ExponentialMovingAverage, make_optimizer
 from .threads import KernelPool, default_threads
@@ -34,6 +35,7 @@ class Shard:
         self.backend = backend
         self.xp = backend.xp
         self.optimizer = optimizer
+        self.rules = ElementRules(optimizer, slices, size)  # which rule updates which range
         self.reply = Frame.allocate(backend, size, self.wire)
         self.params = self.reply.payload
         self.widened = None  # a 16-bit wire: a gradient widened for the reference passes
@@ -43,12 +45,13 @@ class Shard:
         # Slots are made with the array module, then placed on the backend's device (a
         # no-op for numpy and CuPy; it matters for backends whose module is numpy).
         self.slots = {k: backend.to_device(v)
-                      for k, v in optimizer.make_slots(size, self.xp, dtype).items()}
+                      for k, v in self.rules.make_slots(size, self.xp, dtype).items()}
         # The kernel threads, and the kernel compiled (or loaded from numba's cache) now,
         # at start-up, not in the first step. A device shard runs the ufunc passes.
         self.pool = KernelPool(threads) if backend.name == "numpy" else None
         if self.pool is not None:
-            warm_up(optimizer, self.dtype, self.wire)
+            for opt in self.rules.optimizers:
+                warm_up(opt, self.dtype, self.wire)
         if self.widened is not None:
             convert.warm_up(self.wire)
         self.average = average  # an ExponentialMovingAverage or None
@@ -77,18 +80,37 @@ class Shard:
         views = self._views.get((lo, hi))
         if views is None:
             views = self._views[(lo, hi)] = self._views_of(lo, hi)
-        params, slots, average, reply, widened = views
-        self.optimizer.apply(params, grad, slots, step, self.pool, reply, widened)
+        parts, average, params = views
+        if len(parts) == 1:  # one rule (no groups, or one group here): the gradient as it is
+            opt, _, _, p, slots, reply, widened = parts[0]
+            opt.apply(p, grad, slots, step, self.pool, reply, widened)
+        else:  # a rule per range: each range's own options, the same kernels
+            for opt, a, b, p, slots, reply, widened in parts:
+                opt.apply(p, grad[a:b], slots, step, self.pool, reply, widened)
         if average is not None:
             self.average.apply(average, params, step)
 
     def _views_of(self, lo, hi):
-        whole = lo == 0 and hi == self.size
-        cut = (lambda a: a) if whole else (lambda a: a[lo:hi])
+        """Return ``(parts, average, params)``: each rule's views of ``[lo, hi)``, and all's."""
         wire = self.widened is not None
-        return (cut(self.params), {k: cut(v) for k, v in self.slots.items()},
-                cut(self.average_frame.payload) if self.average is not None else None,
-                cut(self.reply.payload) if wire else None, cut(self.widened) if wire else None)
+
+        def cut(a, x, y):
+            return a if x == 0 and y == self.size else a[x:y]
+
+        parts = []
+        for a, b, opt in self.rules.parts(lo, hi):
+            x, y = lo + a, lo + b
+            parts.append((opt, a, b, cut(self.params, x, y),
+                          {k: cut(v, x, y) for k, v in self.slots.items()},
+                          cut(self.reply.payload, x, y) if wire else None,
+                          cut(self.widened, x, y) if wire else None))
+        average = (cut(self.average_frame.payload, lo, hi) if self.average is not None
+                   else None)
+        return tuple(parts), average, cut(self.params, lo, hi)
+
+    def set_learning_rates(self, rates):
+        """Apply each group's learning rate (a worker's ``RATES`` request)."""
+        self.optimizer.set_learning_rates(rates)
 
     def widen(self, grad, lo, hi):
         """Return a wire-dtype gradient of elements ``[lo, hi)`` widened (scratch: reused)."""

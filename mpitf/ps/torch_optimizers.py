@@ -186,11 +186,9 @@ class TorchAdagrad(TorchOptimizer):
         self.lr_decay, self.weight_decay = float(lr_decay), float(weight_decay)
         self.initial_accumulator_value, self.eps = float(initial_accumulator_value), float(eps)
 
-    def make_slots(self, size, xp, dtype):
-        """Allocate the sum filled with ``initial_accumulator_value``, and the scratch."""
-        slots = super().make_slots(size, xp, dtype)
+    def init_slots(self, slots):
+        """Fill the sum with ``initial_accumulator_value``."""
         slots["sum"].fill(self.initial_accumulator_value)
-        return slots
 
     def _update(self, xp, params, grad, slots, step):
         acc, tmp = slots["sum"], slots[_SCRATCH]

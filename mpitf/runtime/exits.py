@@ -103,6 +103,22 @@ def abort_on_error():
 
 
 
+def end_job(exc, first=True):
+    """End every rank on an error a library call found (no abort_on_error around it).
+
+    ``mpitf.torch``'s and ``mpitf.jax``'s ``DistributedOptimizer`` run inside a user's
+    script, which may not wrap its body in :func:`abort_on_error`: without this, the rank
+    would end on a traceback and its peers would wait for it. One line names the error
+    (no traceback: it says what to do), and the job ends with its exit code (2 for a
+    configuration error). A rank other than the ``first`` (replica 0), which usually met
+    the same error, waits a moment so that the first's line is the only one.
+    """
+    if not first:
+        time.sleep(2.0)
+    report(exc)
+    _abort(getattr(exc, "exit_code", EXIT_USAGE))
+
+
 def run_job(main):
     """Run a job's ``main()`` as its process: an error ends every rank; exit with its code."""
     with abort_on_error():

@@ -20,10 +20,10 @@ import os
 import torch
 
 from ..errors import ConfigurationError
-from ..worker.frontend import SessionFrontEnd
+from ..worker.frontend import SessionFrontEnd, ends_the_job
 from ..worker.session import TrainingSession
 from .buffers import buffer_views, check_model
-from .translate import group_options, learning_rate, translate
+from .translate import group_options, learning_rate, rate_groups, translate
 
 __all__ = ["DistributedOptimizer", "share_threads"]
 
@@ -55,10 +55,14 @@ class _TorchVariables:
 
 
 def _trainable(model, optimizer):
-    """Return ``[(name, param)]`` of the parameters to train, checked against the optimizer."""
+    """Return ``[(name, param)]`` of the parameters to train, checked against the optimizer.
+
+    A frozen parameter (``requires_grad`` False) may stay in a param group, as torch skips
+    it: mpitf holds it as the model's state (the chief's), not as a variable.
+    """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    in_model = {id(p) for _, p in named}
+    in_model = {id(p) for _, p in model.named_parameters()}
     for name, p in named:
         if id(p) not in in_optimizer:
             raise ConfigurationError(
@@ -73,7 +77,24 @@ def _trainable(model, optimizer):
             "the optimizer holds parameters that are not trainable parameters of the model")
     if not named:
         raise ConfigurationError("the model has no parameter that requires grad")
+    _refuse_sparse(model)
     return named
+
+
+def _refuse_sparse(model):
+    """Refuse an embedding whose gradient would be a sparse tensor (``sparse=True``)."""
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse \
+                and module.weight.requires_grad:
+            raise ConfigurationError(_sparse_message(f"{name}.weight" if name else "weight"))
+
+
+def _sparse_message(name):
+    return (f"parameter {name!r} gets a sparse gradient (an Embedding or EmbeddingBag with "
+            "sparse=True): sparse gradients are not supported by "
+            "mpitf.torch.DistributedOptimizer yet; build it with sparse=False (a dense "
+            "gradient), or keep a large table in mpitf's own EmbeddingTable "
+            "(mpitf.models.embedding), whose rows the ps updates sparsely")
 
 
 def share_threads(server):
@@ -99,7 +120,10 @@ class DistributedOptimizer(SessionFrontEnd):
 
     Args:
         optimizer: a torch.optim SGD, Adam, AdamW, Adagrad or RMSprop over the model's
-            trainable parameters; anything the ps cannot run exactly is refused here.
+            trainable parameters; anything the ps cannot run exactly is refused here (on
+            a rank of a multi-rank job: one line, and every rank exits 2). Its param
+            groups keep their own options on the ps, and each group's learning rate (a
+            scheduler's) travels with every push.
         model: the ``torch.nn.Module`` (on the CPU). The chief's parameters at this call
             are every worker's starting values, unless a checkpoint is restored. Its
             buffers (BatchNorm statistics, anything in ``state_dict()`` that is not
@@ -111,14 +135,22 @@ class DistributedOptimizer(SessionFrontEnd):
             With ``bucket_bytes`` gradients leave during backward: change ``.grad`` and
             the learning rate before ``backward()``, not between it and ``step()``
             (without it, one frame per ps: not the sessions' default buckets).
+            ``reset_optimizer_state=True`` resumes a checkpoint of another optimizer
+            (other slots), which is refused otherwise, with fresh optimizer state.
     """
 
+    @ends_the_job
     def __init__(self, optimizer, model, server, **session_options):
-        self.ps_optimizer = translate(optimizer)
+        self._server = server
         self.optimizer, self.model = optimizer, model
         self._named = _trainable(model, optimizer)
+        names = {id(p): name for name, p in self._named}
+        self.ps_optimizer = translate(optimizer, names)
         check_model(model, self._named)
-        self._options = group_options(optimizer.param_groups[0])
+        self._options = [group_options(g) for g in optimizer.param_groups]
+        # several param groups: each one's rate travels (a RATES request), else one rate
+        self._rate_groups = rate_groups(optimizer, names) \
+            if len(optimizer.param_groups) > 1 else None
         share_threads(server)
         self._variables = _TorchVariables(self._named, model)
         # One frame per ps unless asked: buckets leave during backward, and a loop that
@@ -149,6 +181,7 @@ class DistributedOptimizer(SessionFrontEnd):
             p.register_post_accumulate_grad_hook(lambda _, i=i: self._on_grad(i))
             self._views.append((name, p, data, grad))
 
+    @ends_the_job
     def _on_grad(self, i):
         """Backward finished parameter ``i``'s gradient: push its bucket if it is complete."""
         self._reached[i] = True
@@ -164,7 +197,7 @@ class DistributedOptimizer(SessionFrontEnd):
                 "from the first step on, or set bucket_bytes=0")
         if self._handle is None:
             self._check_loaded()
-            self.client.learning_rate = self._learning_rate()
+            self._set_rates(self._learning_rate())
             self._handle = self.session.start_push()
         self._check_param(i)
         self._handle.final((name,))
@@ -172,6 +205,7 @@ class DistributedOptimizer(SessionFrontEnd):
     def _on_load(self, module, incompatible):
         self._loaded = True
 
+    @ends_the_job
     def zero_grad(self, set_to_none=True):
         """Zero the gradient views in place (they stay bound to the push buffer).
 
@@ -213,6 +247,8 @@ class DistributedOptimizer(SessionFrontEnd):
                 "load_state_dict(assign=True) or a new .data after wrapping; do those "
                 "before DistributedOptimizer")
         g = p.grad
+        if g is not None and g.layout != torch.strided:
+            raise ConfigurationError(_sparse_message(name))
         if g is None or (self._need_all and not self._reached[i]):
             raise ConfigurationError(
                 f"parameter {name!r} requires grad but backward left its gradient None "
@@ -227,16 +263,30 @@ class DistributedOptimizer(SessionFrontEnd):
             p.grad = grad
 
     def _learning_rate(self):
-        """Return the param groups' learning rate, refusing any other change to them."""
+        """Return the learning rate (one group) or each group's, refusing other changes."""
         groups = self.optimizer.param_groups
-        lr = learning_rate(groups[0])
+        if len(groups) != len(self._options):
+            raise ConfigurationError(
+                f"the optimizer has {len(groups)} param groups, but {len(self._options)} when "
+                "DistributedOptimizer wrapped it: add groups before wrapping")
         for k, group in enumerate(groups):
-            if group_options(group) != self._options or (k and learning_rate(group) != lr):
+            if group_options(group) != self._options[k]:
+                changed = sorted(o for o in set(self._options[k]) | set(group_options(group))
+                                 if self._options[k].get(o) != group_options(group).get(o))
                 raise ConfigurationError(
-                    f"param group {k}'s options changed after wrapping (or its lr differs "
-                    "from group 0's): only the learning rate may change while training")
-        return lr
+                    f"param group {k}'s {changed} changed after wrapping: the ps runs the "
+                    "options it was given; only learning rates may change while training")
+        if self._rate_groups is None:
+            return learning_rate(groups[0])
+        return tuple(learning_rate(groups[k]) for k in self._rate_groups)
 
+    def _set_rates(self, rates):
+        if self._rate_groups is None:
+            self.client.learning_rate = rates
+        else:
+            self.client.rates.values = rates
+
+    @ends_the_job
     def step(self, loss=None):
         """Push the gradients, apply the update on the ps, and pull: the model is updated.
 
@@ -244,13 +294,15 @@ class DistributedOptimizer(SessionFrontEnd):
         """
         lr = self._learning_rate()
         handle, self._handle = self._handle, None
-        if handle is not None and lr != self.client.learning_rate:
+        sent = self.client.learning_rate if self._rate_groups is None else \
+            self.client.rates.values
+        if handle is not None and lr != sent:
             raise ConfigurationError(
-                f"the learning rate changed from {self.client.learning_rate} to {lr} between "
+                f"the learning rate changed from {sent} to {lr} between "
                 "backward() and step(): with bucket_bytes backward pushes the gradient with "
                 "the rate it finds, so set the rate before backward()")
         self._check()
-        self.client.learning_rate = lr
+        self._set_rates(lr)
         self._variables.loss = float("nan") if loss is None else float(
             loss.detach() if isinstance(loss, torch.Tensor) else loss)
         self.optimizer._opt_called = True  # torch's LR schedulers look for a step() call

@@ -1,9 +1,11 @@
 """Translate a torch.optim optimizer into the ps optimizer that runs the same update.
 
 Only what the ps can run exactly is accepted: the optimizer's type (SGD, Adam, AdamW,
-Adagrad, RMSprop, not subclasses), its options (amsgrad and maximize are refused), and
-one set of options for every param group (the ps applies one rule to all parameters; the
-learning rate travels with each push). Anything else is refused before training, by name.
+Adagrad, RMSprop, not subclasses) and its options (amsgrad and maximize are refused).
+Param groups become options per group of variables on the ps (every option torch allows
+per group: lr, weight_decay, betas, eps, momentum, ...); each group's learning rate travels
+with each push, so schedulers may change them independently. Anything else is refused
+before training, by name.
 """
 
 import torch
@@ -66,9 +68,27 @@ def learning_rate(group):
     return float(lr.item() if isinstance(lr, torch.Tensor) else lr)
 
 
-def translate(optimizer):
+def _rule(kind, group):
+    """Return (ps rule, its options) of one param group, refusing what the ps cannot run."""
+    name = kind.__name__
+    options = group_options(group)
+    unknown = sorted(set(options) - _KNOWN[kind])
+    if unknown:
+        raise ConfigurationError(f"{name}: mpitf.torch does not know option(s) {unknown}")
+    for option in ("amsgrad", "maximize"):
+        if options.get(option):
+            raise ConfigurationError(
+                f"{name}({option}=True) is not supported on the ps: leave {option} off")
+    return _RULES[kind](options)
+
+
+def translate(optimizer, names=None):
     """Return the ps optimizer (``make_optimizer``) that runs ``optimizer``'s update exactly.
 
+    One param group is one rule. Several are one rule with options per group
+    (:mod:`mpitf.ps.groups`): each group's variables (``names`` maps a parameter's ``id``
+    to its name; parameters it lacks, frozen ones, are left out) with that group's
+    options and learning rate; group ``k``'s rate is the ``k``-th of ``rate_groups``.
     Raises ConfigurationError naming the optimizer or option the ps cannot run.
     """
     kind = type(optimizer)
@@ -78,22 +98,29 @@ def translate(optimizer):
         raise ConfigurationError(
             f"mpitf.torch cannot run {name} on the ps: use one of torch.optim's {supported}")
     groups = optimizer.param_groups
-    first = group_options(groups[0])
-    for k, group in enumerate(groups[1:], 1):
-        options, lr0, lr = group_options(group), learning_rate(groups[0]), learning_rate(group)
-        differ = sorted(o for o in set(first) | set(options) if first.get(o) != options.get(o))
-        if lr != lr0:
-            differ.insert(0, "lr")
-        if differ:
+    rules = [_rule(kind, group) for group in groups]
+    rule, kwargs = rules[0]
+    if len(groups) == 1:
+        return make_optimizer(rule, learning_rate(groups[0]), **kwargs)
+    names = names or {}
+    table = []
+    for k, (group, (other, options)) in enumerate(zip(groups, rules)):
+        if other != rule:
             raise ConfigurationError(
-                f"{name}: param groups 0 and {k} differ in {differ}; the ps applies one rule "
-                "to every parameter: use one param group (or equal options in all)")
-    unknown = sorted(set(first) - _KNOWN[kind])
-    if unknown:
-        raise ConfigurationError(f"{name}: mpitf.torch does not know option(s) {unknown}")
-    for option in ("amsgrad", "maximize"):
-        if first.get(option):
-            raise ConfigurationError(
-                f"{name}({option}=True) is not supported on the ps: leave {option} off")
-    rule, kwargs = _RULES[kind](first)
-    return make_optimizer(rule, learning_rate(groups[0]), **kwargs)
+                f"{name}: param group 0 runs {rule} but group {k} runs {other} (its "
+                "decoupled_weight_decay differs): the ps runs one rule; give every group "
+                "the same")
+        variables = [names[id(p)] for p in group["params"] if id(p) in names]
+        if variables:
+            table.append({"variables": variables, "learning_rate": learning_rate(group),
+                          **options})
+    return make_optimizer(rule, learning_rate(groups[0]), groups=table, **kwargs)
+
+
+def rate_groups(optimizer, names):
+    """Return the indices of the param groups that have trainable parameters (in ``names``).
+
+    These are the ps's groups, in order: their learning rates travel with each push.
+    """
+    return [k for k, group in enumerate(optimizer.param_groups)
+            if any(id(p) in names for p in group["params"])]

@@ -13,7 +13,9 @@ word  request (push, pull, init, done, ...)        reply
 3     count: payload elements (0: header only;     pushes_applied: gradients applied so far
       sparse kinds: ids in all tables; paused
       and done from a node's leader: its
-      replicas, one data position word each)
+      replicas, one data position word each;
+      rates: optimizer groups, one float64
+      learning rate each)
 4     flags (``FLAG_CHUNKED``, ``FLAG_REQUEUE``)   flags (``FLAG_PAUSE``)
 5     position: the worker's data position after   stale_dropped: stale gradients dropped
       this batch (push): epoch << 40 | cursor

@@ -47,6 +47,7 @@ COUNTERS = 8  # no payload; the ps answers with a pickled dict of counters on TA
 SKIP = 9  # no payload; the worker dropped a NaN/Inf gradient: count it, reply parameters
 SPARSE_PULL = 10  # payload: ids per table (wire/sparse.py); reply: their rows (SPARSE_REPLY)
 SPARSE_PUSH = 11  # payload: ids and row gradients per table; no reply (the PUSH after it has)
+RATES = 12  # payload: one float64 learning rate per optimizer group; no reply (before a PUSH)
 # Reply kinds (ps -> worker).
 REPLY = 21
 SPARSE_REPLY = 22  # on TAG_SPARSE_REPLY: the rows a SPARSE_PULL asked for
@@ -59,7 +60,8 @@ FLAG_LEARNING_RATE = 32  # (in push) the header's last word is the learning rate
 
 KIND_NAMES = {PUSH: "push", PULL: "pull", PULL_AVERAGE: "pull of the average", INIT: "init",
               DONE: "done", PAUSED: "paused", SAVE: "save", COUNTERS: "counters", SKIP: "skip",
-              SPARSE_PULL: "sparse pull", SPARSE_PUSH: "sparse push", REPLY: "reply",
+              SPARSE_PULL: "sparse pull", SPARSE_PUSH: "sparse push", RATES: "rates",
+              REPLY: "reply",
               SPARSE_REPLY: "sparse reply"}
 
 

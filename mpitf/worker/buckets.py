@@ -87,6 +87,7 @@ class BucketedPush:
         """Pack every bucket's header and post every reply's receive; return self."""
         c = self.client
         epoch, cursor = data_position
+        c.rates.send(c)  # before any bucket leaves
         for i, (p, k) in enumerate(self.order):
             lo, hi = c.buckets[p][k]
             H.pack_request(self.grad[i].header, P.PUSH, c.ps_steps[p], c.worker, hi - lo,

@@ -20,6 +20,7 @@ from ..wire.frame import Frame, frames_over
 from ..wire.layout import FlatLayout, bucket_ranges
 from .buckets import BucketedPush
 from .handles import NodeHandle, PushPullHandle, Reply
+from .rates import GroupRates
 
 
 class Client:
@@ -109,6 +110,7 @@ class Client:
         self.timeline = None  # the session's Timeline: bucketed pushes record per bucket
         self.bucketed_push = BucketedPush(self) if self.bucketed else None
         self.learning_rate = None  # a float: each push asks the ps to apply this rate
+        self.rates = GroupRates()  # several optimizer groups: their rates (see .rates)
         self.position_frames = None  # a node's leader: its PAUSED and DONE carry positions
         if node is not None:  # nobody may use the shared buffers before all have mapped them
             node.sync(node.deadline, "node start-up")
@@ -157,6 +159,7 @@ class Client:
             node.reduce(self.segments, self.deadline, self.timeline)
             if not node.leader:
                 return NodeHandle(self, None)
+        self.rates.send(self)
         receives, sends = [], []
         for p, rank in enumerate(self.ps_ranks):
             receives.append(self.param_frames[p].irecv(self.comm, rank, P.TAG_REPLY))

@@ -4,7 +4,31 @@ mpitf.torch and mpitf.jax differ in how gradients reach the push buffer; stoppin
 closing, the exit code and the context manager are their session's, written once here.
 """
 
-__all__ = ["SessionFrontEnd"]
+import functools
+
+from ..errors import ConfigurationError
+from ..runtime.exits import end_job
+
+__all__ = ["SessionFrontEnd", "ends_the_job"]
+
+
+def ends_the_job(method):
+    """Decorate a front end's method: a configuration it cannot run ends every rank.
+
+    The refusal is printed once, as one line that names the parameter and what to do,
+    and every rank exits non-zero (:func:`~mpitf.runtime.exits.end_job`), as a job's bad
+    flag does. In one process (no server, or a world of one) it is raised as it is.
+    """
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except ConfigurationError as exc:
+            server = getattr(self, "_server", None)
+            if server is None or server.comm.Get_size() < 2:
+                raise
+            end_job(exc, first=server.replica_index in (0, None))
+    return wrapper
 
 
 class SessionFrontEnd:

@@ -1,9 +1,8 @@
 """``TrainingSession``: the ``MonitoredTrainingSession`` of mpitf, run on every replica.
 
-It configures the ps (chief), restores or initialises, runs steps (compute gradients into
-the client's views, push and pull), and calls hooks: stop at a step, metrics (log lines,
-metrics.jsonl, TensorBoard events), checkpoints every N steps or T seconds and at the end,
-and checkpoint-then-exit on SIGTERM/SIGUSR1.
+It configures the ps (chief), restores or initialises, runs steps (gradients into the
+client's views, push, pull), and calls hooks: stop at a step, metrics (logs, metrics.jsonl,
+TensorBoard), checkpoints every N steps or T seconds, at the end and on SIGTERM/SIGUSR1.
 The replicas are the chief task (if any) and the worker tasks (``server.replica_index``).
 """
 
@@ -116,9 +115,13 @@ class TrainingSession:
     # -- start -----------------------------------------------------------------------------
 
     def _start(self, optimizer):
+        optimizer = optimizer.resolve(names := [n for n, _, _ in self.placement.variables])
         restore = cut.agree_on_restore(
             self.server.replica_comm, self.checkpoint_dir if self.server.is_chief else None,
             self.clients, log=lambda m: _log.warning("%s", m))
+        if restore is not None and self.server.is_chief:  # slots that fit, or a reset
+            cut.check_optimizer_state(restore, optimizer, names,
+                                      self.config.reset_optimizer_state, _log.warning)
         values = None
         if restore is None:
             rng = np.random.default_rng(self.config.seed)

@@ -59,8 +59,13 @@ def schedule(step, base):
 class Reference:
     """The ps's rule in numpy float32, on the mean gradient of every worker's batch."""
 
-    def __init__(self, name, workers):
+    def __init__(self, name, workers, masked=False):
         self.name, self.workers = name, workers
+        names = [jax.tree_util.keystr(p) for p, _ in
+                 jax.tree_util.tree_flatten_with_path(init())[0]]
+        # --masked: weight decay on the matrices only; the last layer's matrix at half rate
+        self.decay = [0.1 if not masked or "'w'" in n else 0.0 for n in names]
+        self.scale = [0.5 if masked and n == "['layers'][1]['w']" else 1.0 for n in names]
         self.params = [np.array(p) for p in jax.tree_util.tree_leaves(init())]
         self.slots = [[np.zeros_like(p), np.zeros_like(p)] for p in self.params]
 
@@ -73,8 +78,9 @@ class Reference:
             _, g = grad_fn(tree, x[w], y[w])
             for acc, leaf in zip(grads, jax.tree_util.tree_leaves(g)):
                 acc += np.asarray(leaf)
-        lr = schedule(s, LR[self.name])
-        for p, g, (a, b) in zip(self.params, grads, self.slots):
+        for p, g, (a, b), wd, f in zip(self.params, grads, self.slots, self.decay,
+                                       self.scale):
+            lr = schedule(s, LR[self.name] * f)
             g *= np.float32(1.0 / self.workers)
             if self.name == "momentum":  # tf.train.MomentumOptimizer
                 a *= 0.9
@@ -82,7 +88,7 @@ class Reference:
                 p -= a * lr
             else:  # torch.optim.AdamW's order of operations
                 t = s + 1
-                p *= 1.0 - lr * 0.1
+                p *= 1.0 - lr * wd
                 a += (g - a) * (1.0 - 0.9)
                 b *= 0.999
                 b += g * g * (1.0 - 0.999)
@@ -97,6 +103,9 @@ def main():
     p.add_argument("--break", dest="brk", default="none", choices=("none", "missing"))
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--masked", action="store_true",
+                   help="adamw: an optax-style weight-decay mask (matrices only) and the "
+                        "last layer's matrix at half the rate")
     args = p.parse_args()
     with abort_on_error():
         import mpi4py.MPI as MPI
@@ -112,12 +121,18 @@ def main():
             params = jax.tree_util.tree_map(lambda a: a + 1.0, params)
         lr = {"schedule": "cosine_decay", "initial_learning_rate": LR[args.optimizer],
               "decay_steps": DECAY, "warmup_steps": 5}
+        masked = {}
+        if args.masked:
+            half = dict(lr, initial_learning_rate=LR[args.optimizer] * 0.5)
+            masked = dict(mask=lambda t: jax.tree_util.tree_map_with_path(
+                lambda path, _: jax.tree_util.keystr(path).endswith("['w']"), t),
+                groups=[{"variables": ["layers/1/w"], "learning_rate": half}])
         opt = DistributedOptimizer(params, server, args.optimizer, learning_rate=lr,
-                                   **OPTIONS[args.optimizer], deterministic=True,
+                                   **OPTIONS[args.optimizer], **masked, deterministic=True,
                                    last_step=args.steps, checkpoint_dir=args.checkpoint_dir,
                                    log_every=1)
         params = opt.params
-        ref = Reference(args.optimizer, workers)
+        ref = Reference(args.optimizer, workers, args.masked)
         for s in range(opt.global_step):  # a resumed run: bring the reference to the step
             ref.step(s)
         while not opt.should_stop():

@@ -25,6 +25,19 @@ OPTIMIZERS = {
     "amsgrad": lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True),
     "lbfgs": lambda ps: torch.optim.LBFGS(ps),
 }
+# Param groups (built from the model): nanoGPT's AdamW, decay on matrices and none on
+# biases; layer-wise rates with momentum per group (the last layer without).
+GROUPED = {
+    "adamw_groups": lambda m: torch.optim.AdamW(
+        [{"params": [p for p in m.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+         {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0,
+          "betas": (0.8, 0.99)}], lr=0.01),
+    "layerwise": lambda m: torch.optim.SGD(
+        [{"params": m[0].parameters(), "lr": 0.02},
+         {"params": m[-1].parameters(), "lr": 0.1, "momentum": 0.0, "weight_decay": 1e-3}],
+        lr=0.05, momentum=0.9),
+    "sparse": lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+}
 
 
 def say(line):
@@ -34,8 +47,22 @@ def say(line):
     sys.stdout.flush()
 
 
+class Bag(torch.nn.Module):
+    """An EmbeddingBag(sparse=True) before the MLP: its gradient is a sparse tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = torch.nn.EmbeddingBag(20, 8, sparse=True)
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out(self.bag((x.abs() * 5).long().clamp(max=19)))
+
+
 def build(kind="mlp", hidden=16):
     torch.manual_seed(0)
+    if kind == "bag":
+        return Bag()
     if kind == "bn":
         # No bias before BatchNorm: its gradient is rounding noise, which Adam would amplify.
         return torch.nn.Sequential(torch.nn.Linear(8, hidden, bias=False),
@@ -68,6 +95,12 @@ def scheduler(opt):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5) * 0.97**s)
 
 
+def group_scheduler(opt):
+    # each group's rate on its own curve: the first decays, the second warms up
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, [lambda s: 0.95**s, lambda s: min(1.0, (s + 1) / 10)])
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--optimizer", default="adamw")
@@ -83,7 +116,10 @@ def main():
     p.add_argument("--bucket-bytes", type=int, default=0)
     p.add_argument("--accumulate-from", type=int, default=None,
                    help="from this step on, two backward calls (half batches) per step")
-    p.add_argument("--model", default="mlp", choices=["mlp", "bn", "half"])
+    p.add_argument("--model", default="mlp", choices=["mlp", "bn", "half", "bag"])
+    p.add_argument("--group-schedule", action="store_true",
+                   help="LambdaLR with one lambda per param group (two groups)")
+    p.add_argument("--reset-optimizer-state", action="store_true")
     p.add_argument("--hidden", type=int, default=16)
     args = p.parse_args()
     with abort_on_error():
@@ -100,15 +136,20 @@ def main():
             with torch.no_grad():
                 for q in model.state_dict().values():
                     q.add_(1)  # parameters and buffers: the chief's win
-        opt = OPTIMIZERS[args.optimizer](model.parameters())
-        ref_opt = OPTIMIZERS[args.optimizer](ref.parameters())
-        sched = scheduler(opt) if args.schedule else None
-        ref_sched = scheduler(ref_opt) if args.schedule else None
+        if args.optimizer in GROUPED:
+            opt, ref_opt = GROUPED[args.optimizer](model), GROUPED[args.optimizer](ref)
+        else:
+            opt = OPTIMIZERS[args.optimizer](model.parameters())
+            ref_opt = OPTIMIZERS[args.optimizer](ref.parameters())
+        make = group_scheduler if args.group_schedule else scheduler
+        sched = make(opt) if args.schedule or args.group_schedule else None
+        ref_sched = make(ref_opt) if args.schedule or args.group_schedule else None
         dist = DistributedOptimizer(opt, model, server, mode=args.mode,
                                     deterministic=args.mode == "sync",
                                     last_step=args.steps, checkpoint_dir=args.checkpoint_dir,
                                     save_checkpoint_steps=args.save_steps, log_every=1,
-                                    clip_norm=args.clip, bucket_bytes=args.bucket_bytes)
+                                    clip_norm=args.clip, bucket_bytes=args.bucket_bytes,
+                                    reset_optimizer_state=args.reset_optimizer_state)
         if args.brk == "to":
             model.to(torch.float64)
         elif args.brk == "load":
