@@ -188,3 +188,33 @@ def test_a_lost_node_is_named_with_its_ranks_and_the_job_resumes(box, digits_fil
     summary = final(code, log.read_text())
     assert summary["step"] == step + 20
     assert re.search(rf"^restored \S*{name} at step {step}$", log.read_text(), re.MULTILINE)
+
+
+def test_a_cut_link_is_named_by_the_stall_deadline_and_nothing_is_written_half(
+        box, digits_file, tmp_path):
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log"
+    proc = start_on_head(box, [sys.executable, "-m", "mpitf.cli.main", "run", "-n", "3",
+                               "--hosts", "node1,node2,node3", "mnist_mlp", "--data",
+                               digits_file, "--num-ps", "1", "--steps", "1000000",
+                               "--checkpoint-dir", ckpt, "--checkpoint-every", "50"], log)
+    try:
+        wait_for_line(proc, log, r"^step 200, ")
+        box.cut_link("node3")
+        code = proc.wait(timeout=90)  # the stall bound is max(30 s, 10 x the slowest step)
+        for _ in range(200):  # the node's ranks end with their proxy (bounded wait)
+            if not box.pids("node3"):
+                break
+            time.sleep(0.05)
+        assert not box.pids("node3")
+    finally:
+        kill_group(proc)
+        box.restore_link("node3")
+    text = log.read_text()
+    assert code != 0
+    assert re.search(r"no message for \d+ s from a worker while /job:ps/task:0 waited for its "
+                     r"push; .*\(rank 2, /job:worker/task:1, on node3, during push\)", text), text
+    verify = subprocess.run([sys.executable, "-m", "mpitf.cli.main", "ckpt", "verify",
+                             str(ckpt)], capture_output=True, text=True, timeout=60)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    latest = (ckpt / "latest").read_text().strip()
+    assert f"{latest}: OK" in verify.stdout

@@ -280,6 +280,11 @@ class Box:
         _sh("ip", "-n", self.head, "link", "set", f"b-{node}",
             "down")
 
+    def restore_link(self, node):
+        """Bring ``node``'s link back up at the bridge (after :meth:`cut_link`)."""
+        self.namespace(node)
+        _sh("ip", "-n", self.head, "link", "set", f"b-{node}", "up")
+
     def exec_argv(self, node, argv):
         """Return an argv that runs ``argv`` on ``node`` (as the launcher does)."""
         return [str(self.launcher), node, shlex.join(map(str, argv))]
