@@ -218,3 +218,18 @@ def test_a_cut_link_is_named_by_the_stall_deadline_and_nothing_is_written_half(
     assert verify.returncode == 0, verify.stdout + verify.stderr
     latest = (ckpt / "latest").read_text().strip()
     assert f"{latest}: OK" in verify.stdout
+
+
+def test_mpitf_bench_measures_the_fabric_between_two_nodes(box, tmp_path):
+    pytest.importorskip("matplotlib")
+    cmd = box.on_head([sys.executable, "-m", "mpitf.cli.main", "bench", "--suite", "fabric",
+                       "--quick", "--hosts", "node1,node3", "--out", tmp_path])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=str(REPO),
+                          env=dict(os.environ, **box.env()), stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    fabric = json.loads((tmp_path / "fabric.json").read_text())
+    assert fabric["hosts"] == ["node1", "node3"] and fabric["same_node"] is False
+    assert fabric["bytes_per_s"] > 0 and fabric["latency_s"] > 0
+    report = (tmp_path / "report.md").read_text()
+    assert "Ranks spread over the hosts node1,node3" in report
+    assert "Fabric (ping-pong between node1 and node3)" in report

@@ -100,7 +100,9 @@ def write_report(results, out):
     parts = ["# mpitf benchmark report", "",
              f"Host `{m['host']}`, {m['cpus']} CPU cores, {m['system']}, Python {m['python']}. "
              f"{'Quick run (short lists, few repetitions). ' if results['quick'] else ''}"
-             f"Took {results.get('seconds', 0):.0f} s.", "",
+             f"Took {results.get('seconds', 0):.0f} s."
+             + (f" Ranks spread over the hosts {m['hosts']} (the fabric line below gives "
+                "their link's rate)." if m.get("hosts") else ""), "",
              f"**Oversubscription:** this machine has {m['cpus']} cores; any run with more "
              f"ranks than that shares cores, so those figures show correctness and relative "
              f"costs, not speed a cluster would see. Every figure is a median over "

@@ -99,6 +99,10 @@ def best_modes(runs):
 def run_suites(args, out, log):
     """Run the chosen suites; return (results dict, commands run, errors)."""
     launch = default_launcher()
+    if getattr(args, "hosts", None):  # across machines: every suite's mpiexec gets them
+        from ..runtime.launch import is_hydra
+
+        launch += ["-hosts" if is_hydra(launch[0]) else "--host", args.hosts]
     suites = SUITES if args.suite in (None, "all") else (args.suite,)
     quick = ["--quick"] if args.quick else []
     n = args.n or 2
@@ -202,7 +206,8 @@ def main(args):
     res, commands, errors = run_suites(args, out, log)
     results = dict(res, commands=commands, errors=errors, quick=bool(args.quick),
                    machine=dict(host=platform.node(), cpus=os.cpu_count(),
-                                system=platform.platform(), python=platform.python_version()))
+                                system=platform.platform(), python=platform.python_version(),
+                                hosts=getattr(args, "hosts", None)))
     results["loadavg"] = os.getloadavg()
     results["model_inputs"] = model_inputs(results)
     results["validation"] = validate(results)

@@ -324,6 +324,10 @@ def build_parser():
                    help="which benchmarks (default: all; fabric: a two-rank ping-pong, "
                         "written to OUT/fabric.json for --plan)")
     p.add_argument("-n", type=int, default=None, help="MPI ranks (default: the suite's own)")
+    p.add_argument("--hosts", default=None,
+                   help="run every suite's ranks over these hosts (mpiexec -hosts, e.g. "
+                        "'n1,n2': ranks go round them), so the fabric and push/pull figures "
+                        "cross the network")
     p.add_argument("--repeats", type=_at_least_one, default=None,
                    help="rounds of the job suites, each running the profiles, every scaling "
                         "point and the 1-worker modes once; a figure is its best round "
