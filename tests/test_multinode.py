@@ -55,12 +55,36 @@ def test_each_node_has_its_own_host_name_and_shared_memory(box):
     assert not os.path.exists(probe)  # the node's /dev/shm is its own
     code, out = on_box(box, 3, ["jobs/hello.py", "--num-ps", "1"])
     assert code == 0, out
-    hosts = dict(re.findall(r"^\s+\d+\s+(/job:\w+/replica:0/task:\d)\s+(node\d)$", out,
-                            re.MULTILINE))
-    assert hosts == {"/job:ps/replica:0/task:0": "node1", "/job:worker/replica:0/task:0":
+    assert placement(out) == {"/job:ps/replica:0/task:0": "node1", "/job:worker/replica:0/task:0":
                      "node2", "/job:worker/replica:0/task:1": "node3"}, out
     for host in ("node1", "node2", "node3"):
         assert f"on {host} (rank" in out
+
+
+def placement(out):
+    """Return {task: host} from the rank table a job prints."""
+    return dict(re.findall(r"^\s+\d+\s+(/job:\w+/replica:0/task:\d)\s+(node\d)$", out,
+                           re.MULTILINE))
+
+
+@pytest.mark.parametrize("how", ["flags", "cluster_spec", "tf_config"])
+def test_host_named_specs_put_each_task_on_its_node(box, how):
+    # Ranks start on node3, node1, node2 in that order; the spec, not the rank order,
+    # says where each task runs.
+    spec = {"ps": ["node1:2222"], "worker": ["node2:2222", "node3:2222"]}
+    args, env = ["jobs/hello.py"], None
+    if how == "flags":
+        args += ["--ps_hosts", "node1:2222", "--worker_hosts", "node2:2222,node3:2222"]
+    elif how == "cluster_spec":
+        args += ["--cluster_spec", "ps|node1:2222,worker|node2:2222;node3:2222"]
+    else:
+        env = {"TF_CONFIG": json.dumps({"cluster": spec})}
+    code, out = on_box(box, 3, args, hosts=["node3", "node1", "node2"], env=env)
+    assert code == 0, out
+    assert placement(out) == {"/job:ps/replica:0/task:0": "node1",
+                              "/job:worker/replica:0/task:0": "node2",
+                              "/job:worker/replica:0/task:1": "node3"}, out
+    assert "from /job:ps/replica:0/task:0/device:CPU:0 on node1 (rank 1)" in out
 
 
 def test_requests_that_wait_in_mpi_reach_the_ps_from_other_nodes(box):
