@@ -55,8 +55,9 @@ def test_each_node_has_its_own_host_name_and_shared_memory(box):
     assert not os.path.exists(probe)  # the node's /dev/shm is its own
     code, out = on_box(box, 3, ["jobs/hello.py", "--num-ps", "1"])
     assert code == 0, out
-    assert placement(out) == {"/job:ps/replica:0/task:0": "node1", "/job:worker/replica:0/task:0":
-                     "node2", "/job:worker/replica:0/task:1": "node3"}, out
+    assert placement(out) == {"/job:ps/replica:0/task:0": "node1",
+                              "/job:worker/replica:0/task:0": "node2",
+                              "/job:worker/replica:0/task:1": "node3"}, out
     for host in ("node1", "node2", "node3"):
         assert f"on {host} (rank" in out
 
