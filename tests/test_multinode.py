@@ -258,3 +258,23 @@ def test_mpitf_bench_measures_the_fabric_between_two_nodes(box, tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "Ranks spread over the hosts node1,node3" in report
     assert "Fabric (ping-pong between node1 and node3)" in report
+
+
+def test_ctr_torch_and_jax_jobs_train_across_nodes(box, digits_file, tmp_path):
+    from mpitf.data.ctr import synthetic_ctr
+
+    ctr = str(tmp_path / "ctr.h5")
+    ceiling = synthetic_ctr(ctr, train=4000, test=1000, fields=3, rows=40, dense=2, seed=4)
+    summary = final(*on_box(box, 3, ["-m", "mpitf.jobs.ctr", "--data", ctr, "--num-ps", "1",
+                                     "--steps", "300", "--batch-size", "64", "--optimizer",
+                                     "adagrad", "--lr", "0.1", "--mode", "sync"]))
+    assert summary["test_auc"] > 0.5 + (ceiling - 0.5) * 0.6, (summary, ceiling)  # as on one
+    pytest.importorskip("torch")
+    code, out = on_box(box, 3, ["jobs/torch_mnist.py", "--data", digits_file])
+    assert code == 0, out
+    (acc,) = re.findall(r"^step 300: test accuracy (\S+)$", out, re.MULTILINE)
+    assert float(acc) >= 0.95, out
+    pytest.importorskip("jax")
+    summary = final(*on_box(box, 3, ["jobs/jax_mnist.py", "--data", digits_file, "--run-dir",
+                                     tmp_path / "jax"]))
+    assert summary["step"] == 300 and summary["test_accuracy"] >= 0.95, summary
