@@ -245,6 +245,20 @@ def test_a_cut_link_is_named_by_the_stall_deadline_and_nothing_is_written_half(
     assert f"{latest}: OK" in verify.stdout
 
 
+def test_mpitf_run_takes_a_host_file(box, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node3:2\nnode1\n")
+    cmd = box.on_head([sys.executable, "-m", "mpitf.cli.main", "run", "-n", "3",
+                       "--hostfile", hostfile, "hello", "--num-ps", "1"])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(REPO),
+                          env=dict(os.environ, **box.env()), stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # ps tasks one per node first: rank 0 (node3) is the ps, ranks 1 (node3), 2 (node1) work
+    assert placement(proc.stdout) == {"/job:ps/replica:0/task:0": "node3",
+                                      "/job:worker/replica:0/task:0": "node3",
+                                      "/job:worker/replica:0/task:1": "node1"}, proc.stdout
+
+
 def test_mpitf_bench_measures_the_fabric_between_two_nodes(box, tmp_path):
     pytest.importorskip("matplotlib")
     cmd = box.on_head([sys.executable, "-m", "mpitf.cli.main", "bench", "--suite", "fabric",
