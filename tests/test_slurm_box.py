@@ -61,6 +61,24 @@ class SlurmBox:
                               capture_output=True, text=True, timeout=timeout, **kw)
 
 
+def _sweep():
+    """Stop and remove the Slurm of a killed test session (its owner pid is dead).
+
+    Its box is swept by Box.up; what lives outside the box (munged, the files) is swept here.
+    """
+    for root in Path(tempfile.gettempdir()).glob("mpitf-slurmbox-*"):
+        try:
+            os.kill(int((root / "owner").read_text()), 0)
+            continue  # a live session's
+        except ProcessLookupError:
+            pass  # its owner is dead
+        except (OSError, ValueError):
+            continue  # no owner yet: being made right now
+        subprocess.run(["bash", str(STOP)], env=dict(os.environ, SLURM_TEST_ROOT=str(root)),
+                       capture_output=True, timeout=120)
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def slurm_box():
     """Make a 3-node box, start Slurm on it; stop exactly that and remove the box after."""
@@ -73,7 +91,9 @@ def slurm_box():
     why = netcluster.unavailable()
     if why:
         _unavailable(f"cannot make a cluster in a box: {why}")
+    _sweep()
     root = Path(tempfile.mkdtemp(prefix="mpitf-slurmbox-"))
+    (root / "owner").write_text(str(os.getpid()))
     env = dict(os.environ, SLURM_TEST_ROOT=str(root))
     box = netcluster.Box(3, name=f"s{os.getpid() % 10_000_000}")
     try:
