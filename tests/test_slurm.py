@@ -99,7 +99,10 @@ def _job_env(slurm_env, tmp_path):
 
 
 def _submit(env, tmp_path, *args):
-    cmd = ["sbatch", "--parsable", "-n", "2", "--time=3", f"--chdir={tmp_path}",
+    # --time=10: train.sbatch's own USR1 (--signal=B:USR1@120) must not come during a test.
+    # With --time=3 it came 60 s after submission, into a resumed run slowed by a loaded
+    # machine, and requeued the job a second time.
+    cmd = ["sbatch", "--parsable", "-n", "2", "--time=10", f"--chdir={tmp_path}",
            str(SBATCH_SCRIPT), str(JOB_SCRIPT), *args]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30)
     assert res.returncode == 0, f"sbatch failed: {res.stderr}"
