@@ -99,7 +99,10 @@ def _job_env(slurm_env, tmp_path):
 
 
 def _submit(env, tmp_path, *args):
-    cmd = ["sbatch", "--parsable", "-n", "2", "--time=3", f"--chdir={tmp_path}",
+    # --time=10: train.sbatch's own USR1 (--signal=B:USR1@120) must not come during a test.
+    # With --time=3 it came 60 s after submission, into a resumed run slowed by a loaded
+    # machine, and requeued the job a second time.
+    cmd = ["sbatch", "--parsable", "-n", "2", "--time=10", f"--chdir={tmp_path}",
            str(SBATCH_SCRIPT), str(JOB_SCRIPT), *args]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30)
     assert res.returncode == 0, f"sbatch failed: {res.stderr}"
@@ -107,8 +110,9 @@ def _submit(env, tmp_path, *args):
     return jobid, tmp_path / f"mpitf-{jobid}.out"
 
 
-def _job_info(env, jobid):
-    res = subprocess.run(["scontrol", "show", "job", "-o", jobid], env=env,
+def _job_info(env, jobid, client=()):
+    """Return ``scontrol show job``'s fields; ``client``: a prefix (a box's head namespace)."""
+    res = subprocess.run([*client, "scontrol", "show", "job", "-o", jobid], env=env,
                          capture_output=True, text=True, timeout=30)
     return dict(re.findall(r"(\w+)=(\S*)", res.stdout))
 
@@ -131,10 +135,10 @@ def _wait_for(what, cond, deadline_s, out):
     pytest.fail(f"timed out after {deadline_s} s waiting for {what}; log so far:\n{_read(out)}")
 
 
-def _wait_terminal(env, jobid, deadline_s, out):
+def _wait_terminal(env, jobid, deadline_s, out, client=()):
     return _wait_for(f"job {jobid} to end",
-                     lambda: (i := _job_info(env, jobid)).get("JobState") in TERMINAL and i,
-                     deadline_s, out)
+                     lambda: (i := _job_info(env, jobid, client)).get("JobState") in TERMINAL
+                     and i, deadline_s, out)
 
 
 @pytest.fixture

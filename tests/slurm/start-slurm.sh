@@ -5,6 +5,8 @@
 # with apt-get if missing, binds the daemons to 127.0.0.1 and keeps every file under
 # $SLURM_TEST_ROOT (default /tmp/mpitf-slurm). Idempotent: a second call only checks the daemons.
 # Afterwards clients need SLURM_CONF: `source $SLURM_TEST_ROOT/env.sh`.
+# `start-slurm.sh --prepare` does only steps 1 and 2 (packages, munged under $SLURM_TEST_ROOT):
+# start-slurm-box.sh uses it before it starts Slurm across the nodes of a cluster in a box.
 #
 # Exit codes: 0 ready; 1 Slurm failed to start; 3 this machine cannot run it (not root, no apt,
 # package install failed). tests/test_slurm.py skips on 3 unless MPITF_TEST_SLURM=1.
@@ -41,6 +43,7 @@ M=$ROOT/munge; S=$M/run/munge.socket.2
 alive "$M/run/munged.pid" munged || munged -S "$S" --key-file="$M/munge.key" \
   --log-file="$M/munged.log" --pid-file="$M/run/munged.pid" --seed-file="$M/munged.seed"
 munge -S "$S" -n | unmunge -S "$S" >/dev/null || die "munge self-test failed"
+if [ "${1:-}" = --prepare ]; then log "packages and munged ready (socket $S)"; exit 0; fi
 
 # 3. slurm.conf from this machine's hardware (slurmd -C)
 N=$(hostname -s); HW=$(slurmd -C | head -1 | sed 's/^NodeName=[^ ]* //; s/ RealMemory=.*//')
