@@ -2,6 +2,8 @@
 
 Run: OMP_NUM_THREADS=1 mpiexec -n 2 python benchmarks/frameworks.py --json fw.json
      (--quick: tiny models, a few steps, one repetition; for the tests).
+     mpiexec -n 3 python benchmarks/frameworks.py --vs-ddp --json ddp.json: 1 ps + 2
+     workers against torch DDP on a small language model (``vs_ddp.py``).
 
 Two figures (issue 12's targets), all from one run:
 
@@ -60,6 +62,10 @@ def parse_args(argv=None):
     p.add_argument("--overlap-batch", type=int, default=None,
                    help="overlap model: examples per step (default: backward ~ round trip)")
     p.add_argument("--json", default=None)
+    p.add_argument("--vs-ddp", action="store_true",
+                   help="on 3 ranks: 1 ps + 2 workers against torch DDP (vs_ddp.py)")
+    p.add_argument("--idle", type=float, default=2.0,
+                   help="--vs-ddp: seconds the ps waits idle while its CPU is measured")
     p.add_argument("--quick", action="store_true", help="tiny models, few steps, 1 repeat")
     args = p.parse_args(argv)
     if args.quick:
@@ -259,6 +265,8 @@ def main(argv=None):
     """Run on both ranks (1 ps, 1 worker); the worker prints and writes the JSON."""
     args = parse_args(argv)
     world = MPI.COMM_WORLD
+    if args.vs_ddp:
+        return versus_ddp(args, world)
     if world.Get_size() != 2:
         raise SystemExit(f"frameworks: run on 2 ranks (1 ps + 1 worker), got {world.Get_size()}")
     server = Server({"ps": 1, "worker": 1}, deadline=300)
@@ -293,6 +301,23 @@ def main(argv=None):
           f"{r['one_bucket_ms']:.2f} ms, {args.layers} buckets {r['buckets_ms']:.2f} ms; "
           f"ratio {r['ratio']:.3f} (target <= 0.8)", flush=True)
     write_json(args.json, out)
+    return 0
+
+
+def versus_ddp(args, world):
+    """Run ``vs_ddp.py``'s comparison on 3 ranks; worker 0 writes the JSON."""
+    if world.Get_size() != 3:
+        raise SystemExit(f"frameworks --vs-ddp: run on 3 ranks (1 ps + 2 workers), got "
+                         f"{world.Get_size()}")
+    import vs_ddp  # noqa: PLC0415 (torch.distributed only when asked)
+
+    server = Server({"ps": 1, "worker": 2}, deadline=300)
+    out = vs_ddp.run(args, server, world.Dup())
+    if out is not None:
+        out.update(repeats=args.repeats, steps=args.steps, torch=torch.__version__,
+                   threads=torch.get_num_threads(), load_average=list(os.getloadavg()),
+                   command=" ".join(sys.argv))
+        write_json(args.json, out)
     return 0
 
 
