@@ -14,9 +14,11 @@ rest workers. For each size B, interleaved in rounds so drift affects every figu
 * axpy: SGD as two numpy passes on a ps's B/P bytes (the baseline of the first targets),
   and apply: SGD as the ps applies it (its fused kernel, one thread), both timed on ps
   task 0 on private buffers;
-* with ``--bucket-bytes K1,K2,...``: mpitf again per optimizer with the push cut in buckets
-  of about K bytes per ps (0: one bucket), the model then made of ``--variable-bytes``
-  variables (buckets are cut between variables), the one-bucket figures on the same ones.
+* per bucket size of ``--bucket-bytes K1,K2,...``: mpitf per optimizer with the push cut
+  in buckets of about K bytes per ps (0: one bucket); by default the bucket size training
+  uses (``DEFAULT_BUCKET_BYTES``, 2 MiB) first, then one bucket beside it. With buckets the
+  model is made of ``--variable-bytes`` variables (buckets are cut between variables),
+  the one-bucket figures on the same ones.
 
 ``--wire-dtype float32,bfloat16`` measures each optimizer once per wire dtype in the same
 rounds (B is the float32 model's bytes; a 16-bit wire moves half of them, converted on
@@ -39,7 +41,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpitf.config import TrainingConfig
+from mpitf.config import DEFAULT_BUCKET_BYTES, TrainingConfig
 from mpitf.placement import Placement
 from mpitf.ps.kernels import fused_apply
 from mpitf.ps.optimizers import make_optimizer
@@ -73,8 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--deadline", type=float, default=300.0, help="seconds before giving up")
     p.add_argument("--ps-threads", type=int, default=None,
                    help="kernel threads of each ps (default: the ps's own default)")
-    p.add_argument("--bucket-bytes", default="0",
-                   help="comma-separated bucket sizes per ps to measure (0: one bucket)")
+    p.add_argument("--bucket-bytes", default=f"{DEFAULT_BUCKET_BYTES},0",
+                   help="comma-separated bucket sizes per ps to measure, in this order (0: "
+                        "one bucket; default: training's default size, then one bucket)")
     p.add_argument("--variable-bytes", type=int, default=64 << 10,
                    help="with buckets: the model's variables are this big (default 64 KiB)")
     p.add_argument("--wire-dtype", default="float32",
