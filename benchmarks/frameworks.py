@@ -14,6 +14,10 @@ Two figures (issue 12's targets), all from one run:
   the gradient's bytes (the worker sends them, the ps receives them all and sends them
   back); ``mpitf_ms``, the step through mpitf. ``ratio = mpitf / (torch + raw)``, target
   <= 1.10.
+* ``tiny``: the same three figures for a model of 72 parameters (Linear 8-8, sum of
+  squares): ``session_us = mpitf - torch - raw``, what the session adds to a step beyond
+  torch and the round trip (hooks, checks, logging, the alias checks, the ps's loop),
+  target <= 100 us.
 * ``overlap``: L dense H x H tanh layers, the batch chosen so that forward + backward take
   about the one-bucket round trip through mpitf (push, apply, pull; measured first); the
   mpitf step with one bucket against one bucket per layer (``bucket_bytes`` = a layer's
@@ -82,6 +86,12 @@ def mlp(args):
                                 torch.nn.ReLU(), torch.nn.Linear(width, width),
                                 torch.nn.ReLU(), torch.nn.Linear(width, 10))
     return model, (args.batch, 1, 28, 28)
+
+
+def tiny(args):
+    """A torch model of 72 parameters (Linear 8-8): the session's own cost per step shows."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8)), (args.batch, 8)
 
 
 def cnn(args):
@@ -181,7 +191,7 @@ def mpitf_step(server, build, steps, bucket_bytes=0):
 
 def phases(args):
     """The measurements of one repetition, in order, as both ranks run them."""
-    return [("mlp", lambda: mlp(args)), ("cnn", lambda: cnn(args))]
+    return [("mlp", lambda: mlp(args)), ("cnn", lambda: cnn(args)), ("tiny", lambda: tiny(args))]
 
 
 def frameworks_repeat(server, raw, args, ps):
@@ -198,7 +208,8 @@ def frameworks_repeat(server, raw, args, ps):
         _idle(raw)
         row["raw_ms"] = raw_round_trip(raw, nbytes, args.steps, ps=False)
         row["mpitf_ms"] = mpitf_step(server, build, args.steps)
-        row.update(bytes=nbytes, ratio=row["mpitf_ms"] / (row["torch_ms"] + row["raw_ms"]))
+        row.update(bytes=nbytes, ratio=row["mpitf_ms"] / (row["torch_ms"] + row["raw_ms"]),
+                   session_us=1e3 * (row["mpitf_ms"] - row["torch_ms"] - row["raw_ms"]))
         out[name] = row
     return out
 
@@ -280,8 +291,8 @@ def main(argv=None):
         reps.append(row)
     if ps:
         return 0
-    out = {name: summarize(reps, name) for name in ("mlp", "cnn", "overlap")}
-    for name in ("mlp", "cnn"):
+    out = {name: summarize(reps, name) for name in ("mlp", "cnn", "tiny", "overlap")}
+    for name in ("mlp", "cnn", "tiny"):
         out[name]["ratios"] = [r[name]["ratio"] for r in reps]
     out["overlap"].update(ratios=[r["overlap"]["ratio"] for r in reps], batch=batch,
                           layers=args.layers, width=args.width,
@@ -294,6 +305,10 @@ def main(argv=None):
         print(f"frameworks {name}: {r['bytes'] / 2**20:.2f} MiB, batch {args.batch}: mpitf "
               f"{r['mpitf_ms']:.2f} ms, torch {r['torch_ms']:.2f} ms + raw MPI "
               f"{r['raw_ms']:.2f} ms; ratio {r['ratio']:.3f} (target <= 1.10)", flush=True)
+    r = out["tiny"]
+    print(f"frameworks tiny: {r['bytes'] // 4} parameters: mpitf {1e3 * r['mpitf_ms']:.0f} us, "
+          f"torch {1e3 * r['torch_ms']:.0f} us + raw MPI {1e3 * r['raw_ms']:.0f} us; the "
+          f"session's own cost {r['session_us']:.0f} us a step (target <= 100)", flush=True)
     r = out["overlap"]
     print(f"frameworks overlap: {args.layers} x {args.width}x{args.width} "
           f"({r['bytes'] / 2**20:.0f} MiB), batch {batch}: forward + backward "
