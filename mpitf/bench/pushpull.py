@@ -270,6 +270,21 @@ def label(optimizer, bucket_bytes, wire="float32"):
     return name if wire == "float32" else f"{name}/{wire}"
 
 
+def _limit(optimizer, bucket_bytes, raw, apply):
+    """Return the best ratio to raw a push in buckets can reach on one core per rank.
+
+    Raw MPI's round trip is two copies, one each way, each by its receiver (CMA), one after
+    the other: ``raw / 2`` each. In buckets the worker copies replies out while the ps
+    copies the next bucket in, so the two directions overlap, but the ps's core must copy
+    every bucket in and apply it: at best ``raw / 2 + apply`` (the fused kernel's time on
+    the shard, one thread). So ``none`` can reach 2x raw, SGD ``raw / (raw / 2 + apply)``.
+    None for one bucket and for optimizers whose apply was not timed.
+    """
+    if not bucket_bytes or optimizer not in ("none", "sgd"):
+        return None
+    return raw / (raw / 2 + (apply if optimizer == "sgd" else 0.0))
+
+
 def _worker_median(per_rank, key, worker_ranks):
     """Return the largest over workers of each worker's median (what a sync step sees)."""
     return max(statistics.median(per_rank[r][key]) for r in worker_ranks)
@@ -299,11 +314,12 @@ def main(argv=None):
                        optimizer=opt, mode=args.mode, bucket_bytes=b, wire_dtype=wire,
                        mpitf_gbps=2 * nbytes / t / 1e9, raw_mpi_gbps=2 * nbytes / raw / 1e9,
                        ratio=raw / t, mpitf_us=_us(t), raw_mpi_us=_us(raw), axpy_us=_us(axpy),
-                       apply_us=_us(apply), repetitions=reps)
+                       apply_us=_us(apply), repetitions=reps, limit=_limit(opt, b, raw, apply))
             results.append(row)
+            limit = "" if row["limit"] is None else f" (limit {row['limit']:.2f})"
             print(f"{nbytes:>10} B  {label(opt, b, wire):<14} mpitf {row['mpitf_us']:10.1f} us "
                   f"{row['mpitf_gbps']:6.2f} GB/s   raw {row['raw_mpi_us']:10.1f} us "
-                  f"{row['raw_mpi_gbps']:6.2f} GB/s   ratio {row['ratio']:.2f}   "
+                  f"{row['raw_mpi_gbps']:6.2f} GB/s   ratio {row['ratio']:.2f}{limit}   "
                   f"axpy {row['axpy_us']:9.1f} us", flush=True)
     rss = bench.raw.gather((bench.server.task_index, bench.rss_peak, bench.rss_reset)
                            if bench.is_ps else None, root=0)

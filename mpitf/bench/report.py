@@ -195,8 +195,10 @@ def _targets(results):
         keys = {(p["bytes"], p["optimizer"]) for p in picked}
         one = [r["ratio"] for r in rows if not r.get("bucket_bytes") and
                (r["bytes"], r["optimizer"]) in keys]
-        worst = min(r["ratio"] for r in picked)
-        text, met = slowest(worst)
+        worst = min(picked, key=lambda r: r["ratio"])
+        text, met = slowest(worst["ratio"])
+        if worst.get("limit") is not None:  # what one core per rank allows (pushpull.py)
+            text += f" (limit {worst['limit']:.2f})"
         beside = f"; one bucket: {slowest(min(one))[0]}" if one and default else ""
         lines.append(f"- {name} {goal}: {text}{beside} ({'met' if met else 'MISSED'})")
 
