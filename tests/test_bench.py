@@ -223,9 +223,11 @@ def test_report_states_the_two_core_limit_beside_a_bucketed_figure():
     from mpitf.config import DEFAULT_BUCKET_BYTES as B
 
     # raw 4 ms: 2 ms a copy; the ps copies in (2 ms) and applies (2 ms): at best 4/4 = 1
-    assert _limit("sgd", B, 4e-3, 2e-3) == pytest.approx(1.0)
-    assert _limit("none", B, 4e-3, 2e-3) == pytest.approx(2.0)
-    assert _limit("sgd", 0, 4e-3, 2e-3) is None and _limit("adam", B, 4e-3, 2e-3) is None
+    assert _limit("sgd", B, 4e-3, 2e-3, 8 * B) == pytest.approx(1.0)
+    assert _limit("none", B, 4e-3, 2e-3, 8 * B) == pytest.approx(2.0)
+    assert _limit("sgd", 0, 4e-3, 2e-3, 8 * B) is None  # one bucket
+    assert _limit("sgd", B, 4e-3, 2e-3, B) is None  # a shard within one bucket
+    assert _limit("adam", B, 4e-3, 2e-3, 8 * B) is None
     row = dict(_pushpull_row(16 << 20, "sgd", B, 0.8), limit=0.9)
     lines = "\n".join(_targets(dict(pushpull_main=dict(results=[row]))))
     assert "worst 0.80 (limit 0.90) (MISSED)" in lines, lines

@@ -270,7 +270,7 @@ def label(optimizer, bucket_bytes, wire="float32"):
     return name if wire == "float32" else f"{name}/{wire}"
 
 
-def _limit(optimizer, bucket_bytes, raw, apply):
+def _limit(optimizer, bucket_bytes, raw, apply, share=None):
     """Return the best ratio to raw a push in buckets can reach on one core per rank.
 
     Raw MPI's round trip is two copies, one each way, each by its receiver (CMA), one after
@@ -278,9 +278,10 @@ def _limit(optimizer, bucket_bytes, raw, apply):
     copies the next bucket in, so the two directions overlap, but the ps's core must copy
     every bucket in and apply it: at best ``raw / 2 + apply`` (the fused kernel's time on
     the shard, one thread). So ``none`` can reach 2x raw, SGD ``raw / (raw / 2 + apply)``.
-    None for one bucket and for optimizers whose apply was not timed.
+    None for one bucket (``share``, a ps's bytes, within one) and for optimizers whose
+    apply was not timed.
     """
-    if not bucket_bytes or optimizer not in ("none", "sgd"):
+    if not bucket_bytes or optimizer not in ("none", "sgd") or (share or 0) <= bucket_bytes:
         return None
     return raw / (raw / 2 + (apply if optimizer == "sgd" else 0.0))
 
@@ -314,7 +315,7 @@ def main(argv=None):
                        optimizer=opt, mode=args.mode, bucket_bytes=b, wire_dtype=wire,
                        mpitf_gbps=2 * nbytes / t / 1e9, raw_mpi_gbps=2 * nbytes / raw / 1e9,
                        ratio=raw / t, mpitf_us=_us(t), raw_mpi_us=_us(raw), axpy_us=_us(axpy),
-                       apply_us=_us(apply), repetitions=reps, limit=_limit(opt, b, raw, apply))
+                       apply_us=_us(apply), repetitions=reps, limit=_limit(opt, b, raw, apply, nbytes // bench.num_ps))
             results.append(row)
             limit = "" if row["limit"] is None else f" (limit {row['limit']:.2f})"
             print(f"{nbytes:>10} B  {label(opt, b, wire):<14} mpitf {row['mpitf_us']:10.1f} us "
