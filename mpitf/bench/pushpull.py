@@ -315,7 +315,8 @@ def main(argv=None):
                        optimizer=opt, mode=args.mode, bucket_bytes=b, wire_dtype=wire,
                        mpitf_gbps=2 * nbytes / t / 1e9, raw_mpi_gbps=2 * nbytes / raw / 1e9,
                        ratio=raw / t, mpitf_us=_us(t), raw_mpi_us=_us(raw), axpy_us=_us(axpy),
-                       apply_us=_us(apply), repetitions=reps, limit=_limit(opt, b, raw, apply, nbytes // bench.num_ps))
+                       apply_us=_us(apply), repetitions=reps,
+                       limit=_limit(opt, b, raw, apply, nbytes // bench.num_ps))
             results.append(row)
             limit = "" if row["limit"] is None else f" (limit {row['limit']:.2f})"
             print(f"{nbytes:>10} B  {label(opt, b, wire):<14} mpitf {row['mpitf_us']:10.1f} us "
