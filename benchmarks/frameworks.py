@@ -327,7 +327,7 @@ def versus_ddp(args, world):
     import vs_ddp  # noqa: PLC0415 (torch.distributed only when asked)
 
     server = Server({"ps": 1, "worker": 2}, deadline=300)
-    out = vs_ddp.run(args, server, world.Dup())
+    out = vs_ddp.run(args, server, world.Dup(), _idle)
     if out is not None:
         out.update(repeats=args.repeats, steps=args.steps, torch=torch.__version__,
                    threads=torch.get_num_threads(), load_average=list(os.getloadavg()),

@@ -24,6 +24,7 @@ turn; a step time is the slower worker's median over ``--steps`` steps after war
 """
 
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -171,10 +172,11 @@ def mpitf_phase(args, server, worker, pids, comm):
         d.close()
 
 
-def run(args, server, raw):
-    """Run on 3 ranks (1 ps, 2 workers); worker 0 returns the results, the others None."""
-    from frameworks import _idle  # noqa: PLC0415 (frameworks imports this module)
+def run(args, server, raw, idle):
+    """Run on 3 ranks (1 ps, 2 workers); worker 0 returns the results, the others None.
 
+    ``idle(comm)`` meets the other ranks on ``comm`` without spinning (frameworks.py's).
+    """
     ps = server.job_name == "ps"
     pids = raw.allgather((server.job_name, server.task_index, server.host_of(server.rank),
                           os.getpid()))
@@ -186,7 +188,8 @@ def run(args, server, raw):
     group, worker = None, None
     if not ps:
         worker = server.task_index
-        path = workers.bcast(tempfile.mktemp(prefix="mpitf-ddp-") if worker == 0 else None)
+        store = workers.bcast(tempfile.mkdtemp(prefix="mpitf-ddp-") if worker == 0 else None)
+        path = os.path.join(store, "store")
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group("gloo", store=dist.FileStore(path, 2), rank=worker,
                                 world_size=2)
@@ -194,11 +197,11 @@ def run(args, server, raw):
     reps = []
     for _ in range(args.repeats):
         if ps:
-            _idle(raw)  # DDP on the workers
+            idle(raw)  # DDP on the workers
             serve(server)
             continue
         row = dict(ddp_ms=ddp_phase(args, group, worker))
-        _idle(raw)
+        idle(raw)
         row["mpitf_ms"], shares = mpitf_phase(args, server, worker, pids, workers)
         rows = workers.allgather(row)  # a sync step waits for the slower worker
         row = {k: max(r[k] for r in rows) for k in row}
@@ -208,8 +211,10 @@ def run(args, server, raw):
     if ps:
         return None
     dist.destroy_process_group()
+    workers.Barrier()
     if worker != 0:
         return None
+    shutil.rmtree(store, ignore_errors=True)
     out = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
     model = build(args.quick)
     vocab, dim, layers, heads, context, per_worker = lm_shape(args.quick)
