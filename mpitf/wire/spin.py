@@ -23,10 +23,12 @@ class SpinPolicy:
     longer ones waited for computation, and say nothing about messages). A wait spins
     (``sched_yield``, which hands the core to any other runnable process) for
     ``2 * latency``, at least ``FLOOR`` (one sleep's wake-up costs about 50-60 µs of timer
-    slack, so a shorter spin cannot pay for itself) and at most ``cap``. After that it
+    slack, so a shorter spin cannot pay for itself) and at most ``cap``; for its first
+    ``latency`` (at most ``FLOOR``) it polls without even yielding, as MPI's own waits
+    do: a 4 KiB round trip took 0.7 µs less (11.3 against 12.0 µs here). After that it
     sleeps between polls, ``1/RATIO`` of the time it has waited, up to ``MAX_SLEEP``: a
     message that lands while it sleeps is late by about ``1/RATIO`` of the wait, and a
-    rank with nothing to do wakes ``1/MAX_SLEEP`` times a second (about 3 % of a core
+    rank with nothing to do wakes ``1/MAX_SLEEP`` times a second (1-2 % of a core
     here). ``fixed`` (seconds, from ``$MPITF_SPIN_MS``) spins that long every wait instead,
     for MPI builds that move large messages only while both ranks poll (no CMA).
     """
@@ -58,6 +60,8 @@ class SpinPolicy:
     def pause(self, elapsed, budget):
         """Yield or sleep before the next poll of a wait ``elapsed`` seconds old."""
         if elapsed < budget:
+            if elapsed < self.latency and elapsed < self.FLOOR:
+                return  # the message is due any moment: poll again at once
             os.sched_yield()  # time.sleep(0) would sleep ~50 us (timer slack)
         else:
             time.sleep(min(self.MAX_SLEEP, elapsed / self.RATIO))
