@@ -2,6 +2,8 @@
 
 Run: OMP_NUM_THREADS=1 mpiexec -n 2 python benchmarks/frameworks.py --json fw.json
      (--quick: tiny models, a few steps, one repetition; for the tests).
+     mpiexec -n 3 python benchmarks/frameworks.py --vs-ddp --json ddp.json: 1 ps + 2
+     workers against torch DDP on a small language model (``vs_ddp.py``).
 
 Two figures (issue 12's targets), all from one run:
 
@@ -12,6 +14,10 @@ Two figures (issue 12's targets), all from one run:
   the gradient's bytes (the worker sends them, the ps receives them all and sends them
   back); ``mpitf_ms``, the step through mpitf. ``ratio = mpitf / (torch + raw)``, target
   <= 1.10.
+* ``tiny``: the same three figures for a model of 72 parameters (Linear 8-8, sum of
+  squares): ``session_us = mpitf - torch - raw``, what the session adds to a step beyond
+  torch and the round trip (hooks, checks, logging, the alias checks, the ps's loop),
+  target <= 100 us.
 * ``overlap``: L dense H x H tanh layers, the batch chosen so that forward + backward take
   about the one-bucket round trip through mpitf (push, apply, pull; measured first); the
   mpitf step with one bucket against one bucket per layer (``bucket_bytes`` = a layer's
@@ -60,6 +66,10 @@ def parse_args(argv=None):
     p.add_argument("--overlap-batch", type=int, default=None,
                    help="overlap model: examples per step (default: backward ~ round trip)")
     p.add_argument("--json", default=None)
+    p.add_argument("--vs-ddp", action="store_true",
+                   help="on 3 ranks: 1 ps + 2 workers against torch DDP (vs_ddp.py)")
+    p.add_argument("--idle", type=float, default=2.0,
+                   help="--vs-ddp: seconds the ps waits idle while its CPU is measured")
     p.add_argument("--quick", action="store_true", help="tiny models, few steps, 1 repeat")
     args = p.parse_args(argv)
     if args.quick:
@@ -76,6 +86,12 @@ def mlp(args):
                                 torch.nn.ReLU(), torch.nn.Linear(width, width),
                                 torch.nn.ReLU(), torch.nn.Linear(width, 10))
     return model, (args.batch, 1, 28, 28)
+
+
+def tiny(args):
+    """A torch model of 72 parameters (Linear 8-8): the session's own cost per step shows."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8)), (args.batch, 8)
 
 
 def cnn(args):
@@ -175,7 +191,7 @@ def mpitf_step(server, build, steps, bucket_bytes=0):
 
 def phases(args):
     """The measurements of one repetition, in order, as both ranks run them."""
-    return [("mlp", lambda: mlp(args)), ("cnn", lambda: cnn(args))]
+    return [("mlp", lambda: mlp(args)), ("cnn", lambda: cnn(args)), ("tiny", lambda: tiny(args))]
 
 
 def frameworks_repeat(server, raw, args, ps):
@@ -192,7 +208,8 @@ def frameworks_repeat(server, raw, args, ps):
         _idle(raw)
         row["raw_ms"] = raw_round_trip(raw, nbytes, args.steps, ps=False)
         row["mpitf_ms"] = mpitf_step(server, build, args.steps)
-        row.update(bytes=nbytes, ratio=row["mpitf_ms"] / (row["torch_ms"] + row["raw_ms"]))
+        row.update(bytes=nbytes, ratio=row["mpitf_ms"] / (row["torch_ms"] + row["raw_ms"]),
+                   session_us=1e3 * (row["mpitf_ms"] - row["torch_ms"] - row["raw_ms"]))
         out[name] = row
     return out
 
@@ -259,6 +276,8 @@ def main(argv=None):
     """Run on both ranks (1 ps, 1 worker); the worker prints and writes the JSON."""
     args = parse_args(argv)
     world = MPI.COMM_WORLD
+    if args.vs_ddp:
+        return versus_ddp(args, world)
     if world.Get_size() != 2:
         raise SystemExit(f"frameworks: run on 2 ranks (1 ps + 1 worker), got {world.Get_size()}")
     server = Server({"ps": 1, "worker": 1}, deadline=300)
@@ -272,8 +291,8 @@ def main(argv=None):
         reps.append(row)
     if ps:
         return 0
-    out = {name: summarize(reps, name) for name in ("mlp", "cnn", "overlap")}
-    for name in ("mlp", "cnn"):
+    out = {name: summarize(reps, name) for name in ("mlp", "cnn", "tiny", "overlap")}
+    for name in ("mlp", "cnn", "tiny"):
         out[name]["ratios"] = [r[name]["ratio"] for r in reps]
     out["overlap"].update(ratios=[r["overlap"]["ratio"] for r in reps], batch=batch,
                           layers=args.layers, width=args.width,
@@ -286,6 +305,10 @@ def main(argv=None):
         print(f"frameworks {name}: {r['bytes'] / 2**20:.2f} MiB, batch {args.batch}: mpitf "
               f"{r['mpitf_ms']:.2f} ms, torch {r['torch_ms']:.2f} ms + raw MPI "
               f"{r['raw_ms']:.2f} ms; ratio {r['ratio']:.3f} (target <= 1.10)", flush=True)
+    r = out["tiny"]
+    print(f"frameworks tiny: {r['bytes'] // 4} parameters: mpitf {1e3 * r['mpitf_ms']:.0f} us, "
+          f"torch {1e3 * r['torch_ms']:.0f} us + raw MPI {1e3 * r['raw_ms']:.0f} us; the "
+          f"session's own cost {r['session_us']:.0f} us a step (target <= 100)", flush=True)
     r = out["overlap"]
     print(f"frameworks overlap: {args.layers} x {args.width}x{args.width} "
           f"({r['bytes'] / 2**20:.0f} MiB), batch {batch}: forward + backward "
@@ -293,6 +316,23 @@ def main(argv=None):
           f"{r['one_bucket_ms']:.2f} ms, {args.layers} buckets {r['buckets_ms']:.2f} ms; "
           f"ratio {r['ratio']:.3f} (target <= 0.8)", flush=True)
     write_json(args.json, out)
+    return 0
+
+
+def versus_ddp(args, world):
+    """Run ``vs_ddp.py``'s comparison on 3 ranks; worker 0 writes the JSON."""
+    if world.Get_size() != 3:
+        raise SystemExit(f"frameworks --vs-ddp: run on 3 ranks (1 ps + 2 workers), got "
+                         f"{world.Get_size()}")
+    import vs_ddp  # noqa: PLC0415 (torch.distributed only when asked)
+
+    server = Server({"ps": 1, "worker": 2}, deadline=300)
+    out = vs_ddp.run(args, server, world.Dup(), _idle)
+    if out is not None:
+        out.update(repeats=args.repeats, steps=args.steps, torch=torch.__version__,
+                   threads=torch.get_num_threads(), load_average=list(os.getloadavg()),
+                   command=" ".join(sys.argv))
+        write_json(args.json, out)
     return 0
 
 

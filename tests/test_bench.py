@@ -164,3 +164,70 @@ def test_histograms_alone_open_the_event_file_before_the_first_step(tmp_path):
     hook = LoggingHook(0, str(tmp_path), summary_every=100)
     hook.begin(SimpleNamespace(global_step=0, steps_run=0))
     assert hook.events._writer is not None
+
+
+def test_pushpull_measures_the_default_buckets_first_then_one_bucket():
+    from mpitf.bench.pushpull import configurations, parse_args
+    from mpitf.config import DEFAULT_BUCKET_BYTES
+
+    args = parse_args([])
+    assert args.bucket_bytes == [DEFAULT_BUCKET_BYTES, 0]
+    assert configurations(args)[:2] == [("none", DEFAULT_BUCKET_BYTES, "float32"),
+                                        ("none", 0, "float32")]
+
+
+def _pushpull_row(nbytes, optimizer, bucket_bytes, ratio):
+    return dict(bytes=nbytes, optimizer=optimizer, bucket_bytes=bucket_bytes, ratio=ratio,
+                mpitf_us=10.0 / ratio, raw_mpi_us=10.0, num_workers=1, num_ps=1)
+
+
+def test_report_checks_todays_targets_on_the_default_buckets():
+    from mpitf.bench.report import _targets
+    from mpitf.config import DEFAULT_BUCKET_BYTES as B
+
+    rows = [_pushpull_row(4096, o, b, r) for o, b, r in
+            (("none", B, 0.8), ("none", 0, 0.7), ("sgd", B, 0.5), ("sgd", 0, 0.5))]
+    rows += [_pushpull_row(16 << 20, o, b, r) for o, b, r in
+             (("none", B, 1.2), ("none", 0, 1.0), ("sgd", B, 0.9), ("sgd", 0, 0.6))]
+    lines = "\n".join(_targets(dict(pushpull_main=dict(results=rows))))
+    assert "2 MiB buckets" in lines
+    # 4 KiB: the slower optimizer's time (1 / 0.5), one bucket's beside it
+    assert "push+pull of 4096 B <= 1.5 x raw MPI's time: 2.00 x; one bucket: 2.00 x (MISSED)" \
+        in lines, lines
+    assert "ps sgd from 16 MiB >= 0.85 x raw GB/s: worst 0.90; one bucket: worst 0.60 (met)" \
+        in lines, lines
+    assert "ps none from 16 MiB >= 0.95 x raw GB/s: worst 1.20; one bucket: worst 1.00 (met)" \
+        in lines, lines
+    assert "1.25 x (raw + axpy)" not in lines  # the old one-frame target is gone
+
+
+@pytest.mark.mpi
+def test_frameworks_vs_ddp_json(mpirun, tmp_path):
+    # 1 ps + 2 workers against torch DDP on the same workers, and the ps's CPU shares
+    out = tmp_path / "ddp.json"
+    run = mpirun(3, REPO / "benchmarks" / "frameworks.py", "--vs-ddp", "--quick", "--idle",
+                 0.3, "--json", out, timeout=120)
+    assert run.returncode == 0, run.output
+    data = json.loads(out.read_text())
+    assert data["mpitf_ms"] > 0 and data["ddp_ms"] > 0
+    assert data["ratio"] == pytest.approx(data["mpitf_ms"] / data["ddp_ms"])
+    for share in ("ps_busy", "ps_idle", "worker_wait_idle"):
+        assert 0 <= data[share] < 2, (share, data)  # a share of one core (2: a wrong clock)
+    assert data["global_batch"] == 8 and data["parameters"] > 0
+    assert "ratio" in run.stdout and "target <= 1.05" in run.stdout
+
+
+def test_report_states_the_two_core_limit_beside_a_bucketed_figure():
+    from mpitf.bench.pushpull import _limit
+    from mpitf.bench.report import _targets
+    from mpitf.config import DEFAULT_BUCKET_BYTES as B
+
+    # raw 4 ms: 2 ms a copy; the ps copies in (2 ms) and applies (2 ms): at best 4/4 = 1
+    assert _limit("sgd", B, 4e-3, 2e-3, 8 * B) == pytest.approx(1.0)
+    assert _limit("none", B, 4e-3, 2e-3, 8 * B) == pytest.approx(2.0)
+    assert _limit("sgd", 0, 4e-3, 2e-3, 8 * B) is None  # one bucket
+    assert _limit("sgd", B, 4e-3, 2e-3, B) is None  # a shard within one bucket
+    assert _limit("adam", B, 4e-3, 2e-3, 8 * B) is None
+    row = dict(_pushpull_row(16 << 20, "sgd", B, 0.8), limit=0.9)
+    lines = "\n".join(_targets(dict(pushpull_main=dict(results=[row]))))
+    assert "worst 0.80 (limit 0.90) (MISSED)" in lines, lines

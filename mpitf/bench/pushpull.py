@@ -14,9 +14,11 @@ rest workers. For each size B, interleaved in rounds so drift affects every figu
 * axpy: SGD as two numpy passes on a ps's B/P bytes (the baseline of the first targets),
   and apply: SGD as the ps applies it (its fused kernel, one thread), both timed on ps
   task 0 on private buffers;
-* with ``--bucket-bytes K1,K2,...``: mpitf again per optimizer with the push cut in buckets
-  of about K bytes per ps (0: one bucket), the model then made of ``--variable-bytes``
-  variables (buckets are cut between variables), the one-bucket figures on the same ones.
+* per bucket size of ``--bucket-bytes K1,K2,...``: mpitf per optimizer with the push cut
+  in buckets of about K bytes per ps (0: one bucket); by default the bucket size training
+  uses (``DEFAULT_BUCKET_BYTES``, 2 MiB) first, then one bucket beside it. With buckets the
+  model is made of ``--variable-bytes`` variables (buckets are cut between variables),
+  the one-bucket figures on the same ones.
 
 ``--wire-dtype float32,bfloat16`` measures each optimizer once per wire dtype in the same
 rounds (B is the float32 model's bytes; a 16-bit wire moves half of them, converted on
@@ -39,7 +41,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpitf.config import TrainingConfig
+from mpitf.config import DEFAULT_BUCKET_BYTES, TrainingConfig
 from mpitf.placement import Placement
 from mpitf.ps.kernels import fused_apply
 from mpitf.ps.optimizers import make_optimizer
@@ -73,8 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--deadline", type=float, default=300.0, help="seconds before giving up")
     p.add_argument("--ps-threads", type=int, default=None,
                    help="kernel threads of each ps (default: the ps's own default)")
-    p.add_argument("--bucket-bytes", default="0",
-                   help="comma-separated bucket sizes per ps to measure (0: one bucket)")
+    p.add_argument("--bucket-bytes", default=f"{DEFAULT_BUCKET_BYTES},0",
+                   help="comma-separated bucket sizes per ps to measure, in this order (0: "
+                        "one bucket; default: training's default size, then one bucket)")
     p.add_argument("--variable-bytes", type=int, default=64 << 10,
                    help="with buckets: the model's variables are this big (default 64 KiB)")
     p.add_argument("--wire-dtype", default="float32",
@@ -267,6 +270,22 @@ def label(optimizer, bucket_bytes, wire="float32"):
     return name if wire == "float32" else f"{name}/{wire}"
 
 
+def _limit(optimizer, bucket_bytes, raw, apply, share=None):
+    """Return the best ratio to raw a push in buckets can reach on one core per rank.
+
+    Raw MPI's round trip is two copies, one each way, each by its receiver (CMA), one after
+    the other: ``raw / 2`` each. In buckets the worker copies replies out while the ps
+    copies the next bucket in, so the two directions overlap, but the ps's core must copy
+    every bucket in and apply it: at best ``raw / 2 + apply`` (the fused kernel's time on
+    the shard, one thread). So ``none`` can reach 2x raw, SGD ``raw / (raw / 2 + apply)``.
+    None for one bucket (``share``, a ps's bytes, within one) and for optimizers whose
+    apply was not timed.
+    """
+    if not bucket_bytes or optimizer not in ("none", "sgd") or (share or 0) <= bucket_bytes:
+        return None
+    return raw / (raw / 2 + (apply if optimizer == "sgd" else 0.0))
+
+
 def _worker_median(per_rank, key, worker_ranks):
     """Return the largest over workers of each worker's median (what a sync step sees)."""
     return max(statistics.median(per_rank[r][key]) for r in worker_ranks)
@@ -296,11 +315,13 @@ def main(argv=None):
                        optimizer=opt, mode=args.mode, bucket_bytes=b, wire_dtype=wire,
                        mpitf_gbps=2 * nbytes / t / 1e9, raw_mpi_gbps=2 * nbytes / raw / 1e9,
                        ratio=raw / t, mpitf_us=_us(t), raw_mpi_us=_us(raw), axpy_us=_us(axpy),
-                       apply_us=_us(apply), repetitions=reps)
+                       apply_us=_us(apply), repetitions=reps,
+                       limit=_limit(opt, b, raw, apply, nbytes // bench.num_ps))
             results.append(row)
+            limit = "" if row["limit"] is None else f" (limit {row['limit']:.2f})"
             print(f"{nbytes:>10} B  {label(opt, b, wire):<14} mpitf {row['mpitf_us']:10.1f} us "
                   f"{row['mpitf_gbps']:6.2f} GB/s   raw {row['raw_mpi_us']:10.1f} us "
-                  f"{row['raw_mpi_gbps']:6.2f} GB/s   ratio {row['ratio']:.2f}   "
+                  f"{row['raw_mpi_gbps']:6.2f} GB/s   ratio {row['ratio']:.2f}{limit}   "
                   f"axpy {row['axpy_us']:9.1f} us", flush=True)
     rss = bench.raw.gather((bench.server.task_index, bench.rss_peak, bench.rss_reset)
                            if bench.is_ps else None, root=0)

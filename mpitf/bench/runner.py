@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+from ..config import DEFAULT_BUCKET_BYTES
 from ..errors import MpitfError
 from .jobrate import LOG_EVERY, job_env
 from .report import write_report
@@ -129,9 +130,12 @@ def run_suites(args, out, log):
             path = os.path.join(out, f"pushpull-{tag}.json")
             if tag != "main" and ranks == n and ps == 1:
                 continue
+            # main: the default buckets, then one bucket; the others (the ps's memory)
+            # the default buckets only
+            buckets = [] if tag == "main" else ["--bucket-bytes", str(DEFAULT_BUCKET_BYTES)]
             if step(f"pushpull {tag}", [*launch, "-n", str(ranks), py,
                                         "-m", "mpitf.bench.pushpull", "--num-ps", str(ps),
-                                        "--json", path, *quick]):
+                                        "--json", path, *buckets, *quick]):
                 res[f"pushpull_{tag}"] = _load(path)
     common = [*quick, "--launcher", shlex.join(launch)]
     profiles = {(m, b): [] for m in ("mlp", "cnn") for b in (32, 96)}  # the W=1 batches

@@ -143,7 +143,7 @@ def validate_jobs(results, fabric):
 
 
 def validate_pushpull(results):
-    """Return entries for the 1-worker push+pull points (round-trip seconds).
+    """Return entries for the 1-worker push+pull points, one frame (round-trip seconds).
 
     An ``sgd`` point is predicted as the model composes a step, from figures that are not
     its own: the wire (the raw MPI round trip of the same rounds and size, which on one
@@ -159,7 +159,7 @@ def validate_pushpull(results):
     pp = results.get("pushpull_main")
     if not pp:
         return []
-    rows = pp["results"]
+    rows = [r for r in pp["results"] if not r.get("bucket_bytes")]  # the one-frame path
     none = {r["bytes"]: r["mpitf_us"] * 1e-6 for r in rows if r["optimizer"] == "none"}
     if len(none) < 2:
         return []

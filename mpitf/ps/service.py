@@ -22,6 +22,7 @@ from ..runtime.timeline import Timeline
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.frame import Frame
+from .at_once import AtOnce
 from .consistency import Senders, make_policy
 from .pipeline import Pipeline
 from .receive_pool import ReceivePool
@@ -88,6 +89,7 @@ class Service:
         self.counters = dict(global_step=0, pushes_applied=0, stale_dropped=0,
                              nonfinite_skipped=0, staleness_histogram={}, max_staleness=0,
                              max_lead=0, bytes_in=0, bytes_out=0, **senders.counters())
+        self.at_once = AtOnce.for_service(self)  # one-frame pushes applied as they land
         if assignment.restore:
             self._restore(assignment.restore)
 
@@ -134,7 +136,7 @@ class Service:
         """
         pipe = self.pipeline
         last = bucket == pipe.last
-        pipe.finish(self.stall.steady, self._describe_reply, bucket)
+        pipe.finish(self.stall.steady, self.describe_reply, bucket)
         start = time.perf_counter()
         lo, hi = pipe.ranges[bucket]
         if self.config.clip_norm is not None and self.config.mode == "sync":  # one bucket
@@ -151,7 +153,7 @@ class Service:
         if last:
             self.global_step += 1
             self.counters["pushes_applied"] += 1
-            self._write_header(hi if pipe.bucketed else None)
+            self.write_header(hi if pipe.bucketed else None)
         else:
             self.shard.publish(lo, hi)
 
@@ -169,9 +171,15 @@ class Service:
         """Give pool frame ``index`` back to the receives (a held gradient was used)."""
         self.pool.release(index)
 
+    def take_learning_rate(self, request):
+        """Set the rate a push carries (mpitf.torch's): the next update applies it."""
+        lr = H.learning_rate_of(request)
+        if lr is not None:
+            self.shard.optimizer.set_learning_rate(lr)
+
     # -- internals -----------------------------------------------------------------------
 
-    def _write_header(self, hi=None):
+    def write_header(self, hi=None):
         """Refresh the reply header (none in flight) and publish the payload (up to ``hi``)."""
         c, reply, average = self.counters, self.shard.reply, self.shard.average_frame
         c["global_step"] = self.global_step
@@ -189,13 +197,13 @@ class Service:
             return self.server.peer(rank, "request")
         return self.describe_worker(worker, "push")
 
-    def _describe_reply(self, worker):
+    def describe_reply(self, worker):
         return self.describe_worker(worker, "reply (the worker stopped receiving)")
 
     def _finish_replies(self):
-        self.pipeline.finish(self.stall.steady, self._describe_reply)
+        self.pipeline.finish(self.stall.steady, self.describe_reply)
 
-    def _stepped(self, worker, now):
+    def stepped(self, worker, now):
         """Count a push, and the gap since ``worker``'s previous push as one of its steps."""
         self.counters["pushes_received"] += 1
         last = self.last_push[worker]
@@ -238,7 +246,7 @@ class Service:
         self.pipeline.at_step(self.global_step)
         self.positions = restored["positions"]
         self.initialized = True
-        self._write_header()
+        self.write_header()
 
     def _save(self):
         if self.sparse is not None:
@@ -258,7 +266,7 @@ class Service:
             self._save()
             self.pausing = False
             self.paused.clear()
-            self._write_header()
+            self.write_header()
 
     def _handle(self, index, source):
         frame = self.pool[index]
@@ -268,6 +276,8 @@ class Service:
         if worker is None:
             raise PeerError(f"request from rank {source}, which is not a worker")
         now = self.last_seen[worker] = self.last_message = time.monotonic()
+        if self.at_once is not None and self.at_once.takes(request):
+            return self.at_once.push(frame, index, request, worker, now)
         nbytes = H.HEADER_BYTES + request.count * frame.itemsize
         self.senders.note_positions(self.positions, worker, request, frame)
         if flags & P.FLAG_CHUNKED:
@@ -285,12 +295,10 @@ class Service:
                     f"in {self.pipeline.count}: every task needs the same --bucket-bytes",
                     **self.describe_worker(worker, "push"))
             if bucket == 0:
-                self._stepped(worker, now)
+                self.stepped(worker, now)
             frame.received(request.count)
             self.counters["bytes_in"] += nbytes
-            lr = H.learning_rate_of(request)
-            if lr is not None:  # the worker's rate (mpitf.torch): the next update applies it
-                self.shard.optimizer.set_learning_rate(lr)
+            self.take_learning_rate(request)
             return self.policy.on_push(self, worker, request.step, frame, index, bucket)
         if kind == P.RATES:  # before a push, within its step: each group's learning rate
             rates = frame.bytes[H.HEADER_BYTES:H.HEADER_BYTES + 8 * request.count]
@@ -311,7 +319,7 @@ class Service:
             self.shard.initialize(frame.payload)
             self.initialized = True
             self.pipeline.at_step(self.global_step)
-            self._write_header()
+            self.write_header()
             for w, k in self.pending_pulls:
                 self._answer_pull(w, k)
             self.pending_pulls = []
@@ -327,7 +335,7 @@ class Service:
         elif kind == P.SAVE:
             self._finish_replies()
             self.pausing = True
-            self._write_header()
+            self.write_header()
             self._check_quiescent()
         elif kind == P.SKIP:
             # The worker found NaN/Inf in its gradient and was told to skip it: count it and

@@ -15,12 +15,12 @@ other, so a worker's pushes reach each ps in the order sent and no sequence numb
 needed beyond the step.
 """
 
-import os
 import time
 
 from mpi4py import MPI
 
 from ..errors import DeadlineError
+from .spin import SpinPolicy
 
 # Tags. Requests and replies use separate tags so a worker's outstanding reply receive can
 # never match another worker's request.
@@ -74,49 +74,48 @@ def frame_op(mpi_call, frame, peer, tag):
     return mpi_call([frame, MPI.BYTE], peer, tag)
 
 
-# Polling: MPI moves a large message only while this rank is inside an MPI call, so a
-# waiting rank spins (yielding the core to any other process that wants it) for the first
-# SPIN_SECONDS of a wait; after that the wait is probably for another rank's computation,
-# and it sleeps between polls, longer the longer it has waited, up to a millisecond.
-SPIN_SECONDS = float(os.environ.get("MPITF_SPIN_MS", "20")) / 1000.0
+# Polling: MPI moves a message only while this rank is inside an MPI call, so a waiting
+# rank polls: it spins for about as long as its messages take, then sleeps between polls
+# (spin.py says why and how long). One policy per process: only the main thread waits.
+POLICY = SpinPolicy.from_environment()
 
 
 class _Poll:
-    """Pace one polling wait and enforce its deadline."""
+    """Pace one polling wait, enforce its deadline, and tell the policy how long it took."""
 
-    __slots__ = ("start", "deadline")
+    __slots__ = ("start", "deadline", "budget")
 
     def __init__(self, deadline):
         self.start = time.monotonic()
         self.deadline = deadline
+        self.budget = POLICY.budget()
 
     def pause(self):
         """Yield or sleep before the next poll; return True once the deadline has passed."""
         elapsed = time.monotonic() - self.start
-        if elapsed < SPIN_SECONDS:
-            os.sched_yield()  # time.sleep(0) would sleep ~50 us (timer slack)
-        else:
-            time.sleep(min(0.001, elapsed / 50))
+        POLICY.pause(elapsed, self.budget)
         return self.deadline is not None and elapsed > self.deadline
 
     def restart(self):
         """Start the clock again (after a deadline callback chose to keep waiting)."""
         self.start = time.monotonic()
 
+    def ended(self):
+        """Report the wait's length to the policy (it has completed)."""
+        POLICY.ended(time.monotonic() - self.start)
+
 
 def wait_all(requests, deadline, describe):
     """Wait for all requests with a deadline in seconds (None: none)."""
     if MPI.Request.Testall(requests):
         return
-    if deadline is None:
-        MPI.Request.Waitall(requests)
-        return
-    poll = _Poll(deadline)
+    poll = _Poll(deadline)  # even with no deadline: MPI's Waitall would spin in MPI
     while not MPI.Request.Testall(requests):
         if poll.pause():
             pending = [i for i, r in enumerate(requests) if r != MPI.REQUEST_NULL]
             info = describe(pending[0]) if pending else {}
             raise DeadlineError(f"no answer within {deadline:g} s", **info)
+    poll.ended()
 
 
 def wait_message(comm, tag, poll_every, on_quiet, status):
@@ -128,6 +127,7 @@ def wait_message(comm, tag, poll_every, on_quiet, status):
     while True:
         message = comm.Improbe(MPI.ANY_SOURCE, tag, status)
         if message is not None:
+            poll.ended()
             return message
         if poll.pause():
             on_quiet()
@@ -141,4 +141,5 @@ def recv_object(comm, source, tag, deadline, describe):
     while not comm.Iprobe(source, tag, status):
         if poll.pause():
             raise DeadlineError(f"no answer within {deadline:g} s", **describe())
+    poll.ended()
     return comm.recv(source=status.Get_source(), tag=tag)

@@ -1,0 +1,40 @@
+"""The waiting ranks' spin policy (mpitf/wire/spin.py): pure, no MPI."""
+
+from mpitf.wire.spin import SpinPolicy
+
+
+def test_a_new_policy_spins_the_floor():
+    assert SpinPolicy().budget() == SpinPolicy.FLOOR
+
+
+def test_short_waits_set_the_spin_to_twice_their_latency():
+    policy = SpinPolicy()
+    for _ in range(50):
+        policy.ended(200e-6)  # e.g. a bucket's round trip
+    assert abs(policy.budget() - 400e-6) < 1e-9
+
+
+def test_waits_for_computation_do_not_lengthen_the_spin():
+    policy = SpinPolicy()
+    for _ in range(20):
+        policy.ended(10e-6)  # a 4 KiB round trip
+    before = policy.budget()
+    for _ in range(100):
+        policy.ended(30e-3)  # another worker's step: no message latency in it
+    assert policy.budget() == before == SpinPolicy.FLOOR
+
+
+def test_the_spin_never_exceeds_the_cap():
+    policy = SpinPolicy()
+    for _ in range(50):
+        policy.ended(0.9 * policy.cap)
+    assert policy.budget() == policy.cap
+
+
+def test_mpitf_spin_ms_fixes_the_spin(monkeypatch):
+    monkeypatch.setenv("MPITF_SPIN_MS", "20")
+    policy = SpinPolicy.from_environment()
+    policy.ended(10e-6)
+    assert policy.budget() == 0.02
+    monkeypatch.delenv("MPITF_SPIN_MS")
+    assert SpinPolicy.from_environment().fixed is None
