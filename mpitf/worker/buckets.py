@@ -30,42 +30,59 @@ class BucketedPush:
     ``frames`` lists ``(ps, bucket)`` in push order, interleaving the ps (bucket 0 of
     every ps, then bucket 1, ...); each ps's buckets leave in their order, which is the
     order the ps applies and answers them.
+
+    Args:
+        link: the :class:`~mpitf.worker.link.PsLink` to the ps tasks.
+        buckets: per ps, its buckets' element ranges in push order.
+        slices: the placement's slices (which bucket holds which variable).
+        stage: the wire stage (:mod:`mpitf.worker.wire_frames`): its layouts place the
+            frames; it narrows each bucket as it leaves and widens each as it lands.
+        grad_frames: the gradient frames, one per bucket in the gradient layout's order.
+        replies: the :class:`~mpitf.worker.handles.Replies` (the parameter frames, and
+            the reading of the last replies).
+        grad_views: the model's gradient views (partitioned variables scatter from them).
+        rates: the :class:`~mpitf.worker.rates.GroupRates` each push sends.
+        backend: the array backend (synchronised before a bucket leaves).
+        chunk_bytes: chunk size when frames are staged.
+        timeline: a :class:`~mpitf.runtime.timeline.Timeline` (per-bucket events), or None.
     """
 
-    def __init__(self, client):
-        self.client = client
-        c = client
-        nmax = max(len(b) for b in c.buckets)
-        self.order = [(p, k) for k in range(nmax) for p in range(len(c.buckets))
-                      if k < len(c.buckets[p])]
+    def __init__(self, link, buckets, slices, stage, grad_frames, replies, grad_views, rates,
+                 backend, chunk_bytes=None, timeline=None):
+        self.link, self.buckets, self.stage, self.replies = link, buckets, stage, replies
+        self.grad_views, self.rates, self.backend = grad_views, rates, backend
+        self.timeline = timeline
+        nmax = max(len(b) for b in buckets)
+        self.order = [(p, k) for k in range(nmax) for p in range(len(buckets))
+                      if k < len(buckets[p])]
         self.index = index = {pk: i for i, pk in enumerate(self.order)}
         # gradient frames (one per bucket, in the gradient layout's memory order)
         self.grad = [None] * len(self.order)
-        for (p, k, _), frame in zip(c.grad_layout.frames, c.grad_frames):
+        for (p, k, _), frame in zip(stage.grad_layout.frames, grad_frames):
             self.grad[index[(p, k)]] = frame
         # reply frames over the parameter buffer: the last bucket behind the ps's header
-        buffer = c.param_frames[0].buffer
+        buffer = replies.frames[0].buffer
         self.reply, self.tags = [], []
         for p, k in self.order:
-            a, b, _ = c.frame_segments[p]
-            lo, hi = c.buckets[p][k]
-            last = k == len(c.buckets[p]) - 1
+            a, b, _ = stage.layout.segments[p]
+            lo, hi = buckets[p][k]
+            last = k == len(buckets[p]) - 1
             segment = (a, b, b + hi) if last else (b + lo, b + lo, b + hi)
-            self.reply.append(Frame(buffer, segment, c.chunk_bytes))
+            self.reply.append(Frame(buffer, segment, chunk_bytes))
             self.tags.append(P.TAG_REPLY if last else P.TAG_REPLY_BUCKET)
         # per variable, the buckets it lies in; per bucket, how many of its slices are left
         self.of_variable = {}
         slices_left = np.zeros(len(self.order), np.int64)
-        for s in c.placement.slices:
-            for k, (lo, hi) in enumerate(c.buckets[s.ps_task]):
+        for s in slices:
+            for k, (lo, hi) in enumerate(buckets[s.ps_task]):
                 if lo <= s.offset < hi:
                     i = index[(s.ps_task, k)]
                     slices_left[i] += 1
                     self.of_variable.setdefault(s.name, []).append(i)
         self.template = slices_left
         self.left = slices_left.copy()
-        self.split = {name for name, _ in c.grad_views.split}
-        self.next = [0] * len(c.buckets)  # per ps, its next bucket to push
+        self.split = {name for name, _ in grad_views.split}
+        self.next = [0] * len(buckets)  # per ps, its next bucket to push
         self.receives = [None] * len(self.order)
         self.sends = []
         self.arrived = [False] * len(self.order)
@@ -85,18 +102,18 @@ class BucketedPush:
 
     def begin(self, data_position):
         """Pack every bucket's header and post every reply's receive; return self."""
-        c = self.client
+        link, buckets = self.link, self.buckets
         epoch, cursor = data_position
-        c.rates.send(c)  # before any bucket leaves
+        self.rates.send(link)  # before any bucket leaves
+        rate = self.rates.learning_rate
         for i, (p, k) in enumerate(self.order):
-            lo, hi = c.buckets[p][k]
-            H.pack_request(self.grad[i].header, P.PUSH, c.ps_steps[p], c.worker, hi - lo,
-                           c.request_flags, epoch, cursor, c.learning_rate, bucket=k,
-                           buckets=len(c.buckets[p]))
-            self.receives[i] = self.reply[i].irecv(c.comm, c.ps_ranks[p], self.tags[i])
+            lo, hi = buckets[p][k]
+            H.pack_request(self.grad[i].header, P.PUSH, link.steps[p], link.worker, hi - lo,
+                           link.flags, epoch, cursor, rate, bucket=k, buckets=len(buckets[p]))
+            self.receives[i] = self.reply[i].irecv(link.comm, link.ranks[p], self.tags[i])
             self.arrived[i] = False
         np.copyto(self.left, self.template)
-        self.next = [0] * len(c.buckets)
+        self.next = [0] * len(buckets)
         self.sends = []
         self.reply_value = None
         return self
@@ -105,7 +122,7 @@ class BucketedPush:
         """Mark the gradients of ``names`` final; push every bucket that now is, in order."""
         for name in names:
             if name in self.split:
-                self.client.grad_views.scatter((name,))
+                self.grad_views.scatter((name,))
             for i in self.of_variable.get(name, ()):
                 self.left[i] -= 1
         self._push(lambda i: self.left[i] <= 0)
@@ -114,60 +131,58 @@ class BucketedPush:
     def push_rest(self):
         """Push every bucket not pushed yet; return self (wait on it)."""
         if self.split:
-            self.client.grad_views.scatter()
+            self.grad_views.scatter()
         self._push(lambda i: True)
         return self
 
     def _push(self, ready):
-        c, tl = self.client, self.client.timeline
+        link, tl = self.link, self.timeline
         start = time.perf_counter()
         go = []
-        for p, n in enumerate(c.buckets):
+        for p, n in enumerate(self.buckets):
             while self.next[p] < len(n) and ready(self.index[(p, self.next[p])]):
                 go.append(self.index[(p, self.next[p])])
                 self.next[p] += 1
         if not go:
             return
         for i in go:
-            if c.wire is not None:
-                c.wire.narrow_grad(*self.order[i])
+            self.stage.narrow_grad(*self.order[i])
             self.grad[i].commit()
-        c.backend.synchronize()  # MPI must see the finished gradient
+        self.backend.synchronize()  # MPI must see the finished gradient
         for i in go:
             p, k = self.order[i]
-            self.sends.extend(self.grad[i].isend(c.comm, c.ps_ranks[p], P.TAG_REQUEST))
+            self.sends.extend(self.grad[i].isend(link.comm, link.ranks[p], P.TAG_REQUEST))
             if tl is not None and tl.enabled:
                 tl.add("push", start, time.perf_counter(), bucket=k, ps=p,
-                       step=c.ps_steps[p])
+                       step=link.steps[p])
         if PROGRESS_SECONDS and not self._busy.is_set():
             if self._progress is None:
                 if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
                     return
-                self._progress = threading.Thread(target=self._drive, args=(c.comm,),
+                self._progress = threading.Thread(target=self._drive, args=(link.comm,),
                                                   daemon=True, name="mpitf-progress")
                 self._progress.start()
             self._busy.set()
 
     def _describe(self, i, operation="push_pull (bucketed)"):
-        return dict(self.client._describe_ps(self.order[i][0]), operation=operation)
+        return self.link.describe(self.order[i][0], operation)
 
     def _wait_bucket(self, i):
         if self.arrived[i]:
             return
-        c, tl = self.client, self.client.timeline
+        link, tl = self.link, self.timeline
         start = time.perf_counter()
-        if c.chunked:
-            self.reply[i].receive_chunks(self.receives[i], c.deadline,
+        if link.chunked:
+            self.reply[i].receive_chunks(self.receives[i], link.deadline,
                                          lambda _, i=i: self._describe(i))
         else:
-            P.wait_all(self.receives[i], c.deadline, lambda _, i=i: self._describe(i))
-        if c.wire is not None:
-            c.wire.widen_params(*self.order[i])
+            P.wait_all(self.receives[i], link.deadline, lambda _, i=i: self._describe(i))
+        self.stage.widen_params(*self.order[i])
         self.arrived[i] = True
         if tl is not None and tl.enabled:
             p = self.order[i][0]
             tl.add("pull", start, time.perf_counter(), bucket=self.order[i][1], ps=p,
-                   step=c.ps_steps[p])
+                   step=link.steps[p])
 
     def wait_params(self, name):
         """Wait for the buckets holding variable ``name`` (the rest may still travel)."""
@@ -178,7 +193,7 @@ class BucketedPush:
     def done(self):
         """Return True when every bucket was pushed and answered (without blocking)."""
         return self.reply_value is not None or (
-            all(self.next[p] == len(b) for p, b in enumerate(self.client.buckets)) and
+            all(self.next[p] == len(b) for p, b in enumerate(self.buckets)) and
             all(self.arrived[i] or _test_all(self.receives[i]) for i in range(len(self.order)))
             and _test_all(self.sends))
 
@@ -189,8 +204,8 @@ class BucketedPush:
             self._busy.clear()
             for i in range(len(self.order)):
                 self._wait_bucket(i)
-            P.wait_all(self.sends, self.client.deadline, lambda _: self._describe(0))
-            self.reply_value = self.client._finish(widen=False)
+            P.wait_all(self.sends, self.link.deadline, lambda _: self._describe(0))
+            self.reply_value = self.replies.finish(widen=False)
         return self.reply_value
 
 

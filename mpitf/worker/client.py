@@ -11,20 +11,27 @@ before each push, since its slices are not adjacent.
 import numpy as np
 
 from ..config import DEFAULT_DEADLINE, PsAssignment, check_multiple
-from ..errors import ConfigurationError, PeerError
+from ..errors import ConfigurationError
 from ..runtime.backend import get_backend, numpy_backend
 from ..wire import dtypes
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.frame import Frame, frames_over
 from ..wire.layout import FlatLayout, bucket_ranges
-from .buckets import BucketedPush
-from .handles import NodeHandle, PushPullHandle, Reply
+from .handles import PushPullHandle, Replies
+from .link import PsLink
 from .rates import GroupRates
+from .transport import Frames, transport_for
+from .wire_frames import NativeFrames, wire_stage
 
 
 class Client:
     """A worker's view of the sharded parameters.
+
+    How its frames travel is one transport strategy (flat, bucketed or node-aggregated,
+    :mod:`mpitf.worker.transport`), chosen here once; what they carry is the wire stage
+    (:mod:`mpitf.worker.wire_frames`); both reach the ps through one
+    :class:`~mpitf.worker.link.PsLink` (``link``).
 
     Args:
         server: this rank's :class:`~mpitf.runtime.server.Server` (communicator and ranks).
@@ -41,15 +48,16 @@ class Client:
             or None.
         wire_dtype: "float32", "bfloat16" or "float16": what the frames carry; the model's
             buffers stay float32 (see :mod:`mpitf.worker.wire_frames`).
+        timeline: the session's :class:`~mpitf.runtime.timeline.Timeline` (bucketed pushes
+            and node aggregation record their parts), or None.
     """
 
     def __init__(self, server, placement, backend=None, deadline=DEFAULT_DEADLINE,
                  chunk_bytes=P.DEFAULT_CHUNK_BYTES, adaptive=False, bucket_bytes=0,
-                 node=None, wire_dtype="float32"):
+                 node=None, wire_dtype="float32", timeline=None):
         self.server = server
         self.placement = placement
-        self.backend = backend or get_backend()
-        self.deadline = deadline
+        self.backend = backend = backend or get_backend()
         self.adaptive = adaptive
         self.comm = server.comm
         self.worker = server.replica_index  # the chief is replica 0
@@ -60,7 +68,7 @@ class Client:
                 f"{len(self.ps_ranks)}")
         self.layout = FlatLayout(placement)
         self.segments = self.layout.segments
-        wire = dtypes.wire_dtype(wire_dtype, placement.dtype, self.backend.name)
+        wire = dtypes.wire_dtype(wire_dtype, placement.dtype, backend.name)
         itemsize = wire.itemsize  # buckets are cut by the bytes they take on the wire
         self.wire_dtype, self.wire_itemsize = wire_dtype, itemsize
         self.bucket_bytes = bucket_bytes
@@ -69,54 +77,65 @@ class Client:
         self.bucketed = any(len(b) > 1 for b in self.buckets)
         # Gradients: one frame per bucket (a header slot each); parameters: one per ps.
         self.grad_layout = FlatLayout(placement, self.buckets) if self.bucketed else self.layout
-        dtype = placement.dtype
         if chunk_bytes is not None:
             check_multiple("chunk_bytes", chunk_bytes, H.HEADER_BYTES)
-        self.node = node
-        if node is None:
-            self.params_flat = self.backend.zeros(self.layout.size, dtype)
-            self.grads_flat = self.backend.zeros(self.grad_layout.size, dtype)
-        else:  # the node's shared window: one parameter buffer, a gradient slot each
-            if self.backend.name != "numpy" or self.bucketed:
-                raise ConfigurationError(
-                    "aggregate_per_node shares host memory over a node, one frame per ps: "
-                    "it needs the numpy backend (--device cpu) and bucket_bytes 0")
-            self.params_flat, self.grads_flat = node.allocate(
-                self.layout.size, self.grad_layout.size, dtype)
+        transport = transport_for(node, self.bucketed, backend)  # the one choice
+        self.params_flat, self.grads_flat = transport.allocate(
+            node, backend, self.layout.size, self.grad_layout.size, placement.dtype)
         self.chunk_bytes = chunk_bytes
-        self.wire = None  # a 16-bit wire: the frames' buffers, converted to and from these
-        if wire != dtype:
-            from .wire_frames import WireFrames  # loads numba: only when it converts
-            self.wire = WireFrames(self, wire)
-        moved = self.wire or self  # the buffers MPI moves
-        self.frame_segments = moved.layout.segments
+        self.stage = stage = wire_stage(  # the buffers MPI moves, and their conversions
+            NativeFrames(self.layout, self.grad_layout, self.params_flat, self.grads_flat),
+            wire, placement, self.buckets, backend)
         # One frame per ps in each buffer: sent as they are, or staged through pinned
         # host memory in chunks (and then the ps is told so, to answer in chunks).
-        self.param_frames = frames_over(self.backend, moved.params_flat, self.frame_segments,
+        self.param_frames = frames_over(backend, stage.params_flat, stage.layout.segments,
                                         chunk_bytes)
-        self.grad_frames = frames_over(self.backend, moved.grads_flat,
-                                       [seg for _, _, seg in moved.grad_layout.frames],
+        self.grad_frames = frames_over(backend, stage.grads_flat,
+                                       [seg for _, _, seg in stage.grad_layout.frames],
                                        chunk_bytes)
         self.chunked = self.param_frames[0].staged
-        self.request_flags = P.FLAG_CHUNKED if self.chunked else 0
+        self.link = PsLink(self.comm, self.ps_ranks, self.worker,
+                           P.FLAG_CHUNKED if self.chunked else 0, [0] * len(self.segments),
+                           deadline, server.host_of)
         # Header-only requests (pull, done, paused) go from small host frames of their own.
-        self.request_frames = [Frame.allocate(numpy_backend(), 0, np.int64)
-                               for _ in self.segments]
-        self.ps_steps = [0] * len(self.segments)
-        self.param_views = self.layout.views(self.params_flat, self.backend)
-        self.grad_views = self.grad_layout.views(self.grads_flat, self.backend)
+        requests = [Frame.allocate(numpy_backend(), 0, np.int64) for _ in self.segments]
+        self.param_views = self.layout.views(self.params_flat, backend)
+        self.grad_views = self.grad_layout.views(self.grads_flat, backend)
         self.params = self.param_views.arrays
         self.grads = self.grad_views.arrays
-        self.timeline = None  # the session's Timeline: bucketed pushes record per bucket
-        self.bucketed_push = BucketedPush(self) if self.bucketed else None
-        self.learning_rate = None  # a float: each push asks the ps to apply this rate
-        self.rates = GroupRates()  # several optimizer groups: their rates (see .rates)
-        self.position_frames = None  # a node's leader: its PAUSED and DONE carry positions
-        if node is not None:  # nobody may use the shared buffers before all have mapped them
-            node.sync(node.deadline, "node start-up")
+        self.timeline = timeline
+        self.rates = GroupRates()  # the learning rates each push asks for (see .rates)
+        self.replies = Replies(self.link, self.param_frames, stage, self.param_views)
+        self.transport = transport(
+            self.link, Frames(self.grad_frames, requests, self.segments, chunk_bytes),
+            self.replies, stage, self.grad_views, self.rates, backend, timeline, node=node,
+            buckets=self.buckets, slices=placement.slices)
+
+    @property
+    def deadline(self):
+        """Return the seconds every wait on a ps may last (None: forever)."""
+        return self.link.deadline
+
+    @deadline.setter
+    def deadline(self, seconds):
+        self.link.deadline = seconds
+
+    @property
+    def learning_rate(self):
+        """Return the rate each push asks the ps to apply (a float), or None: the ps's own."""
+        return self.rates.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, rate):
+        self.rates.learning_rate = rate
+
+    @property
+    def bucketed_push(self):
+        """Return the :class:`~mpitf.worker.buckets.BucketedPush` (None without buckets)."""
+        return self.transport.bucketed_push
 
     @classmethod
-    def from_config(cls, server, placement, config, node=None, tables=()):
+    def from_config(cls, server, placement, config, node=None, tables=(), timeline=None):
         """Return the client a :class:`~mpitf.config.TrainingConfig` asks for on ``server``.
 
         The deadline is the server's (adaptive unless fixed); ``tables`` are the model's
@@ -126,11 +145,7 @@ class Client:
             dtypes.wire_dtype(config.wire_dtype, placement.dtype, tables=True)
         return cls(server, placement, deadline=server.deadline,
                    adaptive=not server.fixed_deadline, bucket_bytes=config.bucket_bytes,
-                   node=node, wire_dtype=config.wire_dtype)
-
-    def _describe_ps(self, p):
-        rank = self.ps_ranks[p]
-        return dict(rank=rank, job="ps", task=p, host=self.server.host_of(rank))
+                   node=node, wire_dtype=config.wire_dtype, timeline=timeline)
 
     # -- the data path -------------------------------------------------------------------
 
@@ -142,30 +157,7 @@ class Client:
         can save it with the checkpoint that includes this gradient. With buckets every
         bucket goes, last layers first (:meth:`start_push` pushes them one by one).
         """
-        if self.bucketed:
-            return self.start_push(data_position).push_rest()
-        self.grad_views.scatter()
-        if self.wire is not None:
-            self.wire.narrow_grads()
-        epoch, cursor = data_position
-        for p, frame in enumerate(self.grad_frames):
-            count = self.segments[p][2] - self.segments[p][1]
-            H.pack_request(frame.header, P.PUSH, self.ps_steps[p], self.worker, count,
-                           self.request_flags, epoch, cursor, self.learning_rate)
-            frame.commit()
-        self.backend.synchronize()  # MPI must see the finished gradient
-        node = self.node
-        if node is not None:
-            node.reduce(self.segments, self.deadline, self.timeline)
-            if not node.leader:
-                return NodeHandle(self, None)
-        self.rates.send(self)
-        receives, sends = [], []
-        for p, rank in enumerate(self.ps_ranks):
-            receives.append(self.param_frames[p].irecv(self.comm, rank, P.TAG_REPLY))
-            sends.extend(self.grad_frames[p].isend(self.comm, rank, P.TAG_REQUEST))
-        handle = PushPullHandle(self, receives, sends, "push_pull")
-        return handle if node is None else NodeHandle(self, handle)
+        return self.transport.push_pull(data_position)
 
     def start_push(self, data_position=(0, 0)):
         """Begin a bucketed push: post every reply's receive; return the :class:`BucketedPush`.
@@ -174,34 +166,7 @@ class Client:
         its variables are final), ``push_rest()``, and ``wait()`` (or ``wait_params(name)``
         for one variable's bucket first). Needs ``bucket_bytes`` that cut some shard.
         """
-        if self.bucketed_push is None:
-            raise ConfigurationError("start_push needs buckets: give the client a "
-                                     "bucket_bytes smaller than a ps's shard")
-        return self.bucketed_push.begin(data_position)
-
-    def _request(self, kind, want_reply, flags=0, operation="pull", payload=None):
-        if self.node is not None and not self.node.leader:
-            raise ConfigurationError(
-                f"{operation} from a replica that is not its node's leader: with "
-                "aggregate_per_node only the leader talks to the ps (the others share "
-                "its buffers)")
-        frames = self.request_frames
-        if payload is not None:  # int64 words after the header (a node's data positions)
-            if self.position_frames is None:
-                self.position_frames = [Frame.allocate(numpy_backend(), len(payload), np.int64)
-                                        for _ in self.segments]
-            frames = self.position_frames
-        receives, sends = [], []
-        for p, rank in enumerate(self.ps_ranks):
-            H.pack_request(frames[p].header, kind, self.ps_steps[p], self.worker,
-                           0 if payload is None else len(payload), flags | self.request_flags)
-            if payload is not None:
-                frames[p].payload[...] = payload
-            if want_reply:
-                receives.append(self.param_frames[p].irecv(self.comm, rank, P.TAG_REPLY))
-            sends.extend(frames[p].isend(self.comm, rank, P.TAG_REQUEST))
-        handle = PushPullHandle(self, receives, sends, operation)
-        return handle.wait() if want_reply else handle.wait_sends()
+        return self.transport.start_push(data_position)
 
     def nonfinite_gradient(self):
         """Return the name of a variable whose gradient holds NaN or Inf, or None.
@@ -225,36 +190,13 @@ class Client:
 
     def skip_push(self):
         """Tell every ps this worker dropped its gradient; return the fresh parameters."""
-        return self._request(P.SKIP, True, operation="skip of a non-finite gradient")
+        return self.transport.request(P.SKIP, True, operation="skip of a non-finite gradient")
 
     def pull(self, average=False):
         """Fetch the current parameters (or their moving average) from every ps; blocking."""
         kind = P.PULL_AVERAGE if average else P.PULL
-        return self._request(kind, True, operation="pull of the average" if average else "pull")
-
-    def _finish(self, widen=True):
-        """Read the reply headers, gather partitioned variables, raise on refused gradients.
-
-        ``widen``: a 16-bit wire's replies are widened here (False: per bucket, done).
-        """
-        if widen and self.wire is not None:
-            self.wire.widen_params()
-        step = None
-        flags = dropped = applied = staleness = lead = 0
-        for p, frame in enumerate(self.param_frames):
-            reply = H.unpack_reply(frame.fetch_header())
-            if reply.kind != P.REPLY:
-                raise PeerError(f"unexpected message kind {reply.kind} from a ps",
-                                **self._describe_ps(p))
-            self.ps_steps[p] = ps_step = reply.step
-            step = ps_step if step is None else min(step, ps_step)
-            flags |= reply.flags
-            dropped += reply.stale_dropped
-            applied += reply.pushes_applied
-            staleness = max(staleness, reply.max_staleness)
-            lead = max(lead, reply.max_lead)
-        self.param_views.gather()
-        return Reply(step or 0, flags, dropped, applied, staleness, lead)
+        return self.transport.request(kind, True,
+                                      operation="pull of the average" if average else "pull")
 
     # -- set-up and shutdown -------------------------------------------------------------
 
@@ -297,21 +239,21 @@ class Client:
 
     def send_initial_values(self):
         """Send the parameter buffer to every ps as its initial shard (the chief does this)."""
-        if self.wire is not None:  # a 16-bit wire: the ps starts from the rounded values
-            self.wire.narrow_params()
+        self.stage.narrow_params()  # a 16-bit wire: the ps starts from the rounded values
+        link = self.link
         for p, frame in enumerate(self.param_frames):
             count = self.segments[p][2] - self.segments[p][1]
-            H.pack_request(frame.header, P.INIT, 0, self.worker, count, self.request_flags)
+            H.pack_request(frame.header, P.INIT, 0, link.worker, count, link.flags)
             frame.commit()
         self.backend.synchronize()
         sends = []
-        for p, rank in enumerate(self.ps_ranks):
-            sends.extend(self.param_frames[p].isend(self.comm, rank, P.TAG_REQUEST))
-        PushPullHandle(self, [], sends, "init").wait_sends()
+        for p, rank in enumerate(link.ranks):
+            sends.extend(self.param_frames[p].isend(link.comm, rank, P.TAG_REQUEST))
+        PushPullHandle(link, [], sends, "init").wait_sends()
 
     def send_control(self, kind, flags=0):
         """Send a header-only request (done, paused, save) to every ps."""
-        self._request(kind, False, flags, operation=P.KIND_NAMES.get(kind, "control"))
+        self.transport.control(kind, flags)
 
     def paused(self):
         """Tell every ps this worker paused for a checkpoint (see :mod:`mpitf.ckpt.cut`).
@@ -319,32 +261,19 @@ class Client:
         With node aggregation the leader says it for its node, with each member's data
         position; the other members say nothing.
         """
-        if self.node is not None:
-            self.node.fresh = True  # the step after a checkpoint may start late
-        self._node_control(P.PAUSED, 0)
+        self.transport.paused()
 
     def done(self, flags=0):
         """Tell every ps this worker has finished (a node's leader: the node has)."""
-        try:
-            self._node_control(P.DONE, flags)
-        finally:
-            if self.node is not None:
-                self.node.close()
-
-    def _node_control(self, kind, flags):
-        node = self.node
-        if node is None:
-            self.send_control(kind, flags)
-        elif node.leader:
-            self._request(kind, False, flags, operation=P.KIND_NAMES[kind],
-                          payload=node.positions(self.segments))
+        self.transport.done(flags)
 
     def ps_counters(self):
         """Return each ps's counters (global step, pushes applied, drops, staleness, bytes)."""
         self.send_control(P.COUNTERS)
-        return [P.recv_object(self.comm, rank, P.TAG_CONTROL, self.deadline,
-                              lambda p=p: dict(self._describe_ps(p), operation="counters"))
-                for p, rank in enumerate(self.ps_ranks)]
+        link = self.link
+        return [P.recv_object(link.comm, rank, P.TAG_CONTROL, link.deadline,
+                              lambda p=p: link.describe(p, "counters"))
+                for p, rank in enumerate(link.ranks)]
 
     def start(self, config, optimizer, initial_values=None, restore=None,
               total_num_replicas=None, sparse=None):
@@ -379,16 +308,14 @@ class Client:
                     deadline=self.deadline, adaptive=self.adaptive,
                     chunk_bytes=self.chunk_bytes,
                     total_num_replicas=total_num_replicas, sparse=sparse,
-                    nodes=None if self.node is None else self.node.nodes)
+                    nodes=self.transport.nodes)
                 self.comm.send((config, assignment), dest=rank, tag=P.TAG_CONTROL)
             if restore is None:
                 if initial_values is None:
                     raise ConfigurationError("the chief needs initial values or a checkpoint")
                 self.set_params(initial_values)
                 self.send_initial_values()
-        if self.node is None:
-            return self.pull()
-        return NodeHandle(self, self.pull() if self.node.leader else None).wait()
+        return self.transport.started(self.pull)
 
     @property
     def num_elements(self):

@@ -141,19 +141,19 @@ class _TableState:
 
 
 class Embeddings:
-    """The embedding tables of a worker's model, pulled and pushed through ``client``.
+    """The embedding tables of a worker's model, pulled and pushed over ``link``.
 
     Args:
-        client: the worker's :class:`~mpitf.worker.client.Client` (communicator, ps ranks,
-            deadline, ps steps).
+        link: the worker's :class:`~mpitf.worker.link.PsLink` (communicator, ps ranks,
+            request flags, deadline, ps steps).
         tables: the model's :class:`~mpitf.models.embedding.EmbeddingTable` list.
         batch_size: examples per step (the buffers are made for it).
     """
 
-    def __init__(self, client, tables, batch_size):
-        self.client = client
+    def __init__(self, link, tables, batch_size):
+        self.link = link
         self.specs = check_tables(tables)
-        num_ps = len(client.ps_ranks)
+        num_ps = len(link.ranks)
         self.batch_size = batch_size
         self.tables = [_TableState(t, num_ps, batch_size) for t in self.specs]
         self.layout = SparseLayout([(t.dim, t.dtype) for t in self.specs],
@@ -173,7 +173,7 @@ class Embeddings:
     def lookup(self, ids):
         """Pull the rows of ``ids`` ({table: int array}); return {table: :class:`Lookup`}."""
         self._wait_sends()
-        lay, client = self.layout, self.client
+        lay, link = self.layout, self.link
         values = []
         for t, table in enumerate(self.tables):
             value = ids.get(table.spec.name) if isinstance(ids, dict) else None
@@ -190,27 +190,27 @@ class Embeddings:
             values.append(value)
             self.counts[:, t] = np.diff(table.offsets)
         receives, sends = [], []
-        for p, rank in enumerate(client.ps_ranks):
+        for p, rank in enumerate(link.ranks):
             buf, counts = self.requests[p], self.counts[p]
             lay.counts(buf)[...] = counts
             for table, dest in zip(self.tables, lay.ids(buf, counts)):
                 table.ids_to(p, dest)
-            H.pack_request(lay.header(buf), P.SPARSE_PULL, client.ps_steps[p], client.worker,
-                           int(counts.sum()), client.request_flags)
+            H.pack_request(lay.header(buf), P.SPARSE_PULL, link.steps[p], link.worker,
+                           int(counts.sum()), link.flags)
             end = lay.ids_end(counts)
-            receives.append(P.frame_op(client.comm.Irecv, self.replies[p], rank,
+            receives.append(P.frame_op(link.comm.Irecv, self.replies[p], rank,
                                        P.TAG_SPARSE_REPLY))
-            sends.append(P.frame_op(client.comm.Isend, buf[:end], rank, P.TAG_REQUEST))
+            sends.append(P.frame_op(link.comm.Isend, buf[:end], rank, P.TAG_REQUEST))
             self.bytes_sent += end
         for table in self.tables:
             table.number()
-        nps = len(client.ps_ranks)
-        P.wait_all(receives + sends, client.deadline,
-                   lambda i: dict(client._describe_ps(i % nps), operation="sparse pull"))
+        nps = len(link.ranks)
+        P.wait_all(receives + sends, link.deadline,
+                   lambda i: link.describe(i % nps, "sparse pull"))
         for p in range(nps):
             reply = self.replies[p]
             if H.unpack_reply(lay.header(reply)).kind != P.SPARSE_REPLY:
-                raise PeerError("unexpected answer to a sparse pull", **client._describe_ps(p))
+                raise PeerError("unexpected answer to a sparse pull", **link.describe(p))
             self.bytes_received += lay.reply_end(self.counts[p])
             rows = lay.reply_rows(reply, self.counts[p])
             if nps == 1:  # the reply's rows and the push's are the batch's: no copies
@@ -244,21 +244,22 @@ class Embeddings:
 
         Call it just before the dense push: the ps applies both when it handles that one.
         """
-        lay, client = self.layout, self.client
-        for p, rank in enumerate(client.ps_ranks):
+        lay, link = self.layout, self.link
+        for p, rank in enumerate(link.ranks):
             buf, counts = self.requests[p], self.counts[p]
-            if len(client.ps_ranks) > 1:  # one ps: the model wrote into the push already
+            if len(link.ranks) > 1:  # one ps: the model wrote into the push already
                 for table, dest in zip(self.tables, lay.rows(buf, counts)):
                     dest[...] = table.grads[table.offsets[p]:table.offsets[p + 1]]
-            H.pack_request(lay.header(buf), P.SPARSE_PUSH, client.ps_steps[p], client.worker,
-                           int(counts.sum()), client.request_flags)
+            H.pack_request(lay.header(buf), P.SPARSE_PUSH, link.steps[p], link.worker,
+                           int(counts.sum()), link.flags)
             end = lay.end(counts)
-            self.sends.append(P.frame_op(client.comm.Isend, buf[:end], rank, P.TAG_REQUEST))
+            self.sends.append(P.frame_op(link.comm.Isend, buf[:end], rank, P.TAG_REQUEST))
             self.bytes_sent += end
 
     def _wait_sends(self):
         if self.sends:
-            nps = len(self.client.ps_ranks)
-            P.wait_all(self.sends, self.client.deadline, lambda i: dict(
-                self.client._describe_ps(i % nps), operation="sparse push"))
+            link = self.link
+            nps = len(link.ranks)
+            P.wait_all(self.sends, link.deadline,
+                       lambda i: link.describe(i % nps, "sparse push"))
             self.sends = []

@@ -2,11 +2,13 @@
 
 :class:`PushPullHandle` holds a push's or pull's requests to every ps; :class:`NodeHandle`
 wraps it for node-local aggregation (see :mod:`mpitf.worker.node`); both end in a
-:class:`Reply` read from the ps headers.
+:class:`Reply` that :class:`Replies` reads from the ps headers.
 """
 
 from mpi4py import MPI
 
+from ..errors import PeerError
+from ..wire import header as H
 from ..wire import protocol as P
 
 
@@ -35,22 +37,63 @@ class Reply:
         return bool(self.flags & P.FLAG_PAUSE)
 
 
+class Replies:
+    """Where the ps tasks' replies land, and how a landed round of them is read.
+
+    Args:
+        link: the :class:`~mpitf.worker.link.PsLink` (its ``steps`` are updated here).
+        frames: per ps, the parameter frame its reply lands in.
+        stage: the wire stage (:mod:`mpitf.worker.wire_frames`) that widens replies.
+        views: the model's parameter views (partitioned variables are gathered here).
+    """
+
+    def __init__(self, link, frames, stage, views):
+        self.link, self.frames, self.stage, self.views = link, frames, stage, views
+
+    def finish(self, widen=True):
+        """Read the reply headers, gather partitioned variables, raise on refused gradients.
+
+        ``widen``: a 16-bit wire's replies are widened here (False: per bucket, done).
+        """
+        if widen:
+            self.stage.widen_params()
+        steps = self.link.steps
+        step = None
+        flags = dropped = applied = staleness = lead = 0
+        for p, frame in enumerate(self.frames):
+            reply = H.unpack_reply(frame.fetch_header())
+            if reply.kind != P.REPLY:
+                raise PeerError(f"unexpected message kind {reply.kind} from a ps",
+                                **self.link.describe(p))
+            steps[p] = ps_step = reply.step
+            step = ps_step if step is None else min(step, ps_step)
+            flags |= reply.flags
+            dropped += reply.stale_dropped
+            applied += reply.pushes_applied
+            staleness = max(staleness, reply.max_staleness)
+            lead = max(lead, reply.max_lead)
+        self.views.gather()
+        return Reply(step or 0, flags, dropped, applied, staleness, lead)
+
+
 class PushPullHandle:
     """Requests in flight that keep their buffers alive; :meth:`wait` completes them.
 
-    Waiting returns a :class:`Reply` built from the ps headers (or None when nothing was
-    asked back). Every wait carries the client's deadline and names the silent ps.
+    Waiting returns a :class:`Reply` read by ``replies`` (None when nothing was asked
+    back: a handle of sends alone). Every wait carries the link's deadline and names the
+    silent ps.
     """
 
-    def __init__(self, client, receives, sends, operation):
-        self.client = client
+    def __init__(self, link, receives, sends, operation, replies=None):
+        self.link = link
         self.receives = receives  # per ps: the requests of its reply frame
         self.sends = sends
         self.operation = operation
+        self.replies = replies
         self.reply = None
 
     def _describe(self, p):
-        return dict(self.client._describe_ps(p), operation=self.operation)
+        return self.link.describe(p, self.operation)
 
     def done(self):
         """Return True when the round trip has completed (without blocking)."""
@@ -61,24 +104,25 @@ class PushPullHandle:
 
     def wait_sends(self):
         """Wait until every request has left this rank."""
-        n = max(1, len(self.sends) // max(1, len(self.client.ps_ranks)))
-        P.wait_all(self.sends, self.client.deadline, lambda i: self._describe(i // n))
+        n = max(1, len(self.sends) // max(1, len(self.link.ranks)))
+        P.wait_all(self.sends, self.link.deadline, lambda i: self._describe(i // n))
 
     def wait(self):
         """Block until every ps answered; raise on a deadline or a refused gradient."""
         if self.reply is None:
-            if not self.client.chunked:  # one wait for everything: replies land in place
+            link = self.link
+            if not link.chunked:  # one wait for everything: replies land in place
                 # One receive and one send per ps, in ps order: request i is ps i % P's.
                 requests = [r for rs in self.receives for r in rs] + self.sends
-                nps = len(self.client.ps_ranks)
-                P.wait_all(requests, self.client.deadline, lambda i: self._describe(i % nps))
+                nps = len(link.ranks)
+                P.wait_all(requests, link.deadline, lambda i: self._describe(i % nps))
             else:
-                frames = self.client.param_frames
+                frames = self.replies.frames
                 for p, requests in enumerate(self.receives):
-                    frames[p].receive_chunks(requests, self.client.deadline,
+                    frames[p].receive_chunks(requests, link.deadline,
                                              lambda i, p=p: self._describe(p))
                 self.wait_sends()
-            self.reply = self.client._finish()
+            self.reply = self.replies.finish()
         return self.reply
 
 
@@ -88,16 +132,16 @@ class NodeHandle:
     Waiting returns the :class:`Reply` every member reads from the shared reply headers.
     """
 
-    def __init__(self, client, inner):
-        self.client = client
+    def __init__(self, node, link, inner, replies, timeline=None):
+        self.node, self.link, self.replies, self.timeline = node, link, replies, timeline
         self.inner = inner  # the leader's PushPullHandle or Reply; None on the others
         self.reply = None
 
     def wait(self):
         """Block until the leader's reply is in the node's buffer; return it."""
         if self.reply is None:
-            client, inner = self.client, self.inner
-            reply = inner.wait() if hasattr(inner, "receives") else inner
-            client.node.share(client.deadline, client.timeline)
-            self.reply = reply if reply is not None else client._finish()
+            inner = self.inner
+            reply = inner.wait() if isinstance(inner, PushPullHandle) else inner
+            self.node.share(self.link.deadline, self.timeline)
+            self.reply = reply if reply is not None else self.replies.finish()
         return self.reply

@@ -1,10 +1,10 @@
-"""``GroupRates``: the learning rate of each optimizer group, sent to every ps before a push.
+"""``GroupRates``: the learning rates a worker asks every ps to apply.
 
-mpitf.torch's param groups each keep their own learning rate, which a scheduler may change
-every step (mpitf/ps/groups.py holds the groups on the ps). One rate travels in the push
-header; several travel in a ``RATES`` request, one float64 per group, sent on the request
-tag before the push whenever a rate changed: MPI keeps a pair's messages on one tag in
-order, so every ps has them when the push arrives.
+One rate (``learning_rate``) travels in each push header. mpitf.torch's param groups each
+keep their own learning rate, which a scheduler may change every step (mpitf/ps/groups.py
+holds the groups on the ps); several travel in a ``RATES`` request, one float64 per
+group, sent on the request tag before the push whenever a rate changed: MPI keeps a
+pair's messages on one tag in order, so every ps has them when the push arrives.
 """
 
 import numpy as np
@@ -19,16 +19,21 @@ __all__ = ["GroupRates"]
 
 
 class GroupRates:
-    """The rates to send (``values``: a tuple, one per group, or None) and what was sent."""
+    """The rates to send and what was sent.
+
+    ``learning_rate``: the one rate every push header carries (None: the ps's own);
+    ``values``: several groups' rates (a tuple, one per group, or None).
+    """
 
     def __init__(self):
+        self.learning_rate = None
         self.values = None
         self._frame = None  # made once, at the first send
         self._sent = None  # the rates the frame holds
         self._sends = None  # their sends in flight: completed before the frame is written
 
-    def send(self, client):
-        """Send ``values`` to every ps of ``client`` unless they are the ones last sent."""
+    def send(self, link):
+        """Send ``values`` to every ps of ``link`` unless they are the ones last sent."""
         rates = self.values
         if rates is None or rates == self._sent:
             return
@@ -38,8 +43,8 @@ class GroupRates:
             self._sends.wait_sends()
         frame = self._frame
         frame.payload[...] = rates
-        H.pack_request(frame.header, P.RATES, 0, client.worker, len(rates))
+        H.pack_request(frame.header, P.RATES, 0, link.worker, len(rates))
         sends = []
-        for rank in client.ps_ranks:
-            sends.extend(frame.isend(client.comm, rank, P.TAG_REQUEST))
-        self._sent, self._sends = tuple(rates), PushPullHandle(client, [], sends, "rates")
+        for rank in link.ranks:
+            sends.extend(frame.isend(link.comm, rank, P.TAG_REQUEST))
+        self._sent, self._sends = tuple(rates), PushPullHandle(link, [], sends, "rates")

@@ -90,17 +90,18 @@ class TrainingSession:
         self.placement = placement.place(model.variables())
         tables = model.tables() if hasattr(model, "tables") else ()
         self.node = node = NodeGroup.for_session(server, config, tables)  # or None
-        self.client = Client.from_config(server, self.placement, config, node, tables)
+        self.client = Client.from_config(server, self.placement, config, node, tables,
+                                         timeline=self.timeline)
         # who a ps's worker index w is (its checkpoint release goes there), who releases us
         self.push_ranks = [workers[n[0]] for n in node.nodes] if node else self.client_ranks
         self.releaser = node.leader_rank if node and not node.leader else self.client_ranks[0]
-        self.client.timeline = self.timeline
         self.stall = StepClock(server.deadline, adaptive=not server.fixed_deadline)
         # With buckets, a model that reports finished layers (``final``) pushes them during
         # backward; a NaN/Inf found after that still ends the job, but cannot be skipped.
         self.layerwise = self.client.bucketed and not config.skip_nonfinite and not tables \
             and "final" in inspect.signature(model.loss_and_grads).parameters
-        self.embeddings = Embeddings(self.client, tables, self.batch_size) if tables else None
+        link = self.client.link
+        self.embeddings = Embeddings(link, tables, self.batch_size) if tables else None
         self.buffers = model_buffers(model, server, self.clients)  # see worker/buffers.py
         self.hooks = []
         if config.last_step is not None:
@@ -203,8 +204,7 @@ class TrainingSession:
         self.skips_in_a_row = 0
         if self.config.clip_norm is not None and self.mode != "sync":  # sync: on the ps
             clip_by_global_norm(self.client.grads.values(), self.config.clip_norm)
-        if self.server.is_chief and self._cut_due():
-            self._send_save(self.global_step + 1)
+        self._save_if_due()
         with tl.span("push_pull", step=self.global_step):
             if self.embeddings is not None:
                 self.embeddings.push()  # before the dense push: the ps applies both at once
@@ -236,8 +236,7 @@ class TrainingSession:
     def start_push(self):
         """Begin a bucketed step whose backward runs outside ``run`` (as in mpitf.torch)."""
         state = self.dataset.state() if self.dataset is not None else {"epoch": 0, "cursor": 0}
-        if self.server.is_chief and self._cut_due():
-            self._send_save(self.global_step + 1)
+        self._save_if_due()
         return self.client.start_push((state["epoch"], state["cursor"]))
 
     def finish_push(self, handle):
@@ -269,8 +268,7 @@ class TrainingSession:
                 f"(at step {self.global_step}; {self.nonfinite_skipped} skipped in all): the "
                 "parameters have likely diverged; lower the learning rate, or raise "
                 "max_nonfinite_skips (--max-nonfinite-skips)")
-        if self.server.is_chief and self._cut_due():
-            self._send_save(self.global_step + 1)
+        self._save_if_due()
         self.last_reply = self.client.skip_push()
         self.global_step = self.last_reply.global_step
         for hook in self.hooks:
@@ -279,12 +277,12 @@ class TrainingSession:
             self._pause(relay=True)
         return self.loss
 
-    def _cut_due(self):
-        if not self.checkpoint_dir:
-            return False
-        if self.signals.requested:
-            return True
-        return self.saver is not None and self.saver.due(self)
+    def _save_if_due(self):
+        """Chief, before a push or skip: send SAVE to every ps if a signal or the saver asks."""
+        if not (self.server.is_chief and self.checkpoint_dir):
+            return
+        if self.signals.requested or (self.saver is not None and self.saver.due(self)):
+            self._send_save(self.global_step + 1)
 
     def _send_save(self, step):
         """Chief: ask every ps for a cut expected at ``step``; False if it is already saved."""
