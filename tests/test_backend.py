@@ -18,6 +18,7 @@ from mpitf.runtime.backend import (
     set_backend,
 )
 from mpitf.runtime.cuda_aware import cuda_aware_support
+from tests.support import REPO
 
 
 class FakeMPI:
@@ -211,16 +212,13 @@ def test_no_device_under_an_installed_cupy_is_not_a_warning(fake_cupy, caplog):
 @pytest.mark.mpi
 def test_device_gpu_with_a_broken_gpu_stack_ends_the_job_with_one_message(
         digits_file, tmp_path):
-    from pathlib import Path
-
     from mpitf.testing import run_mpi
 
-    repo = Path(__file__).resolve().parent.parent
     (tmp_path / "fake" / "cupy").mkdir(parents=True)
     (tmp_path / "fake" / "cupy" / "__init__.py").write_text(BROKEN_IMPORT)
-    path = os.pathsep.join([str(tmp_path / "fake"), str(repo),
+    path = os.pathsep.join([str(tmp_path / "fake"), str(REPO),
                             *filter(None, [os.environ.get("PYTHONPATH")])])
-    run = run_mpi(3, [str(repo / "jobs" / "mnist_mlp.py"), "--data", digits_file,
+    run = run_mpi(3, [str(REPO / "jobs" / "mnist_mlp.py"), "--data", digits_file,
                       "--num-ps", "1", "--steps", "5", "--device", "gpu"], timeout=60,
                   cwd=str(tmp_path), env={"PYTHONPATH": path})
     assert not run.timed_out, run.output

@@ -4,15 +4,14 @@ The job builds its configuration right after parsing, on every rank, so nothing 
 no run directory, no checkpoint, no training.
 """
 
-from pathlib import Path
 
 import pytest
 
 from mpitf.testing import run_mpi
+from tests.support import REPO
 
 pytestmark = pytest.mark.mpi
 
-REPO = Path(__file__).resolve().parent.parent
 JOB = str(REPO / "jobs" / "mnist_mlp.py")
 
 

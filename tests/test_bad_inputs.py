@@ -8,17 +8,16 @@ one message and nothing written. Images stored as (N, H, W) train: the models ta
 
 import json
 import shutil
-from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 
 from mpitf.testing import run_mpi
+from tests.support import REPO
 
 pytestmark = pytest.mark.mpi
 
-REPO = Path(__file__).resolve().parent.parent
 JOB = str(REPO / "jobs" / "mnist_mlp.py")
 
 

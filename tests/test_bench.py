@@ -4,11 +4,10 @@ The cost model and the planner: tests/test_costmodel.py."""
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.support import REPO
 
 
 @pytest.mark.mpi

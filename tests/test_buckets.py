@@ -8,7 +8,6 @@ order); backup workers, embedding tables and a restored checkpoint keep working.
 
 import json
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,8 +20,8 @@ from mpitf.placement import replica_device_setter
 from mpitf.testing import run_mpi
 from mpitf.wire import header as H
 from mpitf.wire.layout import FlatLayout, bucket_ranges
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 JOB = "jobs/mnist_mlp.py"
 FINAL = re.compile(r"^final: (\{.*\})$", re.MULTILINE)
 

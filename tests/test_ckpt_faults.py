@@ -25,10 +25,10 @@ from mpitf.ckpt.verify import verify_checkpoint
 from mpitf.runtime.exits import EXIT_IO, EXIT_REQUEUE, EXIT_USAGE
 from mpitf.runtime.launch import mpiexec_command
 from mpitf.testing import kill_group, run_mpi
+from tests.support import REPO
 
 pytestmark = pytest.mark.mpi
 
-REPO = Path(__file__).resolve().parent.parent
 JOB = str(REPO / "tests" / "recovery" / "slow_job.py")
 CHECKPOINT = re.compile(r"^checkpoint (\S+) at step (\d+)$", re.MULTILINE)
 RESTORED = re.compile(r"^restored (\S+) at step (\d+)$", re.MULTILINE)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from mpitf.cli.main import builtin_jobs, main, parse_spec
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 MPITF = Path(sys.executable).parent / "mpitf"
 SPEC5 = "ps|localhost:2222;localhost:2223,worker|localhost:2224;localhost:2225;localhost:2226"
 

@@ -12,6 +12,7 @@ from mpitf.bench import planner
 from mpitf.bench import validation as val
 from mpitf.config import TrainingConfig
 from mpitf.errors import ConfigurationError
+from tests.support import REPO
 
 IB = cm.Fabric(1.5e-6, 2.5e10)  # the worked example's fabric (docs/costmodel.md)
 PS = cm.PsNode(apply_rate=2e9, threads=8, msg_overhead=10e-6)
@@ -209,11 +210,10 @@ def test_validation_entries_count_only_predicted_points_within_the_cores():
 def test_the_docs_worked_example_is_what_the_planner_prints(capsys):
     import re
     import shlex
-    from pathlib import Path
 
     from mpitf.cli.main import main
 
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "costmodel.md").read_text()
+    doc = (REPO / "docs" / "costmodel.md").read_text()
     blocks = re.findall(r"```\n\$ (mpitf bench --plan[^\n]*)\n(.*?)```", doc, re.S)
     assert len(blocks) == 2
     for command, printed in blocks:

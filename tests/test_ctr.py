@@ -4,7 +4,6 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import h5py
 import numpy as np
@@ -13,8 +12,7 @@ import pytest
 from mpitf.data.ctr import CtrDataset, auc, convert_criteo, load_ctr, synthetic_ctr, write_ctr
 from mpitf.errors import DataError
 from mpitf.testing import run_mpi
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.support import REPO
 
 
 def test_auc_is_the_mann_whitney_statistic():

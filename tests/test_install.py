@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.support import REPO
+
 # What the wheel is built from; setup.py reads README.md.
 SOURCES = ("setup.py", "pyproject.toml", "README.md", "mpitf")
 

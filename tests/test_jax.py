@@ -11,7 +11,6 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import jax  # noqa: F401 - fail here, loudly, when the jax extra is missing
 import jax.numpy as jnp
@@ -24,8 +23,8 @@ from mpitf.jax.threads import local_ranks
 from mpitf.jax.tree import ALIAS_BYTES, TreeLayout, leaf_name, to_jax
 from mpitf.runtime.exits import EXIT_REQUEUE
 from mpitf.testing import run_mpi, signal_when
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 DRIVER = "tests/mpi/jax_driver.py"
 RESULT = re.compile(r"worker (\d+): step (\d+) maxrel: (\S+) moved: (\S+)")
 NAMES = re.compile(r"names: (\S+) digest: (\w+)")

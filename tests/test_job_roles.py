@@ -4,16 +4,15 @@ message and exit 2 on every rank."""
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mpitf.testing import run_mpi
+from tests.support import REPO
 
 pytestmark = pytest.mark.mpi
 
-REPO = Path(__file__).resolve().parent.parent
 JOB = str(REPO / "jobs" / "mnist_mlp.py")
 CKPT_LINE = re.compile(r"^checkpoint \S+ckpt-(\d+) at step (\d+)", re.MULTILINE)
 
@@ -135,7 +134,7 @@ def test_a_cluster_that_cannot_train_is_one_message(digits_file, tmp_path, n, ar
 
 
 def test_a_silent_chief_is_named_by_its_own_job(tmp_path):
-    from test_recovery import Background, names_stopped_rank, stop_and_wait
+    from tests.support import Background, names_stopped_rank, stop_and_wait
 
     spec = "--cluster_spec=ps|localhost:1,chief|localhost:2,worker|localhost:3"
     job = Background(tmp_path, steps=5000, extra=[spec, "--deadline", "5"])

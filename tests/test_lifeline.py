@@ -5,11 +5,10 @@ finishes normally before the others is not taken for dead.
 """
 
 import os
-from pathlib import Path
 
 from mpitf.testing import run_mpi
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 DRIVER = str(REPO / "tests" / "mpi" / "lifeline_driver.py")
 
 

@@ -11,16 +11,15 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from mpitf.testing import kill_group, run_mpi
+from tests.support import REPO
 
 pytestmark = pytest.mark.mpi
 
-REPO = Path(__file__).resolve().parent.parent
 JOB = "jobs/mnist_mlp.py"
 
 

@@ -8,13 +8,13 @@ open.
 """
 
 import json
-from pathlib import Path
 
 import pytest
 
 from mpitf.testing import run_mpi
+from tests.support import MPI_DRIVERS
 
-DRIVER = str(Path(__file__).parent / "mpi" / "sockets_driver.py")
+DRIVER = str(MPI_DRIVERS / "sockets_driver.py")
 
 
 def listeners(env=None):

@@ -14,17 +14,6 @@ import time
 
 import numpy as np
 import pytest
-from test_ps import DRIVER, REPO, driver, ok, params, ps_reports
-from test_recovery import (
-    JOB,
-    Background,
-    assert_bitwise_equal,
-    final_summary,
-    job_args,
-    latest_step,
-    load_npz,
-    run_job,
-)
 
 from mpitf.ckpt.names import checkpoint_name, read_manifest
 from mpitf.config import TrainingConfig
@@ -33,6 +22,24 @@ from mpitf.ps.consistency import make_policy
 from mpitf.ps.optimizers import make_optimizer
 from mpitf.testing import run_mpi
 from mpitf.worker.node import node_plan
+from tests.support import (
+    JOB,
+    PS_DRIVER,
+    REPO,
+    Background,
+    assert_bitwise_equal,
+    final_summary,
+    job_args,
+    latest_step,
+    load_npz,
+    ok,
+    params,
+    ps_driver,
+    ps_reports,
+    run_job,
+)
+
+driver = ps_driver()  # the model, initial values and gradients the ranks use
 
 STEPS = 5
 
@@ -67,7 +74,7 @@ def test_two_nodes_sum_in_node_order_and_the_ps_sees_two_pushes_a_step(tmp_path)
     # 2 ps + 4 workers, nodes of 2: each ps gets one push per node per step (fan-in 4 -> 2)
     # and applies (g0 + g1) + (g2 + g3), divided by 4 replicas, not by 2 pushes.
     phases = ["sgd", "adam"]
-    run = ok(run_mpi(6, [str(DRIVER), "sync", str(tmp_path), "--num-ps", "2",
+    run = ok(run_mpi(6, [str(PS_DRIVER), "sync", str(tmp_path), "--num-ps", "2",
                          "--phases", ",".join(phases), "--steps", str(STEPS),
                          "--deterministic", "--aggregate"],
                      timeout=90, cwd=str(REPO), env={"MPITF_NODE_SIZE": "2"}))

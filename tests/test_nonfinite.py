@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import h5py
 import numpy as np
@@ -24,10 +23,10 @@ from mpitf.ckpt.names import LATEST
 from mpitf.runtime.exits import EXIT_ERROR, EXIT_REQUEUE
 from mpitf.runtime.launch import mpiexec_command
 from mpitf.testing import kill_group, run_mpi
+from tests.support import REPO
 
 pytestmark = pytest.mark.mpi
 
-REPO = Path(__file__).resolve().parent.parent
 JOB = str(REPO / "jobs" / "mnist_mlp.py")
 DIVERGE = ["--lr", "1e30", "--skip-nonfinite"]
 

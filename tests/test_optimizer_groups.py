@@ -10,7 +10,6 @@ optimizer with other slots is refused (exit 2) unless --reset-optimizer-state.
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,8 +20,8 @@ from mpitf.ps.optimizers import make_optimizer
 from mpitf.ps.shard import Shard
 from mpitf.runtime.backend import numpy_backend
 from mpitf.testing import run_mpi
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 TORCH = "tests/mpi/torch_driver.py"
 JAX = "tests/mpi/jax_driver.py"
 MAXREL = re.compile(r"worker (\d+): step (\d+) maxrel: (\S+) moved: (\S+)")

@@ -5,10 +5,6 @@ reads what its ranks wrote: counters and pool sizes from every ps, final paramet
 the chief. Numbers are recomputed here in one process with the same arithmetic.
 """
 
-import importlib.util
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -17,36 +13,14 @@ from mpitf.errors import ConfigurationError
 from mpitf.ps.consistency import Async, BoundedStaleness, SyncReplicas, make_policy
 from mpitf.ps.optimizers import make_optimizer
 from mpitf.testing import run_mpi
+from tests.support import PS_DRIVER, REPO, load, ok, params, ps_driver, ps_reports
 
-REPO = Path(__file__).resolve().parent.parent
-DRIVER = REPO / "tests" / "mpi" / "ps_driver.py"
-_spec = importlib.util.spec_from_file_location("ps_driver", DRIVER)
-driver = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(driver)  # the model, initial values and gradients the ranks use
+driver = ps_driver()  # the model, initial values and gradients the ranks use
 
 
 def run_driver(n, scenario, out, *args, timeout=60):
-    return run_mpi(n, [str(DRIVER), scenario, str(out), *map(str, args)], timeout=timeout,
+    return run_mpi(n, [str(PS_DRIVER), scenario, str(out), *map(str, args)], timeout=timeout,
                    cwd=str(REPO))
-
-
-def ok(run):
-    assert not run.timed_out, f"timed out after {run.seconds:.0f} s:\n{run.output}"
-    assert run.returncode == 0, run.output
-    return run
-
-
-def load(out, name):
-    return json.loads((Path(out) / name).read_text())
-
-
-def params(out, phase):
-    with np.load(Path(out) / f"{phase}-params.npz") as f:
-        return {k: f[k] for k in f.files}
-
-
-def ps_reports(out, phase, num_ps):
-    return [load(out, f"{phase}-ps{p}.json") for p in range(num_ps)]
 
 
 # -- the single-process reference ------------------------------------------------------

@@ -4,13 +4,11 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from mpitf.testing import run_mpi
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.support import REPO
 
 
 def readme_script():

@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,8 +12,7 @@ from mpitf.models import MLP
 from mpitf.runtime.backend import numpy_backend
 from mpitf.testing import run_mpi
 from mpitf.worker.towers import Towers, parse_devices
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.support import REPO
 
 STEPS = 200
 

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import REPO
+
 pytestmark = pytest.mark.slurm
 
-REPO = Path(__file__).resolve().parent.parent
 SBATCH_SCRIPT = REPO / "slurm" / "train.sbatch"
 # The job under test: the real training job (tests/slurm/fake_job.py, a stand-in with the
 # same contract and slow steps, works too: JOB_ARGS = ["--steps", "60"], FINAL_STEP = 60).

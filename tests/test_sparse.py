@@ -22,8 +22,8 @@ from mpitf.testing import run_mpi
 from mpitf.wire.header import HEADER_BYTES
 from mpitf.wire.sparse import SparseLayout
 from mpitf.worker.embedding import Lookup
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 DRIVER = REPO / "tests" / "mpi" / "sparse_driver.py"
 _spec = importlib.util.spec_from_file_location("sparse_driver", DRIVER)
 driver = importlib.util.module_from_spec(_spec)

@@ -7,7 +7,6 @@ sync steps must equal, bit for bit, those of the same run on numpy.
 
 import json
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,8 +15,8 @@ from mpitf.errors import ConfigurationError
 from mpitf.testing import run_mpi
 from mpitf.wire.frame import chunk_ranges, chunk_tag
 from mpitf.wire.protocol import CHUNK_TAG_OFFSET, TAG_REPLY
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 DRIVER = str(REPO / "tests" / "mpi" / "staging_driver.py")
 
 

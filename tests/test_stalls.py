@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-from test_recovery import JOB, REPO, Background, names_stopped_rank, process_gone
 
 from mpitf.cli.flags import add_training_arguments
 from mpitf.config import (
@@ -30,6 +29,7 @@ from mpitf.config import (
 )
 from mpitf.runtime.stall import StepClock
 from mpitf.testing import kill_group
+from tests.support import JOB, REPO, Background, names_stopped_rank, process_gone
 
 # ------------------------------------------------------------------- the rule, without MPI
 

@@ -22,8 +22,8 @@ from mpitf.testing import run_mpi
 from mpitf.worker.hooks import Hook, LoggingHook
 from mpitf.worker.summaries import EventWriter, histogram_stats
 from mpitf.worker.towers import LocalSession, Towers
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 SCALARS = {"loss", "learning_rate", "examples_per_sec", "global_step/sec", "staleness/max",
            "staleness/max_lead", "dropped/stale", "dropped/nonfinite"}
 STEPS, LOG_EVERY, SUMMARY_EVERY = 40, 10, 15

@@ -8,17 +8,16 @@ relative difference. torch is a test requirement: without it these tests fail.
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch  # noqa: F401 - fail here, loudly, when the torch extra is missing
 
 from mpitf.runtime.exits import EXIT_REQUEUE
 from mpitf.testing import run_mpi, signal_when
+from tests.support import REPO
 
 pytestmark = pytest.mark.mpi
 
-REPO = Path(__file__).resolve().parent.parent
 DRIVER = "tests/mpi/torch_driver.py"
 RESULT = re.compile(r"worker (\d+): step (\d+) maxrel: (\S+) moved: (\S+) lr: ([0-9.e+-]+)")
 DIGEST = re.compile(r"digest: (\w+)")

@@ -6,7 +6,6 @@ with ``--data``, so no test touches ``~/.cache``.
 
 import json
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,10 +15,10 @@ from mpitf.data.sharded import ShardedDataset
 from mpitf.models import build_model
 from mpitf.ps.optimizers import make_optimizer
 from mpitf.testing import run_mpi
+from tests.support import REPO
 
 pytestmark = pytest.mark.mpi
 
-REPO = Path(__file__).resolve().parent.parent
 JOB = "jobs/mnist_mlp.py"
 METRIC_KEYS = {"step", "time", "loss", "examples_per_sec", "sec_per_batch", "stale_dropped",
                "max_staleness"}

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from mpitf.testing import run_mpi
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 PROGRAMS = REPO / "tests" / "tutorials"
 STEP_LINE = re.compile(r"^[\d.]+: Worker (\d+): training step (\d+) done \(global step: (\d+)\)$",
                        re.M)

@@ -9,7 +9,6 @@ float32 master. The digits job keeps its accuracy and resumes bit for bit.
 import json
 import re
 import time
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -19,10 +18,10 @@ from mpitf.config import TrainingConfig
 from mpitf.errors import ConfigurationError
 from mpitf.testing import run_mpi
 from mpitf.wire import header as H
+from tests.support import REPO
 
 pytestmark = pytest.mark.mpi
 
-REPO = Path(__file__).resolve().parent.parent
 DRIVER = str(REPO / "tests" / "mpi" / "wire_driver.py")
 WIRE = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 
@@ -138,7 +137,7 @@ def test_refusals_that_need_the_model_or_the_device():
 
 
 def test_bfloat16_digits_keep_their_accuracy_and_resume_bit_for_bit(tmp_path):
-    from test_recovery import (
+    from tests.support import (
         RESTORED,
         Background,
         assert_bitwise_equal,
