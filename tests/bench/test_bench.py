@@ -1,6 +1,6 @@
 """The push/pull, overlap and sparse benchmarks' JSON, and the timeline of a training job.
 
-The cost model and the planner: tests/test_costmodel.py."""
+The cost model and the planner: tests/bench/test_costmodel.py."""
 
 import json
 import sys

@@ -129,7 +129,7 @@ def test_what_mpitf_cannot_run_is_refused_before_training(args, words):
 
 def test_param_groups_become_groups_on_the_ps_and_what_it_cannot_run_is_refused():
     # Param groups that differ were refused before issue 26; now each is a group of
-    # variables with its own options (tests/test_optimizer_groups.py trains them).
+    # variables with its own options (tests/ps/test_optimizer_groups.py trains them).
     from mpitf.errors import ConfigurationError
     from mpitf.torch.translate import translate
 
