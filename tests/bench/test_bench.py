@@ -47,6 +47,7 @@ def test_sparse_json(mpirun, tmp_path):
         <= row["bytes_bound"] + headers, row
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_overlap_json(mpirun, tmp_path):
     out = tmp_path / "ov.json"
@@ -64,6 +65,7 @@ def test_overlap_json(mpirun, tmp_path):
     assert "ratio" in run.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_frameworks_json(mpirun, tmp_path):
     # torch MLP and CNN against torch alone + raw MPI, and buckets against one (quick mode)

@@ -99,6 +99,7 @@ def remount_ro(point):
 # ------------------------------------------------------------- one owner per directory
 
 
+@pytest.mark.slow
 def test_a_second_job_is_refused_naming_the_first_and_touches_nothing(tmp):
     root = tmp / "ckpt"
     log = tmp / "first.log"
@@ -140,6 +141,7 @@ def test_a_second_job_is_refused_naming_the_first_and_touches_nothing(tmp):
     assert not (root / L.LOCK).exists()  # released when the first job ended
 
 
+@pytest.mark.slow
 def test_the_lock_is_released_on_the_requeue_exit(tmp):
     root = tmp / "ckpt"
     env = dict(os.environ, PYTHONUNBUFFERED="1", MPITF_TEST_STEP_SLEEP="0.02")

@@ -42,7 +42,7 @@ from tests.support import (
     tree_digests,
 )
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # kills, signals, resumes: 5 to 40 s each
 
 
 @pytest.fixture

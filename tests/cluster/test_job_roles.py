@@ -35,6 +35,7 @@ def eval_records(run_dir):
             for line in (run_dir / "eval" / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_a_chief_task_trains_as_replica_0_and_logs(digits_file, tmp_path):
     spec = "ps|localhost:1,chief|localhost:2,worker|localhost:3"
     run = run_job(3, digits_file, tmp_path, f"--cluster_spec={spec}", "--steps", 300,
@@ -52,6 +53,7 @@ def test_a_chief_task_trains_as_replica_0_and_logs(digits_file, tmp_path):
     assert [r["step"] for r in records] == [100, 200, 300]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cluster", [
     ["--num-ps", "1", "--evaluator"],
     ["--cluster_spec=evaluator|localhost:1,ps|localhost:2,chief|localhost:3,"
@@ -84,6 +86,7 @@ def test_the_evaluator_writes_one_line_per_checkpoint(digits_file, tmp_path, clu
         assert got == [(r["step"], pytest.approx(r[tag], rel=1e-6)) for r in records]
 
 
+@pytest.mark.slow
 def test_the_evaluator_names_checkpoints_pruned_before_it_read_them(digits_file, tmp_path):
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
     run = run_job(3, digits_file, tmp_path, "--num-ps", "1", "--evaluator", "--steps", 100,
@@ -133,6 +136,7 @@ def test_a_cluster_that_cannot_train_is_one_message(digits_file, tmp_path, n, ar
     assert run.seconds < 15, run.seconds
 
 
+@pytest.mark.slow
 def test_a_silent_chief_is_named_by_its_own_job(tmp_path):
     from tests.support import Background, names_stopped_rank, stop_and_wait
 

@@ -47,6 +47,7 @@ def results(run, steps, workers):
     return [float(r[2]) for r in found]
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_one_worker_equals_plain_jax_and_sigterm_resumes_bit_for_bit(tmp_path):
     # AdamW with warmup + cosine on the ps, deterministic sync: the reference run.
@@ -73,6 +74,7 @@ def test_one_worker_equals_plain_jax_and_sigterm_resumes_bit_for_bit(tmp_path):
     assert sorted(np.load(out)) == LEAVES.split(",")
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_two_workers_equal_the_mean_gradient_from_the_chiefs_start():
     # Worker 1 starts from other values: the chief's must win (its reference starts there).
@@ -81,6 +83,7 @@ def test_two_workers_equal_the_mean_gradient_from_the_chiefs_start():
     assert run.stdout.count("mpitf.jax: rank") == 2  # each worker says its threads once
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_a_gradient_pytree_missing_a_leaf_ends_every_rank_naming_it():
     run = drive(3, "--break", "missing")
@@ -90,6 +93,7 @@ def test_a_gradient_pytree_missing_a_leaf_ends_every_rank_naming_it():
     assert "maxrel" not in run.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_jax_mnist_job_reaches_95_percent(tmp_path):
     from mpitf.data.datasets import ensure_digits

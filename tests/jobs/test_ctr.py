@@ -123,6 +123,8 @@ def test_a_worker_shard_is_shuffled_per_epoch_and_resumes_from_its_position(tmp_
     assert np.array_equal(b.next_batch()[0], first[2])
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_the_ctr_job_trains_and_reports_auc_and_log_loss(tmp_path):
     data = str(tmp_path / "ctr.h5")
     ceiling = synthetic_ctr(data, train=4000, test=1000, fields=3, rows=40, dense=2, seed=4)
@@ -139,6 +141,8 @@ def test_the_ctr_job_trains_and_reports_auc_and_log_loss(tmp_path):
     assert 0 < final["test_logloss"] < 0.7
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_the_ctr_job_defaults_come_within_0_02_of_the_planted_auc(tmp_path):
     # The target (1 ps + 2 workers, test AUC within 0.02 of the planted model's)
     # with the job's own defaults (adagrad, lr 0.5, batch 256), on data of the generator's
@@ -156,6 +160,7 @@ def test_the_ctr_job_defaults_come_within_0_02_of_the_planted_auc(tmp_path):
     assert final["test_auc"] > ceiling - 0.02, (final, ceiling)
 
 
+@pytest.mark.mpi
 def test_an_out_of_range_id_in_the_data_ends_every_rank(tmp_path):
     data = _file(tmp_path, [[0, 1]] * 50 + [[0, 9]] + [[1, 2]] * 50)
     run = run_mpi(3, ["-m", "mpitf.jobs.ctr", "--data", data, "--num-ps", "1", "--steps",
@@ -165,6 +170,8 @@ def test_an_out_of_range_id_in_the_data_ends_every_rank(tmp_path):
     assert run.seconds < 30
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_the_ctr_job_trains_on_a_chief_and_a_worker_and_lets_other_tasks_go(tmp_path):
     data = str(tmp_path / "ctr.h5")
     synthetic_ctr(data, train=2000, test=500, fields=2, rows=30, dense=1, seed=5)
@@ -180,6 +187,7 @@ def test_the_ctr_job_trains_on_a_chief_and_a_worker_and_lets_other_tasks_go(tmp_
     assert "ctr: /job:other/task:0 takes no part in training" in run.output
 
 
+@pytest.mark.mpi
 def test_the_ctr_job_refuses_an_evaluator_task_on_every_rank(tmp_path):
     data = str(tmp_path / "ctr.h5")
     synthetic_ctr(data, train=200, test=50, fields=2, rows=10, dense=0, seed=6)

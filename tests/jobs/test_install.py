@@ -22,7 +22,7 @@ from tests.support import REPO
 # What the wheel is built from; setup.py reads README.md.
 SOURCES = ("setup.py", "pyproject.toml", "README.md", "mpitf")
 
-pytestmark = [pytest.mark.install, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.install, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _run(cmd, timeout, **kwargs):
@@ -72,6 +72,7 @@ def test_the_installed_package_is_the_wheel_with_every_module(installed):
     assert modules - {p.relative_to(package) for p in package.rglob("*.py")} == set()
 
 
+@pytest.mark.mpi
 def test_run_builtin_job_by_name(installed):
     bin_dir, env, work = installed
     proc = _run([bin_dir / "mpitf", "run", "-n", "3", "mnist_mlp", "--steps", "50"], 300,
@@ -83,6 +84,7 @@ def test_run_builtin_job_by_name(installed):
     assert summary["test_accuracy"] > 0.8, summary  # 0.90 measured after 50 steps
 
 
+@pytest.mark.mpi
 def test_bench_quick_writes_its_report(installed):
     bin_dir, env, work = installed
     out = work / "bench-out"

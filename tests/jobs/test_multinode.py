@@ -18,7 +18,7 @@ import pytest
 from mpitf.testing import kill_group, run_mpi
 from tests.support import REPO
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # a box of three nodes, whole jobs on it
 
 JOB = "jobs/mnist_mlp.py"
 

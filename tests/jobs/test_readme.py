@@ -17,6 +17,7 @@ def readme_script():
     return re.search(r"```python\n(.*?)```", section, re.S)[1]
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_readme_training_script_runs_as_written(tmp_path):
     script = tmp_path / "train.py"

@@ -20,7 +20,7 @@ import pytest
 
 from tests.support import REPO
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 SBATCH_SCRIPT = REPO / "slurm" / "train.sbatch"
 # The job under test: the real training job (tests/slurm/fake_job.py, a stand-in with the

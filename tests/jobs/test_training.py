@@ -41,6 +41,7 @@ def final(run):
     return json.loads(found[0])
 
 
+@pytest.mark.slow
 def test_sync_reaches_95_percent_and_writes_run_files(data, tmp_path):
     run_dir = tmp_path / "run"
     run = run_job(3, data, "--num-ps", 1, "--steps", 300, "--mode", "sync",
@@ -63,6 +64,7 @@ def test_sync_reaches_95_percent_and_writes_run_files(data, tmp_path):
     assert "step 300, loss = " in run.stdout
 
 
+@pytest.mark.slow
 def test_async_reaches_93_percent(data, tmp_path):
     # Async is timing-dependent: on a loaded 2-core machine a descheduled worker can push a
     # gradient 20+ steps stale near the end (about 1 run in 20 here), so a second run is

@@ -76,6 +76,7 @@ def _validation(output, steps):
     return sums, accuracies
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_mnist_replica_sync_replicas_step_once_per_aggregated_step(tmp_path, digits_file):
     steps = 30
@@ -98,6 +99,7 @@ def test_mnist_replica_sync_replicas_step_once_per_aggregated_step(tmp_path, dig
     assert "ckpt-00000030 at step 30" in out
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("flags", [("--sync_replicas", "--replicas_to_aggregate=1"), ()],
                          ids=["sync_one_of_two", "async"])
@@ -132,6 +134,7 @@ def test_mnist_replica_role_that_is_not_the_ranks_is_named(tmp_path, digits_file
     assert run.seconds < 20
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_in_graph_replication_loss_falls_and_precision(tmp_path, digits_file):
     steps, workers = 100, 3
@@ -151,6 +154,7 @@ def test_in_graph_replication_loss_falls_and_precision(tmp_path, digits_file):
     assert f"global step = {steps}" in run.stdout  # one update per global batch
 
 
+@pytest.mark.slow
 def test_cifar10_multi_gpu_train_towers(tmp_path, digits_file):
     steps, towers = 101, 2
     train_dir = tmp_path / "train"

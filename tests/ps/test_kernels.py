@@ -57,6 +57,7 @@ def _reference(opt):
     return lambda p, g, s, step: opt._update(np, p, g, s, step)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(opt=_optimizers(), data=st.data(), n=st.integers(0, 300),
        dtype=st.sampled_from([np.float32, np.float64]))
@@ -88,6 +89,7 @@ def test_every_fused_optimizer_runs_its_kernel_on_host_buffers(name):
 WIRE = [ml_dtypes.bfloat16, np.float16]
 
 
+@pytest.mark.slow
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(opt=_optimizers(), data=st.data(), n=st.integers(0, 300),
        wire=st.sampled_from(WIRE), reply=st.sampled_from([None, "wire", "float32"]))

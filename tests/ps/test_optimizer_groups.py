@@ -111,6 +111,7 @@ def test_a_group_pattern_must_match_and_a_variable_is_in_one_group():
 # ------------------------------------------------------------------------ torch, JAX
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("args", [
     ("--optimizer", "adamw_groups", "--schedule"),
@@ -124,6 +125,7 @@ def test_torch_param_groups_equal_plain_torch(args):
     assert maxrel(run) < 1e-5, run.output
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_jax_weight_decay_mask_and_a_subtree_rate_equal_the_rule():
     # optax.adamw's mask (matrices decay, biases do not) and layers/1/w at half the rate;
@@ -132,6 +134,7 @@ def test_jax_weight_decay_mask_and_a_subtree_rate_equal_the_rule():
     assert maxrel(run) < 1e-5, run.output
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_embedding_bag_sparse_is_one_message_and_every_rank_ends():
     run = drive(3, TORCH, "--model", "bag", "--optimizer", "sparse", "--steps", 5)
@@ -147,6 +150,7 @@ def test_embedding_bag_sparse_is_one_message_and_every_rank_ends():
 # ---------------------------------------------------------------- restore refusal
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_a_checkpoint_of_another_optimizer_is_refused_unless_reset(digits_file, tmp_path):
     job = [str(REPO / "jobs" / "mnist_mlp.py"), "--data", digits_file, "--num-ps", "1",

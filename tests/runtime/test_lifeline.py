@@ -1,10 +1,12 @@
 """The lifeline: a rank that fails or is killed ends the job at once, named; a rank that
 finishes normally before the others is not taken for dead.
 
-(Killed ranks mid-training are covered in test_recovery.py.)
+(Killed ranks mid-training are covered in tests/ckpt/test_recovery.py.)
 """
 
 import os
+
+import pytest
 
 from mpitf.testing import run_mpi
 from tests.support import REPO
@@ -12,6 +14,7 @@ from tests.support import REPO
 DRIVER = str(REPO / "tests" / "mpi" / "lifeline_driver.py")
 
 
+@pytest.mark.mpi
 def test_uncaught_exception_on_one_rank_ends_the_job_naming_it():
     res = run_mpi(3, [DRIVER, "uncaught"], timeout=60, cwd=str(REPO))
     assert not res.timed_out and res.returncode != 0, res.output
@@ -22,6 +25,7 @@ def test_uncaught_exception_on_one_rank_ends_the_job_naming_it():
     assert "waited it out" not in res.output
 
 
+@pytest.mark.mpi
 def test_ranks_finishing_at_different_times_are_not_reported():
     res = run_mpi(3, [DRIVER, "staggered"], timeout=60, cwd=str(REPO))
     assert res.returncode == 0 and not res.timed_out, res.output

@@ -129,6 +129,7 @@ STOPPED_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_a_stopped_rank_is_named_within_40_s_by_default(tmp):
     # No --deadline: the adaptive rule. Each job starts once the one before has its rank
@@ -173,6 +174,7 @@ def test_a_stopped_rank_is_named_within_40_s_by_default(tmp):
 # ---------------------------------------------------------- the launcher's proxy dies
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_killing_the_proxy_leaves_no_orphan(tmp):
     job = Background(tmp, steps=100000, step_sleep=0)
@@ -215,6 +217,7 @@ def _readme_launcher_line():
     return shlex.split(line)
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_the_readme_launcher_line_names_a_killed_rank(tmp):
     argv = _readme_launcher_line()

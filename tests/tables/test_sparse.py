@@ -313,6 +313,7 @@ def tables_of(out, num_ps):
     return full, slots
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("optimizer,num_ps,placement,flag", [
     ("sgd", 1, "mod", "--deterministic"), ("adam", 2, "mod", "--deterministic"),
     ("adagrad", 3, "range", "--deterministic"), ("momentum", 2, "range", "--deterministic"),
@@ -358,6 +359,7 @@ def _message_bytes(num_ps, workers, steps):
     return sent, received
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("mode", ["async", "ssp"])
 def test_async_and_ssp_apply_every_push_and_send_only_the_rows_used(tmp_path, mode):
     steps, workers, num_ps = 6, 2, 2
@@ -373,6 +375,7 @@ def test_async_and_ssp_apply_every_push_and_send_only_the_rows_used(tmp_path, mo
     assert all(np.isfinite(v).all() for v in got.values())
 
 
+@pytest.mark.mpi
 def test_async_with_one_worker_is_the_sequential_computation(tmp_path):
     run_driver(tmp_path, 2, 1, "--mode", "async", "--optimizer", "adam", "--steps", 5)
     full, _, params = reference("adam", 1, 5)
@@ -400,6 +403,8 @@ def _assert_reference(out, num_ps, optimizer, workers, steps):
             assert np.array_equal(f[k], v), k
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_tables_restore_under_another_ps_count_bit_for_bit(tmp_path):
     ckpt = tmp_path / "ckpt"
     common = ["--mode", "sync", "--deterministic", "--optimizer", "adam",
@@ -411,6 +416,8 @@ def test_tables_restore_under_another_ps_count_bit_for_bit(tmp_path):
     _assert_reference(tmp_path, 2, "adam", 2, 6)
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_kill_and_resume_of_a_sparse_job_is_bit_for_bit(tmp_path):
     ckpt = tmp_path / "ckpt"
     common = ["--mode", "sync", "--deterministic", "--optimizer", "adagrad", "--steps", 6,
@@ -422,6 +429,7 @@ def test_kill_and_resume_of_a_sparse_job_is_bit_for_bit(tmp_path):
     _assert_reference(tmp_path, 2, "adagrad", 2, 6)
 
 
+@pytest.mark.mpi
 def test_a_damaged_table_fails_verification(tmp_path):
     import h5py
 
@@ -435,6 +443,7 @@ def test_a_damaged_table_fails_verification(tmp_path):
     assert any("checksum mismatch in tables/users/rows" in p for p in problems), problems
 
 
+@pytest.mark.mpi
 def test_a_checkpoint_whose_table_has_other_rows_is_refused(tmp_path):
     ckpt = tmp_path / "ckpt"
     run_driver(tmp_path, 1, 1, "--steps", 2, "--checkpoint-dir", ckpt)
@@ -450,6 +459,7 @@ def test_a_checkpoint_whose_table_has_other_rows_is_refused(tmp_path):
     assert after == before  # nothing on disk touched
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("bad,message", [
     ("high", r"table 'users': id \d+ is outside \[0, 37\) \(ids are never wrapped"),
     ("negative", r"table 'users': id -\d+ is outside \[0, 37\)"),
@@ -463,6 +473,8 @@ def test_a_bad_id_ends_every_rank_with_one_clear_message(tmp_path, bad, message)
     assert run.seconds < 30
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_a_table_larger_than_a_ps_memory_limit_trains_split_over_more_ps(tmp_path):
     # 37e5 x 4 + 23e5 x 3 float32 = 87 MB of tables (+ their ids while a ps draws them);
     # each ps may map 64 MiB more than at start (RLIMIT_AS): one ps cannot hold them, two
@@ -479,6 +491,7 @@ def test_a_table_larger_than_a_ps_memory_limit_trains_split_over_more_ps(tmp_pat
         assert f["users/rows"].shape == (37 * 100000 // 2, 4)
 
 
+@pytest.mark.mpi
 def test_ckpt_show_lists_the_tables_and_export_assembles_them_from_every_shard(
         tmp_path, capsys):
     from mpitf.ckpt.commands import cmd_export, cmd_show
@@ -505,6 +518,8 @@ def test_ckpt_show_lists_the_tables_and_export_assembles_them_from_every_shard(
     assert not (tmp_path / "bad.npz").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_a_restart_passes_over_a_checkpoint_whose_table_is_damaged(tmp_path):
     import h5py
     ckpt = tmp_path / "ckpt"

@@ -41,6 +41,7 @@ def test_bad_input_is_one_message_and_exit_2(args, message):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.mpi
 def test_a_node_the_box_does_not_have_is_named():
     with Box(2, name="tbadnode") as box:
         with pytest.raises(BoxError, match=r"box tbadnode has no node 'node7' \(it has: "
@@ -76,6 +77,8 @@ def test_a_box_left_by_a_killed_run_is_swept_by_the_next_one():
     assert namespaces("tnext") == []
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_cli_up_status_run_down(tmp_path):
     up = subprocess.run([*CLI, "up", "--nodes", "2", "--rate", "node1=1gbit", "--name", "tcli"],
                         capture_output=True, text=True, timeout=60)

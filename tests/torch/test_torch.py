@@ -40,6 +40,7 @@ def results(run, steps, workers):
     return [float(r[2]) for r in found], float(found[0][4])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "nesterov", "adam", "adamw", "adagrad",
                                        "rmsprop"])
 def test_one_worker_equals_torch_optim_with_its_lr_scheduler(optimizer):
@@ -53,6 +54,7 @@ def test_one_worker_equals_torch_optim_with_its_lr_scheduler(optimizer):
     assert "keys: 0.weight,0.bias,2.weight,2.bias" in run.stdout  # state_dict names
 
 
+@pytest.mark.slow
 def test_two_workers_equal_torch_on_the_mean_gradient_with_and_without_buckets():
     run = drive(3, "--optimizer", "adamw", "--schedule", "--steps", 30)
     maxrels, _ = results(run, 30, 2)
@@ -65,6 +67,7 @@ def test_two_workers_equal_torch_on_the_mean_gradient_with_and_without_buckets()
     assert DIGEST.findall(hooks.stdout) == DIGEST.findall(run.stdout) != [], hooks.output
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_with_buckets():
     # two backward calls per step from the first: the hooks see it and push at step()
     run = drive(3, "--bucket-bytes", 64, "--accumulate-from", 0, "--steps", 8)
@@ -80,6 +83,7 @@ def test_gradient_accumulation_with_buckets():
            "already been pushed" in late.output, late.output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n,num_ps,mode", [(4, 2, "sync"), (2, 1, "async")])
 def test_clip_norm_equals_torch_clip_grad_norm(n, num_ps, mode):
     # sync: on the aggregated gradient, the two ps agreeing on the norm; async: per push.
@@ -90,6 +94,7 @@ def test_clip_norm_equals_torch_clip_grad_norm(n, num_ps, mode):
     assert RESULT.findall(unclipped.stdout)[0][3] != RESULT.findall(run.stdout)[0][3]
 
 
+@pytest.mark.slow
 def test_torch_zero_grad_set_to_none_is_bound_again():
     # With BatchNorm: one worker's running statistics follow plain torch's.
     run = drive(2, "--break", "torch_zero_grad", "--model", "bn")
@@ -99,6 +104,7 @@ def test_torch_zero_grad_set_to_none_is_bound_again():
     assert float(bufrel) < 1e-5, run.output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("brk,words", [
     ("unused", "parameter '0.weight' requires grad but backward left its gradient None at "
                "step 3"),
@@ -113,6 +119,7 @@ def test_a_broken_alias_ends_every_rank_naming_it(brk, words):
     assert "maxrel" not in run.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,words", [
     (["--optimizer", "lbfgs"], "mpitf.torch cannot run LBFGS on the ps: use one of "
                                "torch.optim's Adagrad, Adam, AdamW, RMSprop, SGD"),
@@ -183,6 +190,7 @@ def test_dtypes_devices_and_buffers_mpitf_holds():
         check_model(model, trained)
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_exits_75_and_resumes_bit_for_bit(tmp_path):
     # A BatchNorm model on 2 workers: its running statistics (float32 and an int64 count)
     # are checkpointed by the chief and every worker holds the chief's at the end.
@@ -240,6 +248,7 @@ def test_sigterm_checkpoints_exits_75_and_resumes_bit_for_bit(tmp_path):
     assert verify.returncode == 0, verify.stdout
 
 
+@pytest.mark.slow
 def test_torch_mnist_job_reaches_95_percent_and_resumes_bit_for_bit(tmp_path):
     # The job in deterministic sync mode: one run to the end (its accuracy); one SIGTERMed
     # after step 50 (checkpoint, exit 75) and rerun; both final checkpoints export alike.

@@ -45,6 +45,7 @@ def reference(tmp_path_factory):
     return np.load(out)
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("kind,chunk", [("fake-aware", 1024), ("fake-staged", 1024),
                                         ("fake-staged", 64), ("fake-staged", 1 << 20)])
 def test_device_paths_give_the_numpy_bits(reference, tmp_path, kind, chunk):
@@ -65,6 +66,7 @@ def test_device_paths_give_the_numpy_bits(reference, tmp_path, kind, chunk):
         assert "to_host_async" not in events and "to_device_async" not in events, events
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("kind,chunk", [("numpy", 1024), ("fake-aware", 1024),
                                         ("fake-staged", 64), ("fake-staged", 1 << 20)])
 def test_buckets_on_device_paths_give_the_one_frame_bits(reference, tmp_path, kind, chunk):
@@ -78,6 +80,7 @@ def test_buckets_on_device_paths_give_the_one_frame_bits(reference, tmp_path, ki
         assert np.array_equal(got[name], reference[name]), name
 
 
+@pytest.mark.mpi
 @pytest.mark.gpu
 def test_real_gpu_gives_the_numpy_bits(reference, tmp_path):
     out = tmp_path / "gpu.npz"

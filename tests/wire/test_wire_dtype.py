@@ -136,6 +136,7 @@ def test_refusals_that_need_the_model_or_the_device():
             wire_dtype("bfloat16", **kwargs)
 
 
+@pytest.mark.slow
 def test_bfloat16_digits_keep_their_accuracy_and_resume_bit_for_bit(tmp_path):
     from tests.support import (
         RESTORED,

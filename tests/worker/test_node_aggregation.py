@@ -97,6 +97,7 @@ def test_two_nodes_sum_in_node_order_and_the_ps_sees_two_pushes_a_step(tmp_path)
     assert run.seconds < 90
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_kill_and_resume_with_two_nodes_gives_the_bits_of_no_aggregation(tmp_path):
     # 3 workers in nodes (0, 1) and (2,): the order (g0 + g1) + g2 is the one without
