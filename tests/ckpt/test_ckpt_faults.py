@@ -118,7 +118,7 @@ def test_a_second_job_is_refused_naming_the_first_and_touches_nothing(tmp):
         owner = json.loads((root / L.LOCK).read_text())
         assert "slow_job" in Path(f"/proc/{owner['pid']}/cmdline").read_text()
         before = digests(root)  # with --max-to-keep 0 the first job only adds to these
-        second = job(tmp, root, timeout=30)
+        second = job(tmp, root, timeout=10)  # refused at once, while the first runs
         after = digests(root)
         assert first.poll() is None, "the first job ended before the second was refused"
     finally:
@@ -132,7 +132,6 @@ def test_a_second_job_is_refused_naming_the_first_and_touches_nothing(tmp):
     assert f"checkpoint directory {root} is in use by pid {owner['pid']} on " \
            f"{socket.gethostname()}" in message
     assert f"remove {root / L.LOCK}" in message
-    assert second.seconds < 10
     # Nothing the first job wrote changed (it moves `latest` on; it only adds the rest).
     assert {k: after[k] for k in before if k != LATEST} == \
         {k: v for k, v in before.items() if k != LATEST}
@@ -274,12 +273,11 @@ def test_an_unwritable_checkpoint_dir_ends_every_rank_with_one_line(tmp):
 
 def test_a_full_disk_fails_the_save_leaves_the_earlier_ones_and_exits_74(tmp, tmpfs):
     root = tmpfs("160k")  # the lock and two checkpoints of ~55 KiB fit, a third does not
-    run = job(tmp, root, steps=100)
+    run = job(tmp, root, steps=100, timeout=15)
     assert run.returncode == EXIT_IO, run.output
     shard = root / checkpoint_name(30) / "shard-00000-of-00001.h5"
     assert one_error(run) == (f"cannot write checkpoint shard {shard}: No space left on "
                               "device; the earlier checkpoints and `latest` are untouched")
-    assert run.seconds < 15
     assert (root / LATEST).read_text() == checkpoint_name(20) + "\n"
     assert [c["global_step"] for c in list_checkpoints(str(root)) if c["complete"]] == [10, 20]
     assert all(verify_checkpoint(str(root / checkpoint_name(s))) == [] for s in (10, 20))

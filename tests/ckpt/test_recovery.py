@@ -66,7 +66,7 @@ def test_sigkill_then_resume_gives_the_same_bits(tmp, optimizer):
     job = Background(tmp, ckpt=root, steps=60, step_sleep=0.03, run_dir="killed",
                      extra=[*extra, "--log-every", "1", "--export", tmp / "dead.npz"])
     job.wait_until(lambda: (latest_step(root) or 0) > 20, 30, "a checkpoint beyond step 20")
-    time.sleep(0.07)  # two steps or so past the checkpoint: not a checkpoint step
+    job.wait_for_step(latest_step(root) + 2)  # two steps past the checkpoint: not a checkpoint step
     code = job.kill_and_finish()
     assert code != 0 and not (tmp / "dead.npz").exists()
     saved = latest_step(root)
@@ -258,9 +258,9 @@ def test_sigkill_of_a_rank_ends_the_job(tmp, victim):
         job.wait_for_step(20)
         pid = job.rank_pid(victim)
         os.kill(pid, signal.SIGKILL)
-        code, seconds = job.finish(timeout=30)
+        code, _ = job.finish(timeout=30)  # the deadline: still running 30 s later fails
         out = job.output
-        assert seconds < 30 and code != 0, out
+        assert code != 0, out
         # mpitf's lifeline (mpiexec_command runs Hydra with -disable-auto-cleanup) names
         # the dead rank, its task and pid; Hydra's own cleanup block names some pid.
         if expected in out and f"(pid {pid}) died without finishing" in out:
@@ -276,9 +276,10 @@ def test_sigkill_of_a_rank_ends_the_job(tmp, victim):
 def test_a_stopped_rank_is_named_when_the_deadline_ends_the_job(tmp, victim, operation,
                                                                 deadline_s):
     job = Background(tmp, steps=5000, extra=["--deadline", "10"])
+    # the deadline: a job still running 30 s after the stop fails (stop_and_wait's timeout)
     code, seconds, out = stop_and_wait(job, victim, after_step=20, timeout=30)
     assert code != 0, out
-    assert deadline_s - 1 < seconds < 30, (seconds, out)
+    assert deadline_s - 1 < seconds, (seconds, out)  # not before the deadline
     assert names_stopped_rank(out, victim, operation), out
 
 
@@ -295,6 +296,8 @@ def test_kills_at_random_instants_leave_latest_whole(tmp):
         # Every step saves, so most of a step's time is spent writing a checkpoint.
         job.wait_until(lambda before=before: latest_step(root) not in (None, before), 30,
                        "a new checkpoint")
+        # A random instant on purpose (the one sleep that lands a signal): the point is a
+        # kill anywhere in a step, mid-save included, which no log line marks; seeded.
         time.sleep(rng.uniform(0.0, 0.3))
         job.kill_and_finish()
         out = job.output
@@ -334,8 +337,8 @@ def test_checkpoint_of_other_shapes_is_refused_naming_the_variable(tmp):
     first = run_job(tmp, ckpt=root, steps=20)
     assert first.returncode == 0, first.output
     before = {p.name: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-    other = run_job(tmp, ckpt=root, steps=40, extra=["--hidden", "64"])
-    assert other.returncode != 0 and other.seconds < 15, other.output
+    other = run_job(tmp, ckpt=root, steps=40, extra=["--hidden", "64"], timeout=15)
+    assert other.returncode != 0, other.output
     assert "variable 'hidden1/weights' has shape (64, 64) in the model but (64, 128)" in \
         other.output, other.output
     # The checkpoint it refused is untouched and still verifies. The aborted job leaves

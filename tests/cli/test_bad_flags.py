@@ -37,15 +37,14 @@ def data(digits_file):
 def test_a_bad_flag_ends_every_rank_with_one_message(data, tmp_path, flags, message):
     ckpt = tmp_path / "ckpt"
     run = run_mpi(3, [JOB, "--data", data, "--num-ps", "1", "--steps", "5",
-                      "--checkpoint-dir", str(ckpt), *flags], timeout=60, cwd=str(tmp_path))
-    assert not run.timed_out, run.output
+                      "--checkpoint-dir", str(ckpt), *flags], timeout=30, cwd=str(tmp_path))
+    assert not run.timed_out, run.output  # at start-up, not after any deadline
     assert run.returncode == 2, run.output
     assert run.output.count(message) == 1, run.output  # rank 0 alone says it
     assert f"mpitf: error on rank 0: {message}" in run.stderr, run.output
     assert "Traceback" not in run.output
     assert "final:" not in run.stdout and "step " not in run.stdout
     assert not (tmp_path / "runs").exists() and not ckpt.exists()
-    assert run.seconds < 30, run.seconds  # at start-up, not after any deadline
 
 
 def test_a_bad_deadline_in_the_environment_is_one_message(data, tmp_path):

@@ -40,7 +40,10 @@ def replace(f, name, value):
 
 
 def refused(run, message, tmp_path):
-    """Assert the job ended at start-up with ``message`` once, exit 2, nothing written."""
+    """Assert the job ended at start-up with ``message`` once, exit 2, nothing written.
+
+    Its run had a deadline of 30 s (``timeout=30``): a refusal that hangs is killed there.
+    """
     assert not run.timed_out, run.output
     assert run.returncode == 2, run.output
     assert run.output.count(message) == 1, run.output  # rank 0 alone says it
@@ -48,12 +51,11 @@ def refused(run, message, tmp_path):
     assert "Traceback" not in run.output
     assert "final:" not in run.stdout and "step " not in run.stdout
     assert not (tmp_path / "runs").exists() and not (tmp_path / "ckpt").exists()
-    assert run.seconds < 30, run.seconds
 
 
 def job(n, data, tmp_path, *flags, env=None):
     return run_mpi(n, [JOB, "--data", data, "--num-ps", "1", "--steps", "5",
-                       "--checkpoint-dir", str(tmp_path / "ckpt"), *flags], timeout=60,
+                       "--checkpoint-dir", str(tmp_path / "ckpt"), *flags], timeout=30,
                    cwd=str(tmp_path), env=env)
 
 
@@ -77,7 +79,7 @@ def test_a_tf_config_task_that_is_not_the_ranks_role_is_refused(data, tmp_path):
     hosts = ["localhost:1", "localhost:2", "localhost:3"]
     tf_config = json.dumps({"cluster": {"ps": hosts[:1], "worker": hosts[1:]},
                             "task": {"type": "worker", "index": 0}})
-    run = run_mpi(3, [JOB, "--data", data, "--steps", "5"], timeout=60, cwd=str(tmp_path),
+    run = run_mpi(3, [JOB, "--data", data, "--steps", "5"], timeout=30, cwd=str(tmp_path),
                   env={"TF_CONFIG": tf_config})
     # rank 0 runs the ps; the other worker disagrees too
     refused(run, 'TF_CONFIG task {"type": "worker", "index": 0} but MPI rank 0 runs '

@@ -40,9 +40,8 @@ def test_a_chief_task_trains_as_replica_0_and_logs(digits_file, tmp_path):
     spec = "ps|localhost:1,chief|localhost:2,worker|localhost:3"
     run = run_job(3, digits_file, tmp_path, f"--cluster_spec={spec}", "--steps", 300,
                   "--mode", "sync", "--run-dir", tmp_path / "run", "--log-every", 100,
-                  tag_output=True)
-    summary = final(run)
-    assert run.seconds < 60
+                  tag_output=True, timeout=60)
+    summary = final(run)  # not timed out
     # the same band as ps + 2 workers (test_training.test_sync_reaches_95_percent...)
     assert summary["test_accuracy"] >= 0.95 and summary["step"] == 300, summary
     assert summary["workers"] == 2  # the chief and the worker both train
@@ -62,9 +61,8 @@ def test_a_chief_task_trains_as_replica_0_and_logs(digits_file, tmp_path):
 def test_the_evaluator_writes_one_line_per_checkpoint(digits_file, tmp_path, cluster):
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
     run = run_job(4, digits_file, tmp_path, *cluster, "--steps", 200, "--checkpoint-dir",
-                  ckpt, "--checkpoint-every", 50, "--run-dir", run_dir)
-    summary = final(run)  # every rank, the evaluator's included, exited 0
-    assert run.seconds < 60
+                  ckpt, "--checkpoint-every", 50, "--run-dir", run_dir, timeout=60)
+    summary = final(run)  # every rank, the evaluator's included, exited 0; not timed out
     committed = [int(step) for _, step in CKPT_LINE.findall(run.stdout)]
     assert committed == [50, 100, 150, 200]
     records = eval_records(run_dir)
@@ -128,12 +126,11 @@ def test_a_task_of_another_job_exits_0_while_the_others_train(digits_file, tmp_p
 ], ids=["no-replica", "evaluator-without-checkpoints", "evaluator-flag-with-spec",
         "evaluator-flag-too-few-ranks", "two-chiefs"])
 def test_a_cluster_that_cannot_train_is_one_message(digits_file, tmp_path, n, args, message):
-    run = run_job(n, digits_file, tmp_path, "--steps", 5, *args, timeout=60)
+    run = run_job(n, digits_file, tmp_path, "--steps", 5, *args, timeout=15)
     assert not run.timed_out, run.output
     assert run.returncode == 2, run.output
     assert run.output.count(message) == 1, run.output
     assert "Traceback" not in run.output and "final:" not in run.stdout
-    assert run.seconds < 15, run.seconds
 
 
 @pytest.mark.slow
@@ -142,7 +139,8 @@ def test_a_silent_chief_is_named_by_its_own_job(tmp_path):
 
     spec = "--cluster_spec=ps|localhost:1,chief|localhost:2,worker|localhost:3"
     job = Background(tmp_path, steps=5000, extra=[spec, "--deadline", "5"])
-    code, seconds, out = stop_and_wait(job, "rank1-chief-0", after_step=20, timeout=30)
+    # the deadline: a job still running 20 s after the stop fails (stop_and_wait's timeout)
+    code, seconds, out = stop_and_wait(job, "rank1-chief-0", after_step=20, timeout=20)
     assert code != 0, out
-    assert 4 < seconds < 20, (seconds, out)
+    assert 4 < seconds, (seconds, out)  # not before the 5 s deadline
     assert names_stopped_rank(out, "rank1-chief-0", "during push"), out

@@ -220,10 +220,10 @@ def test_nodes_tf_sorts_otherwise_than_slurm_still_run_each_task_on_its_node():
 
 # --- on real ranks -------------------------------------------------------------------------
 def _refused_by_every_rank(run, message):
+    """Assert the refusal, said once; the run had a deadline of 15 s (``timeout=15``)."""
     assert not run.timed_out and run.returncode == 2, run.output
     assert run.output.count(message) == 1, run.output  # rank 0 alone says it
     assert "Hello" not in run.stdout and "Traceback" not in run.output
-    assert run.seconds < 15, run.seconds
 
 
 @pytest.mark.mpi
@@ -238,7 +238,7 @@ def _refused_by_every_rank(run, message):
      "(and 2 more ranks disagree)"),
 ])
 def test_a_tf_config_task_is_held_on_every_rank(mpirun, task, message, more):
-    run = mpirun(3, HELLO, timeout=30, env=tf_config(cluster=PS_WORKER, task=task))
+    run = mpirun(3, HELLO, timeout=15, env=tf_config(cluster=PS_WORKER, task=task))
     _refused_by_every_rank(run, message)
     assert (more in run.stderr) if more else "more rank" not in run.stderr, run.output
 
@@ -259,7 +259,7 @@ def test_a_slurm_step_pins_its_tasks_to_its_nodes(mpirun):
     got = re.findall(r"from /job:(\w+)/replica:0/task:(\d)/\S* on \S+ \(rank (\d)\)", run.stdout)
     assert got == [("ps", "0", "0"), ("worker", "0", "1"), ("worker", "1", "2")], run.output
     # a node list that names no node the ranks run on: the addresses came from Slurm
-    run = mpirun(3, HELLO, "--num-ps", "1", timeout=30, env=slurm("elsewhere[1-3]", "1(x3)", 3))
+    run = mpirun(3, HELLO, "--num-ps", "1", timeout=15, env=slurm("elsewhere[1-3]", "1(x3)", 3))
     _refused_by_every_rank(run, "/job:ps/task:0 is pinned to host 'elsewhere1', but no MPI"
                                 " rank runs there")
 

@@ -164,10 +164,9 @@ def test_the_ctr_job_defaults_come_within_0_02_of_the_planted_auc(tmp_path):
 def test_an_out_of_range_id_in_the_data_ends_every_rank(tmp_path):
     data = _file(tmp_path, [[0, 1]] * 50 + [[0, 9]] + [[1, 2]] * 50)
     run = run_mpi(3, ["-m", "mpitf.jobs.ctr", "--data", data, "--num-ps", "1", "--steps",
-                      "5", "--batch-size", "8"], timeout=60, cwd=str(REPO))
+                      "5", "--batch-size", "8"], timeout=30, cwd=str(REPO))
     assert not run.timed_out and run.returncode != 0
     assert "id 9 of field 1 in split 'test' (example 50) is outside [0, 7)" in run.output
-    assert run.seconds < 30
 
 
 @pytest.mark.slow

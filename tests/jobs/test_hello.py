@@ -67,9 +67,8 @@ def test_host_flags_and_num_ps(mpirun, n, args, want):
 ], ids=["size", "two-chiefs", "missing-host", "malformed",
         "claimed-role", "num-ps"])
 def test_bad_input_ends_every_rank_with_one_message(mpirun, n, args, words):
-    run = mpirun(n, HELLO, *args, timeout=30)
+    run = mpirun(n, HELLO, *args, timeout=15)
     assert not run.timed_out and run.returncode != 0, run.output
-    assert run.seconds < 15
     assert run.output.count("mpitf: error") == 1, run.output
     for word in words:
         assert word in run.output, run.output
@@ -99,8 +98,7 @@ def test_bad_flag_is_a_usage_error_printed_once(mpirun):
 
 
 def test_missing_greeting_fails_at_the_deadline(mpirun):
-    run = mpirun(3, HELLO, "--deadline=1", "--drop-greeting=2", timeout=30)
+    run = mpirun(3, HELLO, "--deadline=1", "--drop-greeting=2", timeout=15)
     assert not run.timed_out and run.returncode != 0, run.output
-    assert run.seconds < 15
     assert "no answer within 1 s" in run.stderr
     assert "rank 2, /job:worker/task:1" in run.stderr

@@ -132,6 +132,13 @@ def _wait_for(what, cond, deadline_s, out):
     pytest.fail(f"timed out after {deadline_s} s waiting for {what}; log so far:\n{_read(out)}")
 
 
+def _job_pids(env, jobid):
+    """Return the pids Slurm still runs for ``jobid`` on this node: its batch shell, its steps."""
+    res = subprocess.run(["scontrol", "listpids", jobid], env=env, capture_output=True,
+                         text=True, timeout=30)
+    return [f[0] for f in map(str.split, res.stdout.splitlines()) if f and f[0].isdigit()]
+
+
 def _wait_terminal(env, jobid, deadline_s, out):
     return _wait_for(f"job {jobid} to end",
                      lambda: (i := _job_info(env, jobid)).get("JobState") in TERMINAL and i,
@@ -193,8 +200,9 @@ def test_scancel_does_not_requeue(submitted):
     assert "requeueing job" not in log, log
     assert len(re.findall(r"\] start: job ", log)) == 1, log
     assert "final:" not in log, log
-    # Nothing brings it back: still cancelled, not requeued, a few seconds later.
-    time.sleep(3)
+    # Nothing brings it back: still cancelled, not requeued, once its batch shell (the one
+    # that could requeue it) has exited.
+    _wait_for("the job's batch shell to exit", lambda: not _job_pids(env, jobid), 30, out)
     info = _job_info(env, jobid)
     assert info.get("JobState", "CANCELLED") == "CANCELLED" and info.get("Restarts", "0") == "0"
 

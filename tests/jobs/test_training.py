@@ -45,9 +45,8 @@ def final(run):
 def test_sync_reaches_95_percent_and_writes_run_files(data, tmp_path):
     run_dir = tmp_path / "run"
     run = run_job(3, data, "--num-ps", 1, "--steps", 300, "--mode", "sync",
-                  "--run-dir", run_dir)
-    summary = final(run)
-    assert run.seconds < 60
+                  "--run-dir", run_dir, timeout=60)
+    summary = final(run)  # not timed out
     assert summary["test_accuracy"] >= 0.95, summary
     assert summary["step"] == 300
     assert summary["ps"] == 1 and summary["workers"] == 2 and summary["mode"] == "sync"
@@ -72,9 +71,8 @@ def test_async_reaches_93_percent(data, tmp_path):
     accuracies = []
     for attempt in range(2):
         run = run_job(3, data, "--num-ps", 1, "--steps", 300, "--mode", "async",
-                      "--run-dir", tmp_path / str(attempt))
-        summary = final(run)
-        assert run.seconds < 60
+                      "--run-dir", tmp_path / str(attempt), timeout=60)
+        summary = final(run)  # not timed out
         assert summary["mode"] == "async" and summary["step"] >= 300
         assert summary["stale_dropped"] == 0  # async applies every push
         accuracies.append(summary["test_accuracy"])
@@ -95,10 +93,9 @@ def test_tensorflow_host_flags(data, tmp_path):
 
 def test_claimed_role_that_is_not_the_ranks_fails_naming_both(data, tmp_path):
     run = run_job(3, data, "--job_name=ps", "--task_index=0", "--steps", 10,
-                  "--run-dir", tmp_path, timeout=40)
+                  "--run-dir", tmp_path, timeout=15)
     assert not run.timed_out, run.output
     assert run.returncode != 0
-    assert run.seconds < 15
     assert "--job_name=ps --task_index=0" in run.stderr, run.stderr
     assert re.search(r"MPI rank \d runs /job:worker/task:\d", run.stderr), run.stderr
     assert "final:" not in run.stdout
@@ -160,8 +157,8 @@ def test_bad_data_file_gives_one_message_and_every_rank_exits(tmp_path, problem)
             f["x_train"] = np.zeros((64, 4), np.float32)
             f["y_train"] = np.zeros(64, np.int64)
     before = path.read_bytes() if path.exists() else None
-    res = run_mpi(3, [JOB, "--data", str(path), "--steps", "5"], timeout=60, cwd=str(REPO))
-    assert res.returncode != 0 and not res.timed_out and res.seconds < 15, res.output
+    res = run_mpi(3, [JOB, "--data", str(path), "--steps", "5"], timeout=15, cwd=str(REPO))
+    assert res.returncode != 0 and not res.timed_out, res.output
     errors = [line for line in res.output.splitlines() if line.startswith("mpitf: error")]
     assert len(errors) == 1 and str(path) in errors[0], res.output
     expected = {"missing": "not found", "not-hdf5": "cannot open data file",

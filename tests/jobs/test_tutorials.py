@@ -126,12 +126,11 @@ def test_mnist_replica_one_gradient_per_update(tmp_path, digits_file, flags):
 def test_mnist_replica_role_that_is_not_the_ranks_is_named(tmp_path, digits_file):
     tasks = [("worker", 0), ("ps", 0), ("worker", 1)]  # the policy puts the ps on rank 0
     common = ["--num_gpus=0", f"--data_dir={Path(digits_file).parent}", "--train_steps=5"]
-    run = _mpmd("mnist_replica.py", tasks, common, tmp_path, timeout=30)
+    run = _mpmd("mnist_replica.py", tasks, common, tmp_path, timeout=20)
     assert not run.timed_out and run.returncode == 2, run.output[-3000:]
     message = "Server(job_name='worker', task_index=0) on MPI rank 0, which runs /job:ps/task:0"
     assert run.stderr.count(message) == 1, run.stderr[-3000:]  # said once, by rank 0
     assert "training step" not in run.stdout
-    assert run.seconds < 20
 
 
 @pytest.mark.slow

@@ -189,10 +189,9 @@ def test_set_gradients_refuses_bad_input_and_sends_nothing(tmp_path):
 @pytest.mark.parametrize("variable, num_ps", [("embed", 2), ("kernel", 1)])
 def test_nan_gradient_ends_the_job_naming_the_variable(tmp_path, variable, num_ps):
     run = run_driver(num_ps + 2, "nonfinite", tmp_path, "--num-ps", num_ps, "--steps", 5,
-                     "--nan-variable", variable, "--deadline", 20, timeout=40)
-    assert not run.timed_out, run.output
+                     "--nan-variable", variable, "--deadline", 20, timeout=10)
+    assert not run.timed_out, run.output  # ended by the NaN, well before the deadline
     assert run.returncode != 0
-    assert run.seconds < 10, run.seconds
     assert f"the gradient of variable '{variable}' holds NaN or Inf" in run.stderr
     assert "mpitf: error on rank" in run.stderr
     assert not (tmp_path / "sgd-params.npz").exists()
@@ -205,10 +204,9 @@ def test_skip_nonfinite_drops_and_counts(tmp_path, mode, extra):
     steps = 5
     # async: poison the chief's first gradient, the one push sure to happen in any timing
     who, when = (1, 1) if mode == "sync" else (0, 0)
-    run = ok(run_driver(3, "nonfinite", tmp_path, "--skip-nonfinite", "--mode", mode,
-                        "--steps", steps, "--deadline", 10, "--nan-worker", who,
-                        "--nan-run", when, *extra, timeout=40))
-    assert run.seconds < 10
+    ok(run_driver(3, "nonfinite", tmp_path, "--skip-nonfinite", "--mode", mode,
+                  "--steps", steps, "--deadline", 10, "--nan-worker", who,
+                  "--nan-run", when, *extra, timeout=10))
     c = load(tmp_path, "sgd-ps0.json")["counters"]
     chief = load(tmp_path, "sgd-worker0.json")
     poisoned = load(tmp_path, f"sgd-worker{who}.json")
@@ -233,10 +231,9 @@ def test_silent_worker_ends_the_job_naming_it(tmp_path):
     deadline = 2
     # The worker waits longer than the ps, so the ps (which knows who is silent) speaks first.
     run = run_driver(3, "deadline", tmp_path, "--deadline", deadline, "--client-deadline",
-                     4 * deadline, "--slow", 60, "--steps", 5, timeout=40)
+                     4 * deadline, "--slow", 60, "--steps", 5, timeout=15)
     assert not run.timed_out, run.output
     assert run.returncode != 0
-    assert run.seconds < 15, run.seconds
     assert "worker 1 goes silent" in run.stdout
     assert f"no message for {deadline} s from a worker while /job:ps/task:0 waited for its " \
            "push" in run.stderr, run.stderr

@@ -16,9 +16,8 @@ DRIVER = str(REPO / "tests" / "mpi" / "lifeline_driver.py")
 
 @pytest.mark.mpi
 def test_uncaught_exception_on_one_rank_ends_the_job_naming_it():
-    res = run_mpi(3, [DRIVER, "uncaught"], timeout=60, cwd=str(REPO))
+    res = run_mpi(3, [DRIVER, "uncaught"], timeout=15, cwd=str(REPO))
     assert not res.timed_out and res.returncode != 0, res.output
-    assert res.seconds < 15, res.output
     assert "RuntimeError: boom in user code" in res.output
     assert "rank 2 (/job:worker/task:1 on " in res.output, res.output
     assert "ended on an uncaught exception" in res.output, res.output

@@ -143,8 +143,10 @@ def test_a_stopped_rank_is_named_within_40_s_by_default(tmp):
             jobs[-1].wait_for_step(50)
             stopped.append((jobs[-1].rank_pid(victim), time.monotonic()))
             os.kill(stopped[-1][0], signal.SIGSTOP)
-        give_up = time.monotonic() + 60
-        while len(ended) < len(jobs) and time.monotonic() < give_up:
+        # A deadline of 40 s after each stop: a job still running then is given up (killed
+        # below), so a detector that never fires fails the test at 40 s, not at a timeout.
+        deadlines = [at + 40 for _, at in stopped]
+        while any(k not in ended and time.monotonic() < deadlines[k] for k in range(len(jobs))):
             for k, job in enumerate(jobs):
                 if k not in ended and job.proc.poll() is not None:
                     ended[k] = time.monotonic()
@@ -163,10 +165,10 @@ def test_a_stopped_rank_is_named_within_40_s_by_default(tmp):
                 job.kill()
     for k, (job, (victim, operation, expected_s, _)) in enumerate(zip(jobs, STOPPED_CASES)):
         out = job.output
-        assert k in ended, f"{victim} stopped: the job still ran 60 s later\n{out}"
+        assert k in ended, f"{victim} stopped: the job still ran 40 s later\n{out}"
         seconds = ended[k] - stopped[k][1]
         assert job.proc.returncode != 0, out
-        assert expected_s - 1 < seconds < 40, (victim, seconds, out)
+        assert expected_s - 1 < seconds, (victim, seconds, out)  # not before the detector's bound
         assert names_stopped_rank(out, victim, operation), out
         print(f"{victim} stopped ({STOPPED_CASES[k][3]}): job ended {seconds:.1f} s later")
 
@@ -188,15 +190,15 @@ def test_killing_the_proxy_leaves_no_orphan(tmp):
         (proxy,) = proxies
         os.kill(proxy, signal.SIGKILL)
         killed = time.monotonic()
-        while time.monotonic() - killed < 10:
+        deadline = killed + 3  # measured: about 0.1 s
+        while time.monotonic() < deadline:
             if job.proc.poll() is not None and all(process_gone(p) for p in pids):
                 break
             time.sleep(0.01)
         seconds = time.monotonic() - killed
-        assert job.proc.poll() is not None, "mpiexec still runs 10 s after its proxy died"
-        assert [p for p in pids if not process_gone(p)] == [], "orphaned ranks"
+        assert job.proc.poll() is not None, "mpiexec still runs 3 s after its proxy died"
+        assert [p for p in pids if not process_gone(p)] == [], "orphaned ranks 3 s later"
         assert job.proc.returncode != 0
-        assert seconds < 3, seconds  # measured: about 0.1 s
         print(f"proxy killed: mpiexec and every rank gone {seconds:.2f} s later")
     finally:
         if job.proc.poll() is None:
@@ -248,14 +250,18 @@ def test_the_readme_launcher_line_names_a_killed_rank(tmp):
                 pid = int((pid_dir / "rank2-worker-1.pid").read_text())
                 os.kill(pid, signal.SIGKILL)
                 start = time.monotonic()
-                proc.wait(30)
+                try:
+                    proc.wait(10)  # the deadline: a job that outlives its rank by 10 s fails
+                except subprocess.TimeoutExpired:
+                    pytest.fail(f"still running 10 s after rank 2 was killed:\n"
+                                f"{log.read_text()}")
                 seconds = time.monotonic() - start
             finally:
                 if proc.poll() is None:
                     kill_group(proc)
                     proc.wait(30)
         text = log.read_text()
-        assert proc.returncode != 0 and seconds < 10, (seconds, text)
+        assert proc.returncode != 0, (seconds, text)
         if "rank 2 (/job:worker/task:1 on " in text and \
                 f"(pid {pid}) died without finishing" in text:
             print(f"worker killed: named, job ended {seconds:.2f} s later (code "

@@ -450,10 +450,9 @@ def test_a_checkpoint_whose_table_has_other_rows_is_refused(tmp_path):
     before = {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()
               and p.name != ".mpitf-lock"}
     run = run_driver_raw(tmp_path, 1, 1, "--steps", 4, "--checkpoint-dir", ckpt,
-                         "--rows-scale", 2)
+                         "--rows-scale", 2, timeout=30)
     assert not run.timed_out and run.returncode != 0, run.output
     assert "table 'users' is 74 x 4 float32 in the model but 37 x 4 float32 in" in run.output
-    assert run.seconds < 30
     after = {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()
              and p.name != ".mpitf-lock"}
     assert after == before  # nothing on disk touched
@@ -466,11 +465,10 @@ def test_a_checkpoint_whose_table_has_other_rows_is_refused(tmp_path):
     ("float", r"table 'users': ids must be integers, got float64")])
 def test_a_bad_id_ends_every_rank_with_one_clear_message(tmp_path, bad, message):
     import re
-    run = run_driver_raw(tmp_path, 2, 2, "--steps", 5, "--bad-ids", bad)
+    run = run_driver_raw(tmp_path, 2, 2, "--steps", 5, "--bad-ids", bad, timeout=30)
     assert not run.timed_out, run.output
     assert run.returncode != 0
     assert re.search(message, run.output), run.output
-    assert run.seconds < 30
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ float32 master. The digits job keeps its accuracy and resumes bit for bit.
 
 import json
 import re
-import time
 
 import ml_dtypes
 import numpy as np
@@ -162,7 +161,7 @@ def test_bfloat16_digits_keep_their_accuracy_and_resume_bit_for_bit(tmp_path):
     job = Background(tmp_path, ckpt=root, steps=60, step_sleep=0.03, run_dir="killed",
                      extra=[*bf16, "--log-every", "1"])
     job.wait_until(lambda: (latest_step(root) or 0) >= 20, 30, "a checkpoint at step 20")
-    time.sleep(0.07)  # a step or two past the checkpoint
+    job.wait_for_step(latest_step(root) + 2)  # two steps past the checkpoint (--log-every 1)
     job.kill_and_finish()
     saved = latest_step(root)
     assert saved is not None and 20 <= saved < 60, job.output
@@ -181,9 +180,9 @@ def test_a_job_with_embedding_tables_refuses_a_16_bit_wire_on_every_rank(tmp_pat
     data = str(tmp_path / "ctr.h5")
     synthetic_ctr(data, train=200, test=50, fields=3, rows=40, dense=2, seed=4)
     run = run_mpi(3, ["-m", "mpitf.jobs.ctr", "--data", data, "--num-ps", "1", "--steps", "5",
-                      "--wire-dtype", "bfloat16"], timeout=60, cwd=str(tmp_path))
+                      "--wire-dtype", "bfloat16"], timeout=30, cwd=str(tmp_path))
     message = ("ctr does not support --wire-dtype bfloat16 (its embedding rows travel on "
                "messages of their own); use --wire-dtype float32")
     assert not run.timed_out and run.returncode == 2, run.output
     assert run.output.count(message) == 1, run.output
-    assert "final:" not in run.stdout and run.seconds < 30
+    assert "final:" not in run.stdout

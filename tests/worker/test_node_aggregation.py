@@ -10,7 +10,6 @@ change the order (one node, or nodes after the first of one replica each).
 """
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -74,10 +73,10 @@ def test_two_nodes_sum_in_node_order_and_the_ps_sees_two_pushes_a_step(tmp_path)
     # 2 ps + 4 workers, nodes of 2: each ps gets one push per node per step (fan-in 4 -> 2)
     # and applies (g0 + g1) + (g2 + g3), divided by 4 replicas, not by 2 pushes.
     phases = ["sgd", "adam"]
-    run = ok(run_mpi(6, [str(PS_DRIVER), "sync", str(tmp_path), "--num-ps", "2",
-                         "--phases", ",".join(phases), "--steps", str(STEPS),
-                         "--deterministic", "--aggregate"],
-                     timeout=90, cwd=str(REPO), env={"MPITF_NODE_SIZE": "2"}))
+    ok(run_mpi(6, [str(PS_DRIVER), "sync", str(tmp_path), "--num-ps", "2",
+                   "--phases", ",".join(phases), "--steps", str(STEPS),
+                   "--deterministic", "--aggregate"],
+               timeout=90, cwd=str(REPO), env={"MPITF_NODE_SIZE": "2"}))
     nodes = ((0, 1), (2, 3))
     for phase in phases:
         got, want = params(tmp_path, phase), reference_by_node(phase, nodes, STEPS)
@@ -94,7 +93,6 @@ def test_two_nodes_sum_in_node_order_and_the_ps_sees_two_pushes_a_step(tmp_path)
         for w in range(4):
             steps = json.loads((tmp_path / f"{phase}-worker{w}.json").read_text())["steps"]
             assert steps == list(range(1, STEPS + 1))  # every member read each reply
-    assert run.seconds < 90
 
 
 @pytest.mark.slow
@@ -142,13 +140,11 @@ def test_kill_and_resume_with_two_nodes_gives_the_bits_of_no_aggregation(tmp_pat
                                                "(replicas_to_aggregate 2 of 3 replicas)"),
 ])
 def test_unsupported_combinations_are_refused_on_every_rank(tmp_path, mode, flags, message):
-    start = time.monotonic()
     run = run_mpi(4, [JOB, *job_args(tmp_path, steps=5, extra=["--aggregate-per-node", *flags],
                                      mode=mode)], timeout=60, cwd=str(REPO))
     assert not run.timed_out and run.returncode == 2, run.output
     assert run.output.count(message) == 1, run.output  # rank 0 alone prints it
     assert "step " not in run.stdout  # before training
-    assert time.monotonic() - start < 60
 
 
 def test_config_refusals_and_the_plan_are_pure():

@@ -58,14 +58,13 @@ def test_isolated_skips_are_counted_in_the_log_metrics_and_summary(data, tmp_pat
 
 def test_a_diverged_job_ends_at_the_bound_naming_the_variable(data, tmp_path):
     run = run_mpi(3, [JOB, "--data", data, "--num-ps", "1", "--steps", "300", *DIVERGE,
-                      "--max-nonfinite-skips", "50"], timeout=60, cwd=str(tmp_path))
+                      "--max-nonfinite-skips", "50"], timeout=20, cwd=str(tmp_path))
     assert not run.timed_out, run.output
     assert run.returncode == EXIT_ERROR, run.output
     assert ("the gradient of variable 'hidden1/weights' held NaN or Inf 50 steps in a row"
             in run.stderr), run.output
     assert "lower the learning rate, or raise max_nonfinite_skips" in run.stderr
     assert "final:" not in run.stdout
-    assert run.seconds < 20, run.seconds
 
 
 @pytest.mark.parametrize("ckpt", [True, False])
@@ -86,13 +85,13 @@ def test_sigterm_while_skipping_is_acted_on(data, tmp_path, ckpt):
             assert proc.poll() is None and time.monotonic() < end, log.read_text()
             time.sleep(0.02)
         os.kill(proc.pid, signal.SIGTERM)  # Hydra's mpiexec forwards it to every rank
-        start = time.monotonic()
-        code = proc.wait(timeout=20)
-        seconds = time.monotonic() - start
+        try:
+            code = proc.wait(timeout=10)  # the deadline: acted on within 10 s
+        except subprocess.TimeoutExpired:
+            pytest.fail("still running 10 s after SIGTERM:\n" + log.read_text())
     finally:
         kill_group(proc)
     out = log.read_text()
-    assert seconds < 10, seconds
     if ckpt:
         assert code == EXIT_REQUEUE, out
         assert f"SIGTERM: checkpointed at step 1; exiting with code {EXIT_REQUEUE}" in out
