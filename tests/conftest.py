@@ -12,8 +12,8 @@ import pytest
 
 from mpitf.runtime.launch import find_mpiexec
 from mpitf.testing import run_mpi
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 _MPIEXEC_PROBLEM = []  # filled at session start when no mpiexec is found
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import mpitf
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "mpitf"
 
 

@@ -9,7 +9,7 @@ free frame) rather than by receives posted ahead with ``ANY_SOURCE``. MPI promis
 both see every message, but MPICH 5.0 with its default UCX netmod does not match a posted
 ``ANY_SOURCE`` receive against a small (eager) message from another node that arrived
 before the receive was posted: the message waits forever while ``MPI_Iprobe`` sees it
-(``tests/cluster/test_box.py`` shows it on two network namespaces; OFI, and shared memory
+(``tests/jobs/test_multinode.py`` shows it on two network namespaces; OFI, and shared memory
 within a node, match it). A matched probe works with every MPI we run, takes messages in
 the order they came (what the bucketed pipeline needs), and binds a frame only to a
 message that has arrived, so no frame is ever cancelled or left posted.

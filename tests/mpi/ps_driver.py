@@ -1,4 +1,4 @@
-"""Drive Server and Client directly under mpiexec, for tests/test_ps.py.
+"""Drive Server and Client directly under mpiexec, for tests/ps/test_ps.py.
 
 Run: mpiexec -n N python tests/mpi/ps_driver.py SCENARIO OUT_DIR [options]
 

@@ -1,4 +1,4 @@
-"""Train a small model with embedding tables under mpiexec, for tests/test_sparse.py.
+"""Train a small model with embedding tables under mpiexec, for tests/tables/test_sparse.py.
 
 Run: mpiexec -n N python tests/mpi/sparse_driver.py OUT_DIR --num-ps P --mode M ...
 

@@ -2,7 +2,7 @@
 # Start Slurm across the nodes of a cluster in a box (mpitf.testing.netcluster) that is up:
 # slurmctld in the box's head namespace on the bridge's address, one slurmd per node in the
 # node's network namespace, with the node's host name, its own /dev/shm and IPC, and its own
-# spool, pid and log file. For tests/test_slurm_box.py, or by hand:
+# spool, pid and log file. For tests/jobs/test_slurm_box.py, or by hand:
 #
 #   python -m mpitf.testing.netcluster up --nodes 3
 #   tests/slurm/start-slurm-box.sh mtfbox              # BOX: the box's name

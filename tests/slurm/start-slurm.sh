@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Start a real single-node Slurm (munged + slurmctld + slurmd) for tests/test_slurm.py.
+# Start a real single-node Slurm (munged + slurmctld + slurmd) for tests/jobs/test_slurm.py.
 #
 # Debian 12 as root, no systemd: installs slurmctld, slurmd, slurm-client, munge and libpmix-dev
 # with apt-get if missing, binds the daemons to 127.0.0.1 and keeps every file under
@@ -9,7 +9,7 @@
 # start-slurm-box.sh uses it before it starts Slurm across the nodes of a cluster in a box.
 #
 # Exit codes: 0 ready; 1 Slurm failed to start; 3 this machine cannot run it (not root, no apt,
-# package install failed). tests/test_slurm.py skips on 3 unless MPITF_TEST_SLURM=1.
+# package install failed). tests/jobs/test_slurm.py skips on 3 unless MPITF_TEST_SLURM=1.
 # Knobs: SLURM_CRED_EXPIRE (default 10 s: a requeued job restarts 11-30 s later instead of
 # over 2 min), SLURM_KILL_WAIT (default 10 s between SIGTERM and SIGKILL on cancel/timeout).
 # Adapted from the recipe in shared/slurm-local (see its NOTES.md).

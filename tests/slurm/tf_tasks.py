@@ -2,7 +2,7 @@
 
 Each rank builds the job's cluster as the jobs do (cluster_from_args: under srun through
 SlurmClusterResolver), takes its role from mpitf.cluster.roles through Server, and asks TensorFlow's
-resolver which task Slurm task SLURM_PROCID is; tests/test_slurm.py compares them.
+resolver which task Slurm task SLURM_PROCID is; tests/jobs/test_slurm.py compares them.
 """
 
 import argparse

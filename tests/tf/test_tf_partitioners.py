@@ -17,7 +17,7 @@ shapes, arguments and expected partitions are TF's; the changes:
   whose axis-1 cut is placeable.
 - create_partitioned_variables (deprecated in TF), initializers, names, control
   dependencies and the meta-graph save are graph matters, left out; mpitf's checkpoints
-  of partitioned variables are tested in tests/test_checkpoint.py.
+  of partitioned variables are tested in tests/ckpt/test_checkpoint.py.
 """
 
 import numpy as np

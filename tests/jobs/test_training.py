@@ -1,0 +1,168 @@
+"""jobs/mnist_mlp.py under mpiexec: accuracy, flags, run files, and sync equality.
+
+The digits file is prepared once per test session in a temporary directory and passed
+with ``--data``, so no test touches ``~/.cache``.
+"""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from mpitf.data.datasets import ensure_digits
+from mpitf.data.sharded import ShardedDataset
+from mpitf.models import build_model
+from mpitf.ps.optimizers import make_optimizer
+from mpitf.testing import run_mpi
+from tests.support import REPO
+
+pytestmark = pytest.mark.mpi
+
+JOB = "jobs/mnist_mlp.py"
+METRIC_KEYS = {"step", "time", "loss", "examples_per_sec", "sec_per_batch", "stale_dropped",
+               "max_staleness"}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return ensure_digits(str(tmp_path_factory.mktemp("data") / "digits.h5"))
+
+
+def run_job(n, data, *args, timeout=90):
+    return run_mpi(n, [JOB, "--data", data, *map(str, args)], timeout=timeout, cwd=str(REPO))
+
+
+def final(run):
+    assert not run.timed_out, f"timed out after {run.seconds:.0f} s:\n{run.output}"
+    assert run.returncode == 0, run.output
+    found = re.findall(r"^final: (\{.*\})$", run.stdout, re.MULTILINE)
+    assert len(found) == 1, run.stdout  # printed once, by the chief
+    return json.loads(found[0])
+
+
+@pytest.mark.slow
+def test_sync_reaches_95_percent_and_writes_run_files(data, tmp_path):
+    run_dir = tmp_path / "run"
+    run = run_job(3, data, "--num-ps", 1, "--steps", 300, "--mode", "sync",
+                  "--run-dir", run_dir, timeout=60)
+    summary = final(run)  # not timed out
+    assert summary["test_accuracy"] >= 0.95, summary
+    assert summary["step"] == 300
+    assert summary["ps"] == 1 and summary["workers"] == 2 and summary["mode"] == "sync"
+    assert summary["stale_dropped"] == 0 and summary["max_staleness"] == 0
+    assert summary["examples_per_sec"] > 0
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(20, 301, 20))  # --log-every 20
+    for r in records:
+        assert METRIC_KEYS <= set(r), r
+        assert np.isfinite(r["loss"]) and r["examples_per_sec"] > 0 and r["sec_per_batch"] > 0
+        assert r["stale_dropped"] == 0 and r["max_staleness"] == 0
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert "step 300, loss = " in run.stdout
+
+
+@pytest.mark.slow
+def test_async_reaches_93_percent(data, tmp_path):
+    # Async is timing-dependent: on a loaded 2-core machine a descheduled worker can push a
+    # gradient 20+ steps stale near the end (about 1 run in 20 here), so a second run is
+    # allowed; both falling short is a real regression.
+    accuracies = []
+    for attempt in range(2):
+        run = run_job(3, data, "--num-ps", 1, "--steps", 300, "--mode", "async",
+                      "--run-dir", tmp_path / str(attempt), timeout=60)
+        summary = final(run)  # not timed out
+        assert summary["mode"] == "async" and summary["step"] >= 300
+        assert summary["stale_dropped"] == 0  # async applies every push
+        accuracies.append(summary["test_accuracy"])
+        if accuracies[-1] >= 0.93:
+            break
+    assert max(accuracies) >= 0.93, accuracies
+
+
+def test_tensorflow_host_flags(data, tmp_path):
+    run = run_job(3, data, "--ps_hosts=localhost:2222",
+                  "--worker_hosts=localhost:2223,localhost:2224", "--steps", 100,
+                  "--run-dir", tmp_path)
+    summary = final(run)
+    assert summary["ps"] == 1 and summary["workers"] == 2
+    assert summary["step"] == 100
+    assert summary["test_accuracy"] > 0.8
+
+
+def test_claimed_role_that_is_not_the_ranks_fails_naming_both(data, tmp_path):
+    run = run_job(3, data, "--job_name=ps", "--task_index=0", "--steps", 10,
+                  "--run-dir", tmp_path, timeout=15)
+    assert not run.timed_out, run.output
+    assert run.returncode != 0
+    assert "--job_name=ps --task_index=0" in run.stderr, run.stderr
+    assert re.search(r"MPI rank \d runs /job:worker/task:\d", run.stderr), run.stderr
+    assert "final:" not in run.stdout
+
+
+def reference_sgd(data, steps, seed, batch_size, lr, workers=2, hidden=128):
+    """Train the same MLP in one process with the ps's arithmetic (sync, worker order)."""
+    shards = [ShardedDataset(data, "train", w, workers, batch_size, seed, prefetch=0)
+              for w in range(workers)]
+    model = build_model("mlp", shards[0].x_dim, shards[0].num_classes or 10, hidden=(hidden,))
+    params = {k: np.ascontiguousarray(v) for k, v in
+              model.init(np.random.default_rng(seed)).items()}
+    opt = make_optimizer("sgd", lr)
+    slots = {k: opt.make_slots(v.size, np, v.dtype) for k, v in params.items()}
+    grads = [{k: np.zeros_like(v) for k, v in params.items()} for _ in range(workers)]
+    for step in range(steps):
+        for w in range(workers):
+            model.loss_and_grads(params, shards[w].next_batch(), grads[w])
+        for name, value in params.items():
+            acc = grads[0][name].reshape(-1).copy()
+            for g in grads[1:]:
+                acc += g[name].reshape(-1)
+            np.divide(acc, workers, out=acc)
+            opt.apply(value.reshape(-1), acc, slots[name], step)
+    for d in shards:
+        d.close()
+    return params
+
+
+def test_sync_deterministic_equals_single_process(data, tmp_path):
+    steps, seed, batch, lr = 25, 3, 16, 0.3
+    export = tmp_path / "params.npz"
+    run = run_job(3, data, "--num-ps", 1, "--steps", steps, "--mode", "sync",
+                  "--deterministic", "--optimizer", "sgd", "--lr", lr, "--seed", seed,
+                  "--batch-size", batch, "--export", export, "--run-dir", tmp_path / "run")
+    summary = final(run)
+    assert summary["step"] == steps
+    with np.load(export) as f:
+        got = {k: f[k] for k in f.files}
+    want = reference_sgd(data, steps, seed, batch, lr)
+    assert sorted(got) == sorted(want)
+    init = build_model("mlp", 64, 10).init(np.random.default_rng(seed))
+    for name in want:
+        assert got[name].dtype == want[name].dtype == np.float32
+        assert not np.array_equal(want[name], init[name])  # training moved it
+        assert np.array_equal(got[name], want[name]), (
+            f"{name} differs by {np.abs(got[name] - want[name]).max()}")
+
+
+@pytest.mark.parametrize("problem", ["missing", "not-hdf5", "no-test-split"])
+def test_bad_data_file_gives_one_message_and_every_rank_exits(tmp_path, problem):
+    path = tmp_path / "data.h5"
+    if problem == "not-hdf5":
+        path.write_bytes(b"this is not an HDF5 file\n")
+    elif problem == "no-test-split":
+        import h5py
+
+        with h5py.File(path, "w") as f:
+            f["x_train"] = np.zeros((64, 4), np.float32)
+            f["y_train"] = np.zeros(64, np.int64)
+    before = path.read_bytes() if path.exists() else None
+    res = run_mpi(3, [JOB, "--data", str(path), "--steps", "5"], timeout=15, cwd=str(REPO))
+    assert res.returncode != 0 and not res.timed_out, res.output
+    errors = [line for line in res.output.splitlines() if line.startswith("mpitf: error")]
+    assert len(errors) == 1 and str(path) in errors[0], res.output
+    expected = {"missing": "not found", "not-hdf5": "cannot open data file",
+                "no-test-split": "no array 'x_test'"}[problem]
+    assert expected in errors[0], res.output
+    # Nothing on disk was touched.
+    assert (path.read_bytes() if path.exists() else None) == before

@@ -1,0 +1,79 @@
+"""The lifeline: a rank that fails or is killed ends the job at once, named; a rank that
+finishes normally before the others is not taken for dead.
+
+(Killed ranks mid-training are covered in tests/ckpt/test_recovery.py.)
+"""
+
+import os
+
+import pytest
+
+from mpitf.testing import run_mpi
+from tests.support import REPO
+
+DRIVER = str(REPO / "tests" / "mpi" / "lifeline_driver.py")
+
+
+@pytest.mark.mpi
+def test_uncaught_exception_on_one_rank_ends_the_job_naming_it():
+    res = run_mpi(3, [DRIVER, "uncaught"], timeout=15, cwd=str(REPO))
+    assert not res.timed_out and res.returncode != 0, res.output
+    assert "RuntimeError: boom in user code" in res.output
+    assert "rank 2 (/job:worker/task:1 on " in res.output, res.output
+    assert "ended on an uncaught exception" in res.output, res.output
+    assert "waited it out" not in res.output
+
+
+@pytest.mark.mpi
+def test_ranks_finishing_at_different_times_are_not_reported():
+    res = run_mpi(3, [DRIVER, "staggered"], timeout=60, cwd=str(REPO))
+    assert res.returncode == 0 and not res.timed_out, res.output
+    assert sorted(line for line in res.stdout.splitlines() if line.endswith("done")) == [
+        "rank 0 done", "rank 1 done", "rank 2 done"]
+    assert "died" not in res.output and "uncaught" not in res.output, res.output
+
+
+def test_a_lifeline_names_a_peer_gone_without_a_marker_and_marks_its_own_exit(monkeypatch):
+    import shutil
+    import subprocess
+    import sys
+
+    from mpitf.runtime import lifeline
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # watch() installs its hook
+    monkeypatch.setattr(lifeline, "_active", None)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    aborted = []
+    line = lifeline.Lifeline(0, {1: gone.pid}, f"test-{os.getpid()}", lambda r: f"rank {r}",
+                             lambda: aborted.append(True))
+    try:
+        thread = line.watch()
+        assert lifeline.active() is line and sys.excepthook == line._note_uncaught
+        thread.join(5)  # the peer was gone before it was watched: nothing to wait for
+        assert not thread.is_alive() and not aborted
+        assert line.dead_peer_message() == \
+            f"rank 1 (pid {gone.pid}) died without finishing (killed?); ending the job"
+        seen = []
+        line._previous_hook = lambda *exc: seen.append(exc[0])
+        sys.excepthook(RuntimeError, RuntimeError("boom"), None)  # nobody caught it
+        assert seen == [RuntimeError]
+        line.mark_exit()
+        assert line.leaving.is_set()
+        with open(os.path.join(line.dir, "0.exit")) as f:
+            assert f.read() == "failed"
+    finally:
+        shutil.rmtree(line.dir, ignore_errors=True)
+
+
+def test_an_error_every_rank_raised_alike_is_one_type_whatever_the_cause():
+    import pickle
+
+    from mpitf.errors import CollectiveError, ConfigurationError
+    from mpitf.runtime.exits import collective
+
+    err = collective(OSError(2, "No such file or directory", "x.h5"))
+    assert isinstance(err, CollectiveError) and isinstance(err, ConfigurationError)
+    assert str(err) == "[Errno 2] No such file or directory: 'x.h5'"
+    assert collective(err) is err
+    assert str(pickle.loads(pickle.dumps(err))) == str(err)

@@ -1,0 +1,295 @@
+"""mpitf.torch under mpiexec: equal to plain torch, aliases kept or refused, bad input, resume.
+
+Each run is 1 ps + W workers on a small MLP (tests/mpi/torch_driver.py); every worker also
+trains the model with plain torch on the W batches' mean gradient and prints the largest
+relative difference. torch is a test requirement: without it these tests fail.
+"""
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch  # noqa: F401 - fail here, loudly, when the torch extra is missing
+
+from mpitf.runtime.exits import EXIT_REQUEUE
+from mpitf.testing import run_mpi, signal_when
+from tests.support import REPO
+
+pytestmark = pytest.mark.mpi
+
+DRIVER = "tests/mpi/torch_driver.py"
+RESULT = re.compile(r"worker (\d+): step (\d+) maxrel: (\S+) moved: (\S+) lr: ([0-9.e+-]+)")
+DIGEST = re.compile(r"digest: (\w+)")
+BUFFERS = re.compile(r"worker \d+: buffers (\w+) bufrel: ([0-9.e+-]+)")
+
+
+def drive(n, *args, timeout=60):
+    run = run_mpi(n, [DRIVER, *map(str, args)], timeout=timeout, cwd=str(REPO))
+    assert not run.timed_out, run.output
+    return run
+
+
+def results(run, steps, workers):
+    assert run.returncode == 0, run.output
+    found = RESULT.findall(run.stdout)
+    assert sorted(int(w) for w, *_ in found) == list(range(workers)), run.output
+    for _, step, _, moved, _ in found:
+        assert int(step) == steps
+        assert float(moved) > 0.01  # training moved the parameters
+    return [float(r[2]) for r in found], float(found[0][4])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "nesterov", "adam", "adamw", "adagrad",
+                                       "rmsprop"])
+def test_one_worker_equals_torch_optim_with_its_lr_scheduler(optimizer):
+    run = drive(2, "--optimizer", optimizer, "--schedule", "--steps", 30)
+    (maxrel,), lr = results(run, 30, 1)
+    assert maxrel < 1e-6, run.output  # float32 rounding: torch fuses some ops (FMA)
+    # LambdaLR's factor after 30 steps: the rate the ps applied followed it.
+    base = {"sgd": 0.1, "nesterov": 0.05, "adam": 0.01, "adamw": 0.01, "adagrad": 0.05,
+            "rmsprop": 0.003}[optimizer]
+    assert lr == pytest.approx(base * 0.97**30, rel=1e-5)
+    assert "keys: 0.weight,0.bias,2.weight,2.bias" in run.stdout  # state_dict names
+
+
+@pytest.mark.slow
+def test_two_workers_equal_torch_on_the_mean_gradient_with_and_without_buckets():
+    run = drive(3, "--optimizer", "adamw", "--schedule", "--steps", 30)
+    maxrels, _ = results(run, 30, 2)
+    assert max(maxrels) < 1e-5, run.output
+    # 64 bytes: four buckets, pushed from backward's hooks from the second step on
+    hooks = drive(3, "--optimizer", "adamw", "--schedule", "--steps", 30, "--bucket-bytes", 64)
+    assert results(hooks, 30, 2)[0] == maxrels, hooks.output
+    assert "4 buckets leave as backward produces them" in hooks.stdout, hooks.output
+    assert "buckets pushed during backward: 116" in hooks.stdout  # 4 a step from the 2nd
+    assert DIGEST.findall(hooks.stdout) == DIGEST.findall(run.stdout) != [], hooks.output
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_with_buckets():
+    # two backward calls per step from the first: the hooks see it and push at step()
+    run = drive(3, "--bucket-bytes", 64, "--accumulate-from", 0, "--steps", 8)
+    maxrels, _ = results(run, 8, 2)
+    assert max(maxrels) < 1e-5, run.output
+    assert "backward ran 2 times before step() (gradient accumulation): the 4 buckets leave " \
+           "at step()" in run.stdout, run.output
+    assert "buckets pushed during backward: 0" in run.stdout, run.output
+    # ... but only from step 3: buckets had left, so every rank ends naming the parameter
+    late = drive(3, "--bucket-bytes", 64, "--accumulate-from", 3, "--steps", 8)
+    assert late.returncode != 0 and "maxrel" not in late.stdout, late.output
+    assert "backward reached '2.bias' twice before step() at step 3, but its bucket had " \
+           "already been pushed" in late.output, late.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n,num_ps,mode", [(4, 2, "sync"), (2, 1, "async")])
+def test_clip_norm_equals_torch_clip_grad_norm(n, num_ps, mode):
+    # sync: on the aggregated gradient, the two ps agreeing on the norm; async: per push.
+    run = drive(n, "--num-ps", num_ps, "--mode", mode, "--clip", 0.3, "--optimizer", "sgd")
+    maxrels, _ = results(run, 20, n - num_ps)
+    assert max(maxrels) < 1e-6, run.output
+    unclipped = drive(n, "--num-ps", num_ps, "--mode", mode, "--optimizer", "sgd")
+    assert RESULT.findall(unclipped.stdout)[0][3] != RESULT.findall(run.stdout)[0][3]
+
+
+@pytest.mark.slow
+def test_torch_zero_grad_set_to_none_is_bound_again():
+    # With BatchNorm: one worker's running statistics follow plain torch's.
+    run = drive(2, "--break", "torch_zero_grad", "--model", "bn")
+    (maxrel,), _ = results(run, 20, 1)
+    assert maxrel < 1e-5, run.output
+    ((_, bufrel),) = BUFFERS.findall(run.stdout)
+    assert float(bufrel) < 1e-5, run.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("brk,words", [
+    ("unused", "parameter '0.weight' requires grad but backward left its gradient None at "
+               "step 3"),
+    ("to", "parameter '0.weight' no longer lies in mpitf's buffer at step 0 (its data is now "
+           "torch.float64"),
+    ("load", "model.load_state_dict() was called after DistributedOptimizer wrapped the model"),
+])
+def test_a_broken_alias_ends_every_rank_naming_it(brk, words):
+    run = drive(3, "--break", brk)
+    assert run.returncode != 0, run.output
+    assert words in run.output, run.output
+    assert "maxrel" not in run.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args,words", [
+    (["--optimizer", "lbfgs"], "mpitf.torch cannot run LBFGS on the ps: use one of "
+                               "torch.optim's Adagrad, Adam, AdamW, RMSprop, SGD"),
+    (["--model", "half"], "parameter '2.weight' is torch.float16, but '0.weight' is "
+                          "torch.float32: mpitf.torch trains parameters of one dtype, float32 "
+                          "or float64"),
+], ids=["lbfgs", "half"])
+def test_what_mpitf_cannot_run_is_refused_before_training(args, words):
+    run = drive(3, *args)
+    assert run.returncode != 0, run.output
+    assert words in run.output, run.output
+    assert "step 1," not in run.output
+
+
+def test_param_groups_become_groups_on_the_ps_and_what_it_cannot_run_is_refused():
+    # Param groups that differ were refused before issue 26; now each is a group of
+    # variables with its own options (tests/ps/test_optimizer_groups.py trains them).
+    from mpitf.errors import ConfigurationError
+    from mpitf.torch.translate import translate
+
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([{"params": [a]}, {"params": [b], "weight_decay": 0.1}], lr=0.1)
+    groups = translate(opt, {id(a): "a", id(b): "b"}).config()["groups"]
+    assert [(g["variables"], g["weight_decay"]) for g in groups] == [(["a"], 0.0), (["b"], 0.1)]
+    mixed = torch.optim.Adam([{"params": [a]}, {"params": [b],
+                                                "decoupled_weight_decay": True}], lr=0.1)
+    with pytest.raises(ConfigurationError, match=r"Adam: param group 0 runs torch_adam but "
+                                                 r"group 1 runs adamw"):
+        translate(mixed, {id(a): "a", id(b): "b"})
+    with pytest.raises(ConfigurationError, match=r"Adam\(amsgrad=True\) is not supported on "
+                                                 r"the ps: leave amsgrad off"):
+        translate(torch.optim.Adam([a], lr=0.01, amsgrad=True))
+    assert translate(torch.optim.AdamW([a], lr=0.1)).config() == {
+        "name": "adamw", "learning_rate": 0.1, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
+        "weight_decay": 0.01}
+
+
+def test_dtypes_devices_and_buffers_mpitf_holds():
+    # In-process: DistributedOptimizer runs these checks on every rank before the session,
+    # as test_what_mpitf_cannot_run_is_refused_before_training[half] shows under mpiexec.
+    from mpitf.errors import ConfigurationError
+    from mpitf.torch.buffers import buffer_views, check_model
+    from mpitf.torch.optimizer import _trainable
+
+    def named(m):
+        return list(m.named_parameters())
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Linear(4, 3))
+    model[1].bias = torch.nn.Parameter(torch.empty(3, device="meta"))
+    with pytest.raises(ConfigurationError, match=r"parameter '1.bias' is on meta: mpitf.torch "
+                                                 r"serves CPU tensors only"):
+        _trainable(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model = torch.nn.Sequential(torch.nn.Linear(2, 4).bfloat16())
+    with pytest.raises(ConfigurationError, match=r"parameter '0.weight' is torch.bfloat16: "
+                                                 r"mpitf.torch trains parameters of one dtype"):
+        check_model(model, named(model))
+    model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.BatchNorm1d(4))
+    model[1].weight.requires_grad_(False)  # frozen: a buffer to mpitf, as in the state_dict
+    trained = [(n, p) for n, p in named(model) if p.requires_grad]
+    check_model(model, trained)
+    views = buffer_views(model, {n for n, _ in trained})
+    assert list(views) == ["1.weight", "1.running_mean", "1.running_var",
+                           "1.num_batches_tracked"]
+    views["1.num_batches_tracked"][...] = 7  # the views are the model's memory
+    assert int(model[1].num_batches_tracked) == 7
+    model[1].running_mean.data = model[1].running_mean.bfloat16()
+    with pytest.raises(ConfigurationError, match=r"buffer '1.running_mean' is torch.bfloat16"):
+        check_model(model, trained)
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_exits_75_and_resumes_bit_for_bit(tmp_path):
+    # A BatchNorm model on 2 workers: its running statistics (float32 and an int64 count)
+    # are checkpointed by the chief and every worker holds the chief's at the end.
+    ckpt = tmp_path / "ckpt"
+    bn = ["--model", "bn"]
+    ref = drive(3, *bn, "--steps", 40)
+    ref_rel, _ = results(ref, 40, 2)
+    assert max(ref_rel) < 1e-5, ref.output
+    hexes = [h for h, _ in BUFFERS.findall(ref.stdout)]
+    assert len(hexes) == 2 and len(set(hexes)) == 1, ref.output  # the chief's, everywhere
+    log = tmp_path / "out.log"
+    code, text = signal_when(3, [DRIVER, *bn, "--steps", 100000, "--checkpoint-dir", ckpt,
+                                 "--sleep", 0.02], log, "step 10,", wait=90, cwd=str(REPO))
+    assert code == EXIT_REQUEUE, text
+    (step,) = re.findall(r"SIGTERM: checkpointed at step (\d+); exiting with code 75", text)
+    assert 10 <= int(step) < 40, text
+    resumed = drive(3, *bn, "--steps", 40, "--checkpoint-dir", ckpt)
+    assert f"restored {ckpt}" in resumed.stdout and f"at step {step}" in resumed.stdout
+    rel, _ = results(resumed, 40, 2)
+    assert max(rel) < 1e-5
+    assert DIGEST.findall(resumed.stdout) == DIGEST.findall(ref.stdout), resumed.output
+    assert sorted(BUFFERS.findall(resumed.stdout)) == sorted(BUFFERS.findall(ref.stdout))
+    # The export loads into the model as it is: its names are the state_dict keys,
+    # buffers included, and its values are the resumed chief's.
+    out = tmp_path / "export.npz"
+    subprocess.run([sys.executable, "-m", "mpitf.cli.main", "ckpt", "export", str(ckpt),
+                    "--out", str(out)], check=True, timeout=60, cwd=str(REPO))
+    import hashlib
+
+    import numpy as np
+
+    exported = dict(np.load(out))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.BatchNorm1d(16),
+                                torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    assert sorted(exported) == sorted(model.state_dict())
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in exported.items()})
+    state = hashlib.sha256(b"".join(v.numpy().tobytes() for v in model.state_dict().values()))
+    assert DIGEST.findall(ref.stdout) == [state.hexdigest()[:16]]
+    # A model that differs from the checkpoint: named with both shapes on every rank's
+    # exit, the checkpoint left as it was.
+    def listing():  # the lock an aborted job leaves is taken over by the next one
+        return sorted((p.name, p.stat().st_size) for p in ckpt.iterdir()
+                      if not p.name.startswith(".mpitf-lock"))
+
+    before = listing()
+    other = drive(2, *bn, "--steps", 40, "--checkpoint-dir", ckpt, "--hidden", 17)
+    assert other.returncode != 0, other.output
+    assert f"variable '0.weight' has shape (17, 8) in the model but (16, 8) in {ckpt}" \
+        in other.output, other.output
+    assert "maxrel" not in other.stdout
+    assert listing() == before
+    verify = subprocess.run([sys.executable, "-m", "mpitf.cli.main", "ckpt", "verify",
+                             str(ckpt)], capture_output=True, text=True, timeout=60,
+                            cwd=str(REPO))
+    assert verify.returncode == 0, verify.stdout
+
+
+@pytest.mark.slow
+def test_torch_mnist_job_reaches_95_percent_and_resumes_bit_for_bit(tmp_path):
+    # The job in deterministic sync mode: one run to the end (its accuracy); one SIGTERMed
+    # after step 50 (checkpoint, exit 75) and rerun; both final checkpoints export alike.
+    import numpy as np
+
+    from mpitf.data.datasets import ensure_digits
+
+    data = ensure_digits(str(tmp_path / "digits.h5"))
+    job = ["jobs/torch_mnist.py", "--data", data, "--deterministic", "--checkpoint-dir"]
+    run = run_mpi(3, [*job, tmp_path / "whole"], timeout=120, cwd=str(REPO))
+    assert not run.timed_out and run.returncode == 0, run.output
+    (acc,) = re.findall(r"^step 300: test accuracy (\S+)$", run.stdout, re.M)
+    assert float(acc) >= 0.95, run.output
+    assert run.stdout.count("mpitf.torch: rank") == 2  # each worker says its threads once
+    broken = tmp_path / "broken"
+    code, text = signal_when(3, [*job, broken], tmp_path / "out.log", "step 50,", wait=90,
+                             cwd=str(REPO))
+    assert code == EXIT_REQUEUE, text
+    resumed = run_mpi(3, [*job, broken], timeout=120, cwd=str(REPO))
+    assert resumed.returncode == 0 and f"restored {broken}" in resumed.stdout, resumed.output
+    assert re.findall(r"^step 300: test accuracy (\S+)$", resumed.stdout, re.M) == [acc]
+    exports = []
+    for name in ("whole", "broken"):
+        out = tmp_path / f"{name}.npz"
+        done = subprocess.run([sys.executable, "-m", "mpitf.cli.main", "ckpt", "export",
+                               str(tmp_path / name), "--out", str(out)], cwd=str(REPO),
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        exports.append(np.load(out))
+    whole, again = exports
+    assert sorted(whole.files) == sorted(again.files) and "2.running_mean" in whole.files
+    for key in whole.files:
+        assert whole[key].tobytes() == again[key].tobytes(), key
+
+
+def test_readme_torch_loops_differ_in_at_most_six_lines():
+    import difflib
+
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## PyTorch"):text.index("## TensorFlow programs on mpitf")]
+    plain, ours = re.findall(r"```python\n(.*?)```", section, re.S)
+    changed = [d for d in difflib.ndiff(plain.splitlines(), ours.splitlines())
+               if d.startswith("+ ")]
+    assert len(changed) <= 6, changed

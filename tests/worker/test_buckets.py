@@ -1,0 +1,145 @@
+"""Buckets end to end: the same numbers as one frame per ps, in every mode, under mpiexec.
+
+A push leaves per ps in buckets (``--bucket-bytes``), last layers first; the ps applies each
+on its slice as it lands. Sync, async and ssp with buckets must equal the one-frame run
+bit for bit (the optimizers work element by element, and sync sums per bucket in the same
+order); backup workers, embedding tables and a restored checkpoint keep working.
+"""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from mpitf.cluster import ClusterSpec
+from mpitf.config import TrainingConfig
+from mpitf.errors import ConfigurationError
+from mpitf.models import build_model
+from mpitf.placement import replica_device_setter
+from mpitf.testing import run_mpi
+from mpitf.wire import header as H
+from mpitf.wire.layout import FlatLayout, bucket_ranges
+from tests.support import REPO
+
+JOB = "jobs/mnist_mlp.py"
+FINAL = re.compile(r"^final: (\{.*\})$", re.MULTILINE)
+
+
+def _placement(num_ps):
+    spec = ClusterSpec({"ps": [f"h:{i}" for i in range(num_ps)], "worker": ["h:9"]})
+    return replica_device_setter(spec).place(build_model("mlp", 64, 10).variables())
+
+
+def test_buckets_are_cut_between_variables_and_pushed_last_layers_first():
+    placement = _placement(1)  # one ps: hidden1/weights, biases, softmax weights, biases
+    slices = placement.slices_for_ps(0)
+    size = placement.shard_sizes[0]
+    assert [(s.offset, s.size) for s in slices] == [(0, 8192), (8192, 128), (8320, 1280),
+                                                    (9600, 10)]
+    assert bucket_ranges(slices, size, 0, 4) == [(0, size)]
+    assert bucket_ranges(slices, size, size * 4, 4) == [(0, size)]  # huge: one bucket
+    # 1 KiB: a bucket closes once it holds 1 KiB; the rest is the first one pushed
+    assert bucket_ranges(slices, size, 1024, 4) == [(9600, 9610), (8192, 9600), (0, 8192)]
+    ranges = bucket_ranges(slices, size, 64, 4)
+    assert ranges == [(9600, 9610), (8320, 9600), (8192, 8320), (0, 8192)]
+    # every bucket a frame with its own header slot; variables stay contiguous views
+    layout = FlatLayout(placement, [ranges])
+    hdr = H.HEADER_BYTES // 4
+    assert [seg for _, _, seg in layout.frames] == [
+        (0, hdr, hdr + 8192), (hdr + 8192, 2 * hdr + 8192, 2 * hdr + 8320),
+        (2 * hdr + 8320, 3 * hdr + 8320, 3 * hdr + 9600),
+        (3 * hdr + 9600, 4 * hdr + 9600, 4 * hdr + 9610)]
+    flat = np.arange(layout.size, dtype=np.float32)
+    views = layout.views(flat).arrays
+    assert views["softmax_linear/biases"].reshape(-1)[0] == 4 * hdr + 9600
+    assert layout.num_elements == size
+
+
+def test_the_bucket_word_travels_in_the_request_header():
+    words = np.zeros(H.HEADER_WORDS, np.int64)
+    H.pack_request(words, 1, 7, 2, 100, bucket=3, buckets=5)
+    request = H.unpack_request(words)
+    assert (request.bucket_index, request.bucket_count, request.step) == (3, 5, 7)
+    H.pack_request(words, 1, 7, 2, 100)
+    assert (H.unpack_request(words).bucket_index, H.unpack_request(words).bucket_count) == (0, 1)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "64"])
+def test_bad_bucket_bytes_are_refused(value):
+    with pytest.raises(ConfigurationError, match="bucket_bytes"):
+        TrainingConfig(bucket_bytes=value)
+
+
+def _train(tmp_path, n, mode, buckets, *extra, name=None, timeout=90):
+    out = tmp_path / f"{name or mode}-{buckets}.npz"
+    run = run_mpi(n, [JOB, "--data", str(_train.data), "--num-ps", "2", "--steps", "12",
+                      "--mode", mode, "--optimizer", "adam", "--lr", "0.01", "--seed", "3",
+                      "--batch-size", "16", "--bucket-bytes", str(buckets), "--export",
+                      str(out), *map(str, extra)], timeout=timeout, cwd=str(REPO))
+    assert not run.timed_out and run.returncode == 0, run.output
+    summary = json.loads(FINAL.findall(run.stdout)[-1])
+    with np.load(out) as f:
+        return summary, {k: f[k] for k in f.files}
+
+
+@pytest.fixture(autouse=True)
+def _data(digits_file):
+    _train.data = digits_file
+
+
+def _assert_same_bits(got, want):
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k].tobytes() == want[k].tobytes(), (
+            f"{k} differs by {np.abs(got[k] - want[k]).max()}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode,n,extra", [
+    ("sync", 4, ["--deterministic", "--moving-average-decay", "0.9"]),
+    ("sync", 4, []),  # two workers: a + b == b + a, so plain sync is bitwise too
+    ("async", 3, []),
+    ("ssp", 3, ["--staleness", "1"]),
+])
+def test_buckets_equal_one_frame_bit_for_bit(tmp_path, mode, n, extra):
+    # 2 ps; 64-byte buckets cut each shard in two; n - 2 workers (one in async and ssp,
+    # where more would make the order of updates timing's)
+    one, want = _train(tmp_path, n, mode, 0, *extra)
+    many, got = _train(tmp_path, n, mode, 64, *extra)
+    assert one["step"] == many["step"] == 12
+    assert one["stale_dropped"] == many["stale_dropped"] == 0
+    _assert_same_bits(got, want)
+    assert many["test_accuracy"] == one["test_accuracy"]
+
+
+@pytest.mark.mpi
+def test_backup_workers_with_buckets(tmp_path):
+    # 3 workers, 2 aggregated per bucket: the slowest's buckets are dropped or used
+    summary, params = _train(tmp_path, 5, "sync", 64, "--replicas-to-aggregate", "2",
+                             name="backup")
+    assert summary["step"] == 12
+    assert summary["workers"] == 3
+    assert all(np.isfinite(v).all() for v in params.values())
+    assert summary["test_accuracy"] > 0.5, summary
+
+
+@pytest.mark.mpi
+def test_embedding_tables_train_alongside_buckets(tmp_path):
+    from mpitf.data.ctr import synthetic_ctr
+
+    data = str(tmp_path / "ctr.h5")
+    synthetic_ctr(data, train=2000, test=500, fields=3, rows=40, dense=2, seed=4)
+    finals = []
+    for buckets in (0, 64):
+        run = run_mpi(4, ["-m", "mpitf.jobs.ctr", "--data", data, "--num-ps", "2", "--steps",
+                          "40", "--batch-size", "32", "--optimizer", "adagrad", "--lr", "0.1",
+                          "--mode", "sync", "--deterministic", "--eval-every", "0",
+                          "--bucket-bytes", str(buckets)], timeout=90, cwd=str(REPO))
+        assert not run.timed_out and run.returncode == 0, run.output
+        finals.append(json.loads(FINAL.findall(run.stdout)[-1]))
+    one, many = finals
+    assert one["step"] == many["step"] == 40
+    # the tables' rows and the dense buckets: the same numbers as one frame
+    assert (many["test_auc"], many["test_logloss"]) == (one["test_auc"], one["test_logloss"])
+    assert one["test_auc"] > 0.55, one
