@@ -55,7 +55,7 @@ SERVER_FIRST = 1.5
 # a few bad batches are noise, a hundred in a row mean the parameters themselves diverged.
 DEFAULT_MAX_NONFINITE_SKIPS = 100
 # Buckets by default: a push leaves in parts of about this many bytes per ps, applied while
-# the next arrives (benchmarks/README.md, "Push/pull against raw MPI, session 5").
+# the next arrives (benchmarks/README.md, "Push/pull against raw MPI", "Why 2 MiB buckets").
 DEFAULT_BUCKET_BYTES = 2 << 20
 MODES = ("sync", "async", "ssp")
 WIRE_DTYPES = ("float32", "bfloat16", "float16")  # --wire-dtype
