@@ -90,6 +90,12 @@ class Service:
                              nonfinite_skipped=0, staleness_histogram={}, max_staleness=0,
                              max_lead=0, bytes_in=0, bytes_out=0, **senders.counters())
         self.at_once = AtOnce.for_service(self)  # one-frame pushes applied as they land
+        self._handlers = {P.PUSH: self._on_push, P.RATES: self._on_rates,
+                          P.SPARSE_PULL: self._on_sparse, P.SPARSE_PUSH: self._on_sparse,
+                          P.SKIP: self._on_skip, P.PULL: self._on_pull,
+                          P.PULL_AVERAGE: self._on_pull, P.INIT: self._on_init,
+                          P.DONE: self._on_done, P.PAUSED: self._on_paused,
+                          P.SAVE: self._on_save, P.COUNTERS: self._on_counters}
         if assignment.restore:
             self._restore(assignment.restore)
 
@@ -269,84 +275,117 @@ class Service:
             self.write_header()
 
     def _handle(self, index, source):
+        """Serve the request in pool frame ``index``; return True when the frame is free."""
         frame = self.pool[index]
         request = H.unpack_request(frame.fetch_header())
-        kind, flags = request.kind, request.flags
         worker = self.worker_of.get(source)
         if worker is None:
             raise PeerError(f"request from rank {source}, which is not a worker")
         now = self.last_seen[worker] = self.last_message = time.monotonic()
         if self.at_once is not None and self.at_once.takes(request):
             return self.at_once.push(frame, index, request, worker, now)
-        nbytes = H.HEADER_BYTES + request.count * frame.itemsize
         self.senders.note_positions(self.positions, worker, request, frame)
-        if flags & P.FLAG_CHUNKED:
-            self.chunked_workers.add(worker)
-            if kind in (P.PUSH, P.INIT) and self.chunk_bytes:
-                frame.receive_rest(self.comm, source, P.TAG_REQUEST, self.chunk_bytes,
-                                   self.deadline,
-                                   lambda i: self.describe_worker(worker, "push (chunked)"),
-                                   nbytes if kind == P.PUSH else None)
-        if kind == P.PUSH:
-            bucket = request.bucket_index
-            if request.bucket_count != self.pipeline.count:
-                raise PeerError(
-                    f"a push in {request.bucket_count} buckets, but this ps cuts its shard "
-                    f"in {self.pipeline.count}: every task needs the same --bucket-bytes",
-                    **self.describe_worker(worker, "push"))
-            if bucket == 0:
-                self.stepped(worker, now)
-            frame.received(request.count)
-            self.counters["bytes_in"] += nbytes
-            self.take_learning_rate(request)
-            return self.policy.on_push(self, worker, request.step, frame, index, bucket)
-        if kind == P.RATES:  # before a push, within its step: each group's learning rate
-            rates = frame.bytes[H.HEADER_BYTES:H.HEADER_BYTES + 8 * request.count]
-            self.shard.set_learning_rates(rates.view(np.float64))
-            return True
-        if kind == P.SPARSE_PULL or kind == P.SPARSE_PUSH:  # within a step: not a pause
-            return self.sparse.handle(worker, kind, index)
-        if kind != P.SKIP:  # pull, pause, counters: not a step (start-up, evaluation,
-            self.last_push[worker] = None  # a checkpoint): the whole deadline until a push
-        if kind == P.PULL or kind == P.PULL_AVERAGE:
-            if not self.initialized:
-                self.pending_pulls.append((worker, kind))
-            else:
-                self._answer_pull(worker, kind)
-        elif kind == P.INIT:
-            frame.received()
-            self._finish_replies()
-            self.shard.initialize(frame.payload)
-            self.initialized = True
-            self.pipeline.at_step(self.global_step)
-            self.write_header()
-            for w, k in self.pending_pulls:
-                self._answer_pull(w, k)
-            self.pending_pulls = []
-        elif kind == P.DONE:
-            self.done.add(worker)
-            self.requeue = self.requeue or bool(flags & P.FLAG_REQUEUE)
-            self.policy.on_worker_gone(self, worker)
-            self._check_quiescent()
-        elif kind == P.PAUSED:
-            self.paused.add(worker)
-            self.policy.on_worker_gone(self, worker)
-            self._check_quiescent()
-        elif kind == P.SAVE:
-            self._finish_replies()
-            self.pausing = True
-            self.write_header()
-            self._check_quiescent()
-        elif kind == P.SKIP:
-            # The worker found NaN/Inf in its gradient and was told to skip it: count it and
-            # answer with the current parameters (it retries with its next batch).
-            self.counters["nonfinite_skipped"] += 1
-            self.reply(worker)
-        elif kind == P.COUNTERS:
-            self.comm.send(dict(self.counters, ps_task=self.ps_task), dest=source,
-                           tag=P.TAG_CONTROL)
+        if request.flags & P.FLAG_CHUNKED:
+            self._chunked(worker, source, request, frame)
+        handler = self._handlers.get(request.kind)
+        if handler is None:
+            raise PeerError(f"unknown request kind {request.kind}",
+                            **self.describe_worker(worker, "?"))
+        return handler(worker, request, frame, index, now)
+
+    def _chunked(self, worker, source, request, frame):
+        """Note a worker that stages; receive the rest of its push or init (chunk 0 came)."""
+        self.chunked_workers.add(worker)
+        if request.kind in (P.PUSH, P.INIT) and self.chunk_bytes:
+            nbytes = H.HEADER_BYTES + request.count * frame.itemsize
+            frame.receive_rest(self.comm, source, P.TAG_REQUEST, self.chunk_bytes,
+                               self.deadline,
+                               lambda i: self.describe_worker(worker, "push (chunked)"),
+                               nbytes if request.kind == P.PUSH else None)
+
+    # -- one handler per request kind: (worker, request, frame, index, now) -> frame free --
+
+    def _on_push(self, worker, request, frame, index, now):
+        bucket = request.bucket_index
+        if request.bucket_count != self.pipeline.count:
+            raise PeerError(
+                f"a push in {request.bucket_count} buckets, but this ps cuts its shard "
+                f"in {self.pipeline.count}: every task needs the same --bucket-bytes",
+                **self.describe_worker(worker, "push"))
+        if bucket == 0:
+            self.stepped(worker, now)
+        frame.received(request.count)
+        self.counters["bytes_in"] += H.HEADER_BYTES + request.count * frame.itemsize
+        self.take_learning_rate(request)
+        return self.policy.on_push(self, worker, request.step, frame, index, bucket)
+
+    def _on_rates(self, worker, request, frame, index, now):
+        # Before a push, within its step: each group's learning rate.
+        rates = frame.bytes[H.HEADER_BYTES:H.HEADER_BYTES + 8 * request.count]
+        self.shard.set_learning_rates(rates.view(np.float64))
+        return True
+
+    def _on_sparse(self, worker, request, frame, index, now):
+        return self.sparse.handle(worker, request.kind, index)  # within a step: not a pause
+
+    def _on_skip(self, worker, request, frame, index, now):
+        # The worker found NaN/Inf in its gradient and was told to skip it: count it and
+        # answer with the current parameters (it retries with its next batch).
+        self.counters["nonfinite_skipped"] += 1
+        self.reply(worker)
+        return True
+
+    # Pull, init, done, pause, save, counters are not steps (start-up, evaluation, a
+    # checkpoint): the worker gets the whole deadline until its next push.
+
+    def _on_pull(self, worker, request, frame, index, now):
+        self.last_push[worker] = None
+        if not self.initialized:
+            self.pending_pulls.append((worker, request.kind))
         else:
-            raise PeerError(f"unknown request kind {kind}", **self.describe_worker(worker, "?"))
+            self._answer_pull(worker, request.kind)
+        return True
+
+    def _on_init(self, worker, request, frame, index, now):
+        self.last_push[worker] = None
+        frame.received()
+        self._finish_replies()
+        self.shard.initialize(frame.payload)
+        self.initialized = True
+        self.pipeline.at_step(self.global_step)
+        self.write_header()
+        for w, k in self.pending_pulls:
+            self._answer_pull(w, k)
+        self.pending_pulls = []
+        return True
+
+    def _on_done(self, worker, request, frame, index, now):
+        self.last_push[worker] = None
+        self.done.add(worker)
+        self.requeue = self.requeue or bool(request.flags & P.FLAG_REQUEUE)
+        self.policy.on_worker_gone(self, worker)
+        self._check_quiescent()
+        return True
+
+    def _on_paused(self, worker, request, frame, index, now):
+        self.last_push[worker] = None
+        self.paused.add(worker)
+        self.policy.on_worker_gone(self, worker)
+        self._check_quiescent()
+        return True
+
+    def _on_save(self, worker, request, frame, index, now):
+        self.last_push[worker] = None
+        self._finish_replies()
+        self.pausing = True
+        self.write_header()
+        self._check_quiescent()
+        return True
+
+    def _on_counters(self, worker, request, frame, index, now):
+        self.last_push[worker] = None
+        self.comm.send(dict(self.counters, ps_task=self.ps_task),
+                       dest=self.worker_ranks[worker], tag=P.TAG_CONTROL)
         return True
 
     def _answer_pull(self, worker, kind):
