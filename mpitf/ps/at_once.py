@@ -1,6 +1,6 @@
 """The ps's path for a push applied as it lands: one frame, async or one gradient a step.
 
-The general path reads a push through the service (``_handle``), its consistency policy
+The general path reads a push through the service (``_serve``), its consistency policy
 (``on_push``), ``apply`` and ``reply``, and the pipeline's bookkeeping: some twenty Python
 calls, which at 4 KiB were about half the round trip. When every push is one frame that
 is applied at once and answered at once, :class:`AtOnce` does the same work in one method;

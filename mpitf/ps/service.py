@@ -274,7 +274,7 @@ class Service:
             self.paused.clear()
             self.write_header()
 
-    def _handle(self, index, source):
+    def _serve(self, index, source):
         """Serve the request in pool frame ``index``; return True when the frame is free."""
         frame = self.pool[index]
         request = H.unpack_request(frame.fetch_header())
@@ -398,7 +398,7 @@ class Service:
         while len(self.done) < self.num_workers:
             index = pool.wait_next(self.check_every, self._timeout, self.deadline,
                                    self._describe_sender)
-            if self._handle(index, pool.source):
+            if self._serve(index, pool.source):
                 pool.release(index)
             if self.sparse is not None:
                 self.sparse.flush()  # the step's replies have left: now its sparse apply
