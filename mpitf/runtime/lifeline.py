@@ -211,11 +211,21 @@ class Lifeline:
         return True
 
 
-def _collect_garbage(base):
-    """Remove the marker directories of jobs on this node whose ranks are all gone."""
+def _collect_garbage(base, settle=60.0):
+    """Remove the marker directories of jobs on this node whose ranks are all gone.
+
+    A directory younger than ``settle`` seconds is left alone: another job starting at the
+    same moment may have made it and not yet written its ranks' pid files.
+    """
+    now = time.time()
     for name in os.listdir(base):
         path = os.path.join(base, name)
         if not name.startswith("mpitf-") or not os.path.isdir(path):
+            continue
+        try:
+            if now - os.stat(path).st_mtime < settle:
+                continue
+        except OSError:
             continue
         pids = []
         for entry in os.listdir(path):

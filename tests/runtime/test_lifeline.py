@@ -77,3 +77,23 @@ def test_an_error_every_rank_raised_alike_is_one_type_whatever_the_cause():
     assert str(err) == "[Errno 2] No such file or directory: 'x.h5'"
     assert collective(err) is err
     assert str(pickle.loads(pickle.dumps(err))) == str(err)
+
+
+def test_garbage_is_a_settled_directory_whose_ranks_are_all_gone(tmp_path):
+    import subprocess
+
+    from mpitf.runtime.lifeline import _collect_garbage
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    jobs = {"mpitf-dead": dead.pid, "mpitf-live": os.getpid(), "mpitf-starting": None}
+    for name, pid in jobs.items():
+        (tmp_path / name).mkdir()
+        if pid is not None:
+            (tmp_path / name / "0.pid").write_text(str(pid))
+    for name in ("mpitf-dead", "mpitf-live"):  # made 2 minutes ago
+        old = (tmp_path / name).stat().st_mtime - 120
+        os.utime(tmp_path / name, (old, old))
+    # "mpitf-starting" was just made by a job whose ranks have not written their pids yet
+    _collect_garbage(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mpitf-live", "mpitf-starting"]
