@@ -19,9 +19,26 @@ from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.frame import Frame
 
-# How often a progress thread probes while buckets travel ($MPITF_PROGRESS_US; 0, the
-# default: no thread. Measured on 2 shared cores it slowed steps: it needs a spare core).
-PROGRESS_SECONDS = float(os.environ.get("MPITF_PROGRESS_US", "0")) / 1e6
+# How often a progress thread probes while buckets travel to a ps on another node.
+REMOTE_PROGRESS_US = 500
+
+
+def progress_seconds(link, environ=os.environ):
+    """Return how often a thread drives MPI while buckets travel (0: no thread).
+
+    A sent bucket, and its reply, move only while a rank is inside MPI. Over TCP to a ps on
+    another node nothing else moves them while backward computes, so a thread probes every
+    REMOTE_PROGRESS_US (across a 1 Gbit/s link: 42 % of the round trip hidden without it,
+    88 % with it; benchmarks/README.md). On one node the receiver copies each message
+    itself through shared memory and the thread only takes a core (slower steps on 2
+    cores). ``$MPITF_PROGRESS_US`` sets it either way (0: never).
+    """
+    given = environ.get("MPITF_PROGRESS_US")
+    if given is not None:
+        return float(given) / 1e6
+    here = link.host_of(link.comm.Get_rank())
+    remote = any(link.host_of(rank) != here for rank in link.ranks)
+    return REMOTE_PROGRESS_US / 1e6 if remote else 0.0
 
 
 class BucketedPush:
@@ -88,6 +105,7 @@ class BucketedPush:
         self.arrived = [False] * len(self.order)
         self.reply_value = None
         # A thread that drives MPI while backward computes, made once, woken per step.
+        self.progress_seconds = progress_seconds(link)
         self._busy = threading.Event()
         self._progress = None
 
@@ -96,7 +114,7 @@ class BucketedPush:
         # tag nothing uses) while the main thread computes, so sent buckets keep moving.
         while True:
             self._busy.wait()
-            time.sleep(PROGRESS_SECONDS)
+            time.sleep(self.progress_seconds)
             if self._busy.is_set():
                 comm.Iprobe(MPI.ANY_SOURCE, P.TAG_PROGRESS)
 
@@ -155,7 +173,7 @@ class BucketedPush:
             if tl is not None and tl.enabled:
                 tl.add("push", start, time.perf_counter(), bucket=k, ps=p,
                        step=link.steps[p])
-        if PROGRESS_SECONDS and not self._busy.is_set():
+        if self.progress_seconds and not self._busy.is_set():
             if self._progress is None:
                 if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
                     return

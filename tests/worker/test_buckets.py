@@ -143,3 +143,19 @@ def test_embedding_tables_train_alongside_buckets(tmp_path):
     # the tables' rows and the dense buckets: the same numbers as one frame
     assert (many["test_auc"], many["test_logloss"]) == (one["test_auc"], one["test_logloss"])
     assert one["test_auc"] > 0.55, one
+
+
+def test_a_progress_thread_drives_buckets_to_a_ps_on_another_node_only():
+    from types import SimpleNamespace
+
+    from mpitf.worker.buckets import REMOTE_PROGRESS_US, progress_seconds
+
+    hosts = {0: "n1", 1: "n1", 2: "n2"}
+    comm = SimpleNamespace(Get_rank=lambda: 1)
+    link = SimpleNamespace(comm=comm, ranks=[0], host_of=hosts.get)
+    assert progress_seconds(link, {}) == 0.0  # the ps shares this node
+    link.ranks = [0, 2]
+    assert progress_seconds(link, {}) == REMOTE_PROGRESS_US / 1e6  # one ps is remote
+    assert progress_seconds(link, {"MPITF_PROGRESS_US": "0"}) == 0.0
+    link.ranks = [0]
+    assert progress_seconds(link, {"MPITF_PROGRESS_US": "100"}) == 100e-6
