@@ -146,34 +146,15 @@ def process_gone(pid):
         return True
 
 
-def ranks_stderr(directory):
-    """Every rank's stderr as the slow job copied it (``MPITF_TEST_STDERR_DIR``), by rank.
-
-    What a rank writes just before the job is torn down (the lifeline's line naming a dead
-    rank, then MPI_Abort) goes through its launcher's proxy to mpiexec, which under load may
-    end before forwarding it; the rank's own copy is in the file once the rank has written it.
-    """
-    files = sorted(Path(directory).glob("rank.*"), key=lambda p: int(p.suffix[1:]))
-    return "".join(p.read_text(errors="replace") for p in files)
-
-
 class Background:
-    """An mpiexec run in its own process group, output to a file, for tests that hit it.
+    """An mpiexec run in its own process group, output to a file, for tests that hit it."""
 
-    With ``rank_stderr=True`` each rank also copies its stderr into a file of its own (see
-    :func:`ranks_stderr`), and ``output`` reads those after mpiexec's output.
-    """
-
-    def __init__(self, tmp, n=3, step_sleep=0.02, env=None, rank_stderr=False, **kw):
+    def __init__(self, tmp, n=3, step_sleep=0.02, env=None, **kw):
         self.pid_dir = tmp / f"pids-{time.monotonic_ns()}"
         self.pid_dir.mkdir()
         self.log = tmp / f"out-{time.monotonic_ns()}.log"
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", MPITF_TEST_STEP_SLEEP=str(step_sleep),
                         MPITF_TEST_PID_DIR=str(self.pid_dir), **(env or {}))
-        self.stderr_dir = tmp / f"stderr-{time.monotonic_ns()}" if rank_stderr else None
-        if self.stderr_dir:
-            self.stderr_dir.mkdir()
-            full_env["MPITF_TEST_STDERR_DIR"] = str(self.stderr_dir)
         cmd = mpiexec_command(n, [sys.executable, JOB, *job_args(tmp, **kw)])
         self._out = open(self.log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT,
@@ -183,8 +164,7 @@ class Background:
 
     @property
     def output(self):
-        text = self.log.read_text()
-        return text + ranks_stderr(self.stderr_dir) if self.stderr_dir else text
+        return self.log.read_text()
 
     def wait_until(self, condition, timeout=30, what="the condition"):
         end = time.monotonic() + timeout

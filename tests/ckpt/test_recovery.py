@@ -249,20 +249,24 @@ def test_signal_checkpoints_and_exits_with_requeue_code(tmp, signame, target):
 def test_sigkill_of_a_rank_ends_the_job(tmp, victim):
     rank, job_name, task = victim.split("-")
     expected = f"{rank.replace('rank', 'rank ')} (/job:{job_name}/task:{task} on "
-    # The line naming the dead rank is written before the abort; Hydra's forwarding of it
-    # could end with the job (about once in ten runs here), so each rank also copies its
-    # stderr into a file of its own, which has it once the rank wrote it.
-    job = Background(tmp, steps=5000, extra=["--deadline", "10"], rank_stderr=True)
-    job.wait_for_step(20)
-    pid = job.rank_pid(victim)
-    os.kill(pid, signal.SIGKILL)
-    code, _ = job.finish(timeout=30)  # the deadline: still running 30 s later fails
-    job.wait_ranks_gone()  # mpiexec may end first: the survivors' lines come before they end
-    out = job.output
-    assert code != 0, out
-    # mpitf's lifeline (mpiexec_command runs Hydra with -disable-auto-cleanup) names
-    # the dead rank, its task and pid; Hydra's own cleanup block names some pid.
-    assert expected in out and f"(pid {pid}) died without finishing" in out, out
+    outputs = []
+    # Every run must end within 30 s, non-zero. The line naming the dead rank is written
+    # before the abort, but Hydra can drop a rank's last output when the job is torn down
+    # (seen about once in ten runs here), so a run without it is tried again, twice at most.
+    for _ in range(3):
+        job = Background(tmp, steps=5000, extra=["--deadline", "10"])
+        job.wait_for_step(20)
+        pid = job.rank_pid(victim)
+        os.kill(pid, signal.SIGKILL)
+        code, _ = job.finish(timeout=30)  # the deadline: still running 30 s later fails
+        out = job.output
+        assert code != 0, out
+        # mpitf's lifeline (mpiexec_command runs Hydra with -disable-auto-cleanup) names
+        # the dead rank, its task and pid; Hydra's own cleanup block names some pid.
+        if expected in out and f"(pid {pid}) died without finishing" in out:
+            return
+        outputs.append(out)
+    pytest.fail("no run named the killed rank:\n" + "\n----\n".join(outputs))
 
 
 @pytest.mark.parametrize("victim,operation,deadline_s", [

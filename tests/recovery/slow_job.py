@@ -4,11 +4,7 @@ Run it exactly like jobs/mnist_mlp.py (same flags). ``MPITF_TEST_STEP_SLEEP`` (s
 default 0) is slept by every worker before each step's computation; it changes no value, so
 a deterministic run gives the same parameters as an unslowed one. Each worker rank also
 writes its pid to ``$MPITF_TEST_PID_DIR/rank<R>-<job>-<task>.pid`` when that is set, so a
-test can signal one rank without guessing from the process tree. With
-``MPITF_TEST_STDERR_DIR`` set, each rank also copies what it writes to ``sys.stderr`` into
-``$MPITF_TEST_STDERR_DIR/rank.<R>`` itself, before the stream: a line written just before the
-job is torn down (the lifeline's, naming a dead rank) is then in the file, where the launcher
-may end before forwarding it.
+test can signal one rank without guessing from the process tree.
 """
 
 import os
@@ -20,26 +16,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 STEP_SLEEP = float(os.environ.get("MPITF_TEST_STEP_SLEEP", "0"))
 PID_DIR = os.environ.get("MPITF_TEST_PID_DIR")
-STDERR_DIR = os.environ.get("MPITF_TEST_STDERR_DIR")
-
-
-class _Tee:
-    """``sys.stderr`` that writes each text to a file first (flushed), then to the stream."""
-
-    def __init__(self, stream, path):
-        self.stream, self.copy = stream, open(path, "a")
-
-    def write(self, text):
-        self.copy.write(text)
-        self.copy.flush()
-        return self.stream.write(text)
-
-    def flush(self):
-        self.copy.flush()
-        self.stream.flush()
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
 
 
 def _patch():
@@ -69,8 +45,6 @@ def _patch():
 
 
 if __name__ == "__main__":
-    if STDERR_DIR:  # Hydra gives each rank its rank as PMI_RANK
-        sys.stderr = _Tee(sys.stderr, os.path.join(STDERR_DIR, f"rank.{os.environ['PMI_RANK']}"))
     _patch()
     sys.argv[0] = str(REPO / "jobs" / "mnist_mlp.py")
     runpy.run_path(sys.argv[0], run_name="__main__")
