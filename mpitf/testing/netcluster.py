@@ -226,7 +226,7 @@ class Box:
         _teardown(self.name)
 
     def __enter__(self):
-        return self.up() if not self.state.exists() else self
+        return self.up()
 
     def __exit__(self, *exc):
         self.down()
