@@ -73,7 +73,6 @@ LONG_MODULES = {
     "mpitf/runtime/backend.py": "numpy or CuPy behind one handle (the only CuPy import)",
     "mpitf/tables/rowkernels.py": "the compiled row loops of the tables",
     "mpitf/tables/rows.py": "row placement and dedup of a table's ids",
-    "mpitf/testing/__init__.py": "mpiexec with a deadline, and fake GPU arrays",
     "mpitf/testing/netcluster.py": "the cluster in a box: make, use and remove it",
     "mpitf/torch/optimizer.py": "mpitf.torch.DistributedOptimizer",
     "mpitf/worker/client.py": "the worker's flat buffers and its round trips to the ps",

@@ -17,7 +17,7 @@ from mpitf.ckpt.verify import find_restorable, verify_checkpoint
 from mpitf.ckpt.write import prepare_save, write_manifest, write_shard
 from mpitf.errors import CheckpointError
 from mpitf.placement import MinMaxVariablePartitioner, Placement, VariableSlice
-from mpitf.testing import fake_gpu_backend
+from mpitf.testing.fake_gpu import fake_gpu_backend
 
 VARIABLES = [
     ("hidden1/weights", (8, 6), "float32"),

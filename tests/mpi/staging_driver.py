@@ -17,7 +17,7 @@ from mpitf.placement import min_max_variable_partitioner, replica_device_setter
 from mpitf.runtime.backend import numpy_backend, select_backend, set_backend
 from mpitf.runtime.exits import abort_on_error
 from mpitf.runtime.server import Server
-from mpitf.testing import fake_gpu_backend
+from mpitf.testing.fake_gpu import fake_gpu_backend
 from mpitf.worker.client import Client
 
 VARIABLES = [("dense/weights", (300, 4), "f4"), ("dense/biases", (4,), "f4"),

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mpitf.runtime.backend import Backend, describe_backend
-from mpitf.testing import FakeGPUArray, fake_gpu_backend
+from mpitf.testing.fake_gpu import FakeGPUArray, fake_gpu_backend
 
 # Rank 0 sends device arrays to rank 1 (whole, and a slice); then both run the in-graph
 # channel's Bcast and Gather on each backend (fake: CUDA-aware and staged; cupy: the real
@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent("""
 
     from mpitf.runtime.backend import select_backend
     from mpitf.worker.replication import _Channel
-    from mpitf.testing import FakeGPUArray, fake_gpu_backend
+    from mpitf.testing.fake_gpu import FakeGPUArray, fake_gpu_backend
 
     def abort_on_failure(exc_type, exc, tb):  # a failed check must not leave a peer waiting
         sys.__excepthook__(exc_type, exc, tb)

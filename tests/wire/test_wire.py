@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mpitf.runtime.backend import numpy_backend
-from mpitf.testing import FakeGPUArray, fake_gpu_backend
+from mpitf.testing.fake_gpu import FakeGPUArray, fake_gpu_backend
 from mpitf.wire import header as H
 from mpitf.wire import protocol as P
 from mpitf.wire.frame import Frame, MPIBuffer
