@@ -1,0 +1,188 @@
+"""A worker's rows of an HDF5 split, read in chunk-aligned blocks through a bounded buffer.
+
+The shard (rows ``[start, stop)`` of row-aligned arrays) is cut into blocks along the
+file's chunk grid. An epoch shuffles the blocks by ``(seed, epoch, shard)`` and packs them,
+in that order, into windows of at most ``buffer`` rows; a window is read whole (the buffer),
+its rows are shuffled by ``(seed, epoch, shard, window)`` and served. The epoch's order is a
+pure function of those numbers and the buffer, so a position ``(epoch, cursor)`` names the
+next batch exactly and a resumed job sees the very batches it would have seen. A buffer that
+holds the whole shard is the one-window case: the plain shuffle
+``default_rng((seed, epoch, shard)).permutation(n)`` over rows read once.
+"""
+
+import bisect
+import os
+
+import numpy
+
+from ..errors import ConfigurationError, DataError
+
+__all__ = ["BUFFER_ENV", "DEFAULT_BUFFER_MIB", "ShardReader", "buffer_rows", "epoch_order"]
+
+DEFAULT_BUFFER_MIB = 64
+BUFFER_ENV = "MPITF_DATA_BUFFER_MIB"  # the default buffer, in MiB, for every job's readers
+BLOCKS_PER_BUFFER = 16  # blocks of an unchunked array: a window mixes at least this many
+
+
+def buffer_rows(buffer, row_bytes):
+    """Return the shuffle buffer in rows: ``buffer`` itself, else the default MiB in rows.
+
+    The default is ``$MPITF_DATA_BUFFER_MIB`` MiB, else 64 MiB, of rows of ``row_bytes``.
+    """
+    if buffer is None:
+        text = os.environ.get(BUFFER_ENV, str(DEFAULT_BUFFER_MIB))
+        try:
+            mib = float(text)
+        except ValueError:
+            mib = -1.0
+        if not mib > 0:
+            raise ConfigurationError(f"${BUFFER_ENV}={text!r}: expecting the shuffle buffer "
+                                     "in MiB, a number > 0")
+        return max(1, int(mib * (1 << 20)) // max(1, int(row_bytes)))
+    if isinstance(buffer, bool) or not isinstance(buffer, (int, numpy.integer)) or buffer < 1:
+        raise ConfigurationError(
+            f"shuffle buffer must be a number of samples >= 1, got {buffer!r} (it bounds the "
+            f"rows a worker holds; default: {DEFAULT_BUFFER_MIB} MiB of rows)")
+    return int(buffer)
+
+
+def cut_blocks(start, stop, chunk):
+    """Return the ``(lo, hi)`` row ranges of ``[start, stop)`` cut along a grid of ``chunk``."""
+    edges = numpy.arange((start // chunk + 1) * chunk, stop, chunk, dtype=numpy.int64)
+    bounds = numpy.concatenate([[start], edges, [stop]]).astype(numpy.int64)
+    return numpy.stack([bounds[:-1], bounds[1:]], axis=1)
+
+
+class _Plan:
+    """One epoch's windows: ``blocks`` in reading order, ``first`` block and ``rows`` offset."""
+
+    def __init__(self, blocks, seed, epoch, shard, buffer):
+        self.key = (seed, epoch, shard)
+        n = int((blocks[:, 1] - blocks[:, 0]).sum())
+        self.single = n <= buffer
+        if self.single:  # the whole shard in one window, rows in file order
+            self.blocks, self.first, self.rows = blocks, [0, len(blocks)], [0, n]
+            return
+        self.blocks = blocks[numpy.random.default_rng(self.key).permutation(len(blocks))]
+        self.first, self.rows, held = [0], [0], 0
+        for i, size in enumerate(self.blocks[:, 1] - self.blocks[:, 0]):
+            if held + size > buffer:
+                self.first.append(i)
+                self.rows.append(self.rows[-1] + held)
+                held = 0
+            held += int(size)
+        self.first.append(len(self.blocks))
+        self.rows.append(n)
+
+    def window_rng(self, w):
+        """Return window ``w``'s generator: (seed, epoch, shard), with ``w`` when there are more."""
+        return numpy.random.default_rng(self.key if self.single else (*self.key, w))
+
+    def window_of(self, pos):
+        return bisect.bisect_right(self.rows, pos) - 1
+
+
+def epoch_order(start, stop, chunk, seed, epoch, shard, buffer):
+    """Return the file rows of one epoch in serving order (the reference the reader follows)."""
+    plan = _Plan(cut_blocks(start, stop, chunk), seed, epoch, shard, buffer)
+    out = []
+    for w in range(len(plan.first) - 1):
+        rows = numpy.concatenate([numpy.arange(lo, hi) for lo, hi in
+                                  plan.blocks[plan.first[w]:plan.first[w + 1]]])
+        out.append(rows[plan.window_rng(w).permutation(len(rows))])
+    return numpy.concatenate(out)
+
+
+class _Window:
+    """The rows of one window as read (the buffer) and their serving order."""
+
+    def __init__(self, epoch, index, arrays, perm):
+        self.epoch, self.index, self.arrays, self.perm = epoch, index, arrays, perm
+
+
+class ShardReader:
+    """Batches of rows ``[start, stop)`` of ``datasets`` (open h5py arrays of one file).
+
+    ``prepare(arrays, file_rows)`` turns a window's arrays as read into those served (a
+    reshape, a cast, a check that raises DataError); ``file_rows(i)`` is the file's row of
+    window row ``i``. ``rows_held`` counts the rows in the buffer now, ``peak_rows_held``
+    the most it ever held: never more than ``buffer``.
+    """
+
+    def __init__(self, path, datasets, start, stop, batch_size, seed, shard, buffer,
+                 drop_remainder=True, prepare=None):
+        self.path, self.datasets = path, datasets
+        self.start, self.stop, self.num_samples = int(start), int(stop), int(stop - start)
+        self.batch_size, self.seed, self.shard = int(batch_size), seed, int(shard)
+        row_bytes = sum(d.dtype.itemsize * int(numpy.prod(d.shape[1:])) for _, d in datasets)
+        self.buffer = buffer_rows(buffer, row_bytes)
+        self.drop_remainder, self.prepare = drop_remainder, prepare
+        chunks = [d.chunks[0] for _, d in datasets if d.chunks]
+        self.chunk = min(self.buffer, chunks[0] if chunks else
+                         max(1, self.buffer // BLOCKS_PER_BUFFER))
+        self.blocks = cut_blocks(self.start, self.stop, self.chunk)
+        self.rows_held = self.peak_rows_held = 0
+
+    def normalize(self, epoch, cursor):
+        """Return the position of the next batch: roll over when the epoch is used up."""
+        left = self.num_samples - cursor
+        if left <= 0 or (self.drop_remainder and left < self.batch_size):
+            return epoch + 1, 0
+        return epoch, cursor
+
+    def batch_at(self, epoch, cursor, cache):
+        """Return ``(*arrays, next_epoch, next_cursor)`` for the batch at a normal position.
+
+        ``cache`` (a dict owned by the caller, one per reading thread) keeps the epoch's plan
+        and the window in the buffer; a batch may span windows.
+        """
+        if cache.get("epoch") != epoch:
+            cache["epoch"], cache["plan"] = epoch, _Plan(self.blocks, self.seed, epoch,
+                                                         self.shard, self.buffer)
+        plan = cache["plan"]
+        end = min(cursor + self.batch_size, self.num_samples)
+        parts, pos = [], cursor
+        while pos < end:
+            w = plan.window_of(pos)
+            win = cache.get("window")
+            if win is None or (win.epoch, win.index) != (epoch, w):
+                self.release(cache)
+                cache["window"] = win = self._load(plan, epoch, w)
+            lo, hi = pos - plan.rows[w], min(end, plan.rows[w + 1]) - plan.rows[w]
+            parts.append([a[win.perm[lo:hi]] for a in win.arrays])
+            pos += hi - lo
+        batch = parts[0] if len(parts) == 1 else [numpy.concatenate(p) for p in zip(*parts)]
+        return (*batch, *self.normalize(epoch, end))
+
+    def release(self, cache):
+        """Drop the window ``cache`` holds, so the next one fits the buffer."""
+        win = cache.pop("window", None)
+        if win is not None:
+            self.rows_held -= len(win.perm)
+
+    def _load(self, plan, epoch, w):
+        """Read window ``w`` of ``plan`` into fresh arrays, blocks in file order."""
+        blocks = plan.blocks[plan.first[w]:plan.first[w + 1]]
+        sizes = blocks[:, 1] - blocks[:, 0]
+        offsets = numpy.concatenate([[0], numpy.cumsum(sizes)])
+        rows = int(offsets[-1])
+        arrays = []
+        for name, d in self.datasets:
+            out = numpy.empty((rows, *d.shape[1:]), d.dtype)
+            for j in numpy.argsort(blocks[:, 0], kind="stable") if out.size else ():
+                lo, hi = (int(v) for v in blocks[j])
+                try:
+                    d.read_direct(out, numpy.s_[lo:hi], numpy.s_[offsets[j]:offsets[j + 1]])
+                except (OSError, RuntimeError, TypeError, ValueError) as exc:
+                    raise DataError(f"data file {self.path}: cannot read {name}[{lo}:{hi}]: "
+                                    f"{exc}") from None
+            arrays.append(out)
+        self.rows_held += rows
+        self.peak_rows_held = max(self.peak_rows_held, self.rows_held)
+        if self.prepare is not None:
+            def file_rows(i):
+                b = int(numpy.searchsorted(offsets, i, side="right")) - 1
+                return int(blocks[b, 0] + i - offsets[b])
+
+            arrays = self.prepare(arrays, file_rows)
+        return _Window(epoch, w, arrays, plan.window_rng(w).permutation(rows))
