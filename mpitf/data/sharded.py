@@ -9,13 +9,12 @@ the same buffer) sees the very batches it would have seen.
 """
 
 import os
-import queue
-import threading
 
 import numpy
 
-from ..config import check_batch_size, check_int
+from ..config import check_batch_size
 from ..errors import ConfigurationError, DataError
+from .batches import ShardBatches
 from .stream import ShardReader
 
 __all__ = ["ShardedDataset", "check_file", "load_split"]
@@ -136,14 +135,7 @@ def load_split(path, split):
         return x_all.reshape(n, -1), _read(path, f"y_{split}", y, 0, n)
 
 
-class _Failure:
-    """Carries an exception raised in the prefetch thread to the consumer."""
-
-    def __init__(self, exc):
-        self.exc = exc
-
-
-class ShardedDataset:
+class ShardedDataset(ShardBatches):
     """One worker's shard of a split, served in shuffled batches forever.
 
     Args:
@@ -183,12 +175,11 @@ class ShardedDataset:
                 f"shard_index must be in [0, num_shards), got {shard_index} of {num_shards}"
             )
         check_batch_size(batch_size)
-        check_int("prefetch", prefetch, 0)
         self.path, self.split = path, split
         self.shard_index, self.num_shards = int(shard_index), int(num_shards)
-        self.batch_size, self.seed, self.prefetch = int(batch_size), seed, int(prefetch)
+        self.batch_size, self.seed = int(batch_size), seed
         self.drop_remainder = bool(drop_remainder)
-        self._file, x, y = _open(path, split)
+        f, x, y = _open(path, split)
         try:
             n = x.shape[0]
             if n < num_shards:
@@ -199,9 +190,9 @@ class ShardedDataset:
             self.total_samples = n
             self.start = shard_index * n // num_shards
             self.stop = (shard_index + 1) * n // num_shards
-            self.name = _attr(self._file, "name")
-            self.num_classes = _attr(self._file, "num_classes")
-            self.image_shape = _attr(self._file, "image_shape") or (
+            self.name = _attr(f, "name")
+            self.num_classes = _attr(f, "num_classes")
+            self.image_shape = _attr(f, "image_shape") or (
                 tuple(int(d) for d in x.shape[1:]) if x.ndim in (3, 4) else None)
             self.x_dim = int(np_prod(x.shape[1:]))
             self.num_samples = self.stop - self.start
@@ -211,148 +202,18 @@ class ShardedDataset:
                     f"{self.num_samples} samples of x_{split}, fewer than batch_size="
                     f"{self.batch_size}; use a smaller batch or drop_remainder=False"
                 )
-            self._reader = ShardReader(
+            reader = ShardReader(
                 path, [(f"x_{split}", x), (f"y_{split}", y)], self.start, self.stop,
                 self.batch_size, seed, self.shard_index, buffer, self.drop_remainder,
                 prepare=lambda arrays, _: [arrays[0].reshape(len(arrays[0]), -1), arrays[1]])
+            super().__init__(reader, prefetch, f)
         except BaseException:
-            self._file.close()
+            f.close()
             raise
-        self.buffer = self._reader.buffer
         if self.drop_remainder:
             self.batches_per_epoch = self.num_samples // self.batch_size
         else:
             self.batches_per_epoch = -(-self.num_samples // self.batch_size)
-        self._epoch, self._cursor = 0, 0
-        self._cache = {}  # the plan and window of synchronous mode
-        self._thread = None
-        self._stop = None
-        self._queue = None
-        self._closed = False
-
-    @property
-    def rows_held(self):
-        """Rows of the shard in the shuffle buffer now."""
-        return self._reader.rows_held
-
-    @property
-    def peak_rows_held(self):
-        """The most rows the shuffle buffer has held at once."""
-        return self._reader.peak_rows_held
-
-    # --- positions -----------------------------------------------------------
-
-    def _normalize(self, epoch, cursor):
-        """Return the position of the next batch: roll over when the epoch is used up."""
-        return self._reader.normalize(epoch, cursor)
-
-    def _batch_at(self, epoch, cursor, cache):
-        """Return ``(x, y, next_epoch, next_cursor)`` for the batch at a normalized position.
-
-        ``cache`` holds the epoch's plan and the window in the buffer; one per reading thread.
-        """
-        return self._reader.batch_at(epoch, cursor, cache)
-
-    def state(self):
-        """Return ``{"epoch", "cursor"}``: the position of the next batch ``next_batch`` returns."""
-        return {"epoch": self._epoch, "cursor": self._cursor}
-
-    def restore(self, state):
-        """Reposition so the next batch is the one that followed ``state`` when it was taken.
-
-        Batches prefetched from the old position are dropped.
-        """
-        try:
-            epoch, cursor = int(state["epoch"]), int(state["cursor"])
-        except (KeyError, TypeError, ValueError):
-            raise ConfigurationError(
-                f"data position must be a dict with integer 'epoch' and 'cursor', got {state!r}"
-            ) from None
-        if epoch < 0 or not 0 <= cursor < self.num_samples:
-            raise ConfigurationError(
-                f"data position {state!r} out of range for a shard of {self.num_samples} samples"
-            )
-        self._stop_thread()
-        self._epoch, self._cursor = self._normalize(epoch, cursor)
-
-    # --- serving -------------------------------------------------------------
-
-    def next_batch(self):
-        """Return the next ``(x, y)`` batch as host numpy arrays."""
-        if self._closed:
-            raise ConfigurationError(f"ShardedDataset over {self.path} is closed")
-        if self.prefetch == 0:
-            x, y, self._epoch, self._cursor = self._batch_at(self._epoch, self._cursor,
-                                                             self._cache)
-            return x, y
-        if self._thread is None:
-            self._reader.release(self._cache)
-            self._start_thread()
-        item = self._queue.get()
-        if isinstance(item, _Failure):
-            self._queue.put(item)  # keep failing on later calls instead of blocking
-            raise item.exc
-        x, y, self._epoch, self._cursor = item
-        return x, y
-
-    def __iter__(self):
-        """Yield batches forever."""
-        while True:
-            yield self.next_batch()
-
-    def _start_thread(self):
-        """Start the prefetch thread from the current position."""
-        self._queue = queue.Queue(maxsize=self.prefetch)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._produce, args=(self._epoch, self._cursor, self._queue, self._stop),
-            name=f"mpitf-prefetch-{self.split}-{self.shard_index}", daemon=True,
-        )
-        self._thread.start()
-
-    def _produce(self, epoch, cursor, q, stop):
-        """Fill ``q`` with batches from ``(epoch, cursor)`` until ``stop`` is set."""
-        cache = {}
-        try:
-            while not stop.is_set():
-                x, y, epoch, cursor = self._batch_at(epoch, cursor, cache)
-                item = (x, y, epoch, cursor)
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.05)
-                        break
-                    except queue.Full:
-                        continue
-        except BaseException as exc:  # handed to the consumer, which re-raises it
-            while not stop.is_set():
-                try:
-                    q.put(_Failure(exc), timeout=0.05)
-                    break
-                except queue.Full:
-                    continue
-        finally:
-            self._reader.release(cache)
-
-    def _stop_thread(self):
-        """Stop the prefetch thread and drop what it prepared and read."""
-        self._reader.release(self._cache)
-        if self._thread is None:
-            return
-        self._stop.set()
-        self._thread.join()
-        self._thread, self._queue, self._stop = None, None, None
-
-    def close(self):
-        """Stop prefetching and close the file; later ``next_batch`` calls fail."""
-        self._stop_thread()
-        self._closed = True
-        self._file.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        self.close()
 
     def __repr__(self):
         return (f"ShardedDataset({self.path!r}, split={self.split!r}, shard {self.shard_index} "
