@@ -79,7 +79,9 @@ def synthetic_ctr(out, train=200000, test=5000, fields=8, rows=1000, dense=4, di
     per example per field, ``rows`` of them live at a time (:func:`drifting_ids`), each
     planted vector a hash of its id (:func:`planted_vectors`); the training split is in
     time order and the test split's examples are drawn at times spread over it, so its ids
-    were live during training. The file's ``ids`` attribute is then ``"raw"``.
+    were live during training. The file's ``ids`` attribute is then ``"raw"``, and its
+    attributes ``planted_seed``, ``planted_u`` and ``planted_v`` give the planted model:
+    logit = sum_f <planted_vectors(id_f, f, dim, seed), u> / sqrt(F) + <dense, v> - 1.
     """
     for name, value in (("train", train), ("test", test), ("fields", fields), ("rows", rows)):
         check_int(name, value, 1)
@@ -121,6 +123,7 @@ def _raw(out, rng, train, test, fields, rows, dense, dim, zipf, seed, growth, co
         splits[split] = (ids, x, y)
         if split == "test":
             ceiling = auc(y, logit)
-    attrs = {"live_ids": int(rows), "new_ids_per_example": float(growth)}
+    attrs = {"live_ids": int(rows), "new_ids_per_example": float(growth), "planted_seed": seed,
+             "planted_u": u, "planted_v": v}  # the planted model, for tests to rebuild
     write_ctr(out, DYNAMIC, splits, compression, attrs)
     return ceiling

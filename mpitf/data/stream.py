@@ -66,7 +66,7 @@ class _Plan:
         self.blocks = blocks[numpy.random.default_rng(self.key).permutation(len(blocks))]
         self.first, self.rows, held = [0], [0], 0
         for i, size in enumerate(self.blocks[:, 1] - self.blocks[:, 0]):
-            if held + size > buffer:
+            if held and held + size > buffer:
                 self.first.append(i)
                 self.rows.append(self.rows[-1] + held)
                 held = 0
@@ -82,9 +82,17 @@ class _Plan:
         return bisect.bisect_right(self.rows, pos) - 1
 
 
+def block_rows(chunk, buffer):
+    """Return the rows of a block: the file's ``chunk`` (None: unchunked) within the buffer."""
+    return min(buffer, chunk or max(1, buffer // BLOCKS_PER_BUFFER))
+
+
 def epoch_order(start, stop, chunk, seed, epoch, shard, buffer):
-    """Return the file rows of one epoch in serving order (the reference the reader follows)."""
-    plan = _Plan(cut_blocks(start, stop, chunk), seed, epoch, shard, buffer)
+    """Return the file rows of one epoch in serving order (the reference the reader follows).
+
+    ``chunk``: the rows per chunk of the file's arrays (None: unchunked).
+    """
+    plan = _Plan(cut_blocks(start, stop, block_rows(chunk, buffer)), seed, epoch, shard, buffer)
     out = []
     for w in range(len(plan.first) - 1):
         rows = numpy.concatenate([numpy.arange(lo, hi) for lo, hi in
@@ -118,8 +126,7 @@ class ShardReader:
         self.buffer = buffer_rows(buffer, row_bytes)
         self.drop_remainder, self.prepare = drop_remainder, prepare
         chunks = [d.chunks[0] for _, d in datasets if d.chunks]
-        self.chunk = min(self.buffer, chunks[0] if chunks else
-                         max(1, self.buffer // BLOCKS_PER_BUFFER))
+        self.chunk = block_rows(chunks[0] if chunks else None, self.buffer)
         self.blocks = cut_blocks(self.start, self.stop, self.chunk)
         self.rows_held = self.peak_rows_held = 0
 
