@@ -46,6 +46,11 @@ class ShardBatches:
         return self._reader.rows_held
 
     @property
+    def rows_read(self):
+        """Rows read from the file so far: a shard that fits the buffer is read once."""
+        return self._reader.rows_read
+
+    @property
     def peak_rows_held(self):
         """The most rows the shuffle buffer has held at once."""
         return self._reader.peak_rows_held

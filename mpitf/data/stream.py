@@ -78,6 +78,10 @@ class _Plan:
         """Return window ``w``'s generator: (seed, epoch, shard), with ``w`` when there are more."""
         return numpy.random.default_rng(self.key if self.single else (*self.key, w))
 
+    def window_key(self, w):
+        """Return what names window ``w``'s rows: the same every epoch for the whole shard."""
+        return "shard" if self.single else (self.key[1], w)
+
     def window_of(self, pos):
         return bisect.bisect_right(self.rows, pos) - 1
 
@@ -102,10 +106,10 @@ def epoch_order(start, stop, chunk, seed, epoch, shard, buffer):
 
 
 class _Window:
-    """The rows of one window as read (the buffer) and their serving order."""
+    """The rows of one window as read (the buffer) and their serving order in ``epoch``."""
 
-    def __init__(self, epoch, index, arrays, perm):
-        self.epoch, self.index, self.arrays, self.perm = epoch, index, arrays, perm
+    def __init__(self, key, epoch, arrays, perm):
+        self.key, self.epoch, self.arrays, self.perm = key, epoch, arrays, perm
 
 
 class ShardReader:
@@ -114,7 +118,7 @@ class ShardReader:
     ``prepare(arrays, file_rows)`` turns a window's arrays as read into those served (a
     reshape, a cast, a check that raises DataError); ``file_rows(i)`` is the file's row of
     window row ``i``. ``rows_held`` counts the rows in the buffer now, ``peak_rows_held``
-    the most it ever held: never more than ``buffer``.
+    the most it ever held (never more than ``buffer``), ``rows_read`` the rows read so far.
     """
 
     def __init__(self, path, datasets, start, stop, batch_size, seed, shard, buffer,
@@ -128,7 +132,7 @@ class ShardReader:
         chunks = [d.chunks[0] for _, d in datasets if d.chunks]
         self.chunk = block_rows(chunks[0] if chunks else None, self.buffer)
         self.blocks = cut_blocks(self.start, self.stop, self.chunk)
-        self.rows_held = self.peak_rows_held = 0
+        self.rows_held = self.peak_rows_held = self.rows_read = 0
 
     def normalize(self, epoch, cursor):
         """Return the position of the next batch: roll over when the epoch is used up."""
@@ -152,9 +156,11 @@ class ShardReader:
         while pos < end:
             w = plan.window_of(pos)
             win = cache.get("window")
-            if win is None or (win.epoch, win.index) != (epoch, w):
+            if win is None or win.key != plan.window_key(w):
                 self.release(cache)
-                cache["window"] = win = self._load(plan, epoch, w)
+                cache["window"] = win = self._load(plan, w)
+            if win.epoch != epoch:  # the whole shard, read once: a new order each epoch
+                win.epoch, win.perm = epoch, plan.window_rng(w).permutation(len(win.perm))
             lo, hi = pos - plan.rows[w], min(end, plan.rows[w + 1]) - plan.rows[w]
             parts.append([a[win.perm[lo:hi]] for a in win.arrays])
             pos += hi - lo
@@ -167,7 +173,7 @@ class ShardReader:
         if win is not None:
             self.rows_held -= len(win.perm)
 
-    def _load(self, plan, epoch, w):
+    def _load(self, plan, w):
         """Read window ``w`` of ``plan`` into fresh arrays, blocks in file order."""
         blocks = plan.blocks[plan.first[w]:plan.first[w + 1]]
         sizes = blocks[:, 1] - blocks[:, 0]
@@ -185,6 +191,7 @@ class ShardReader:
                                     f"{exc}") from None
             arrays.append(out)
         self.rows_held += rows
+        self.rows_read += rows
         self.peak_rows_held = max(self.peak_rows_held, self.rows_held)
         if self.prepare is not None:
             def file_rows(i):
@@ -192,4 +199,5 @@ class ShardReader:
                 return int(blocks[b, 0] + i - offsets[b])
 
             arrays = self.prepare(arrays, file_rows)
-        return _Window(epoch, w, arrays, plan.window_rng(w).permutation(rows))
+        return _Window(plan.window_key(w), plan.key[1], arrays,
+                       plan.window_rng(w).permutation(rows))
