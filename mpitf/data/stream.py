@@ -185,7 +185,7 @@ class ShardReader:
             for j in numpy.argsort(blocks[:, 0], kind="stable") if out.size else ():
                 lo, hi = (int(v) for v in blocks[j])
                 try:
-                    d.read_direct(out, numpy.s_[lo:hi], numpy.s_[offsets[j]:offsets[j + 1]])
+                    out[offsets[j]:offsets[j + 1]] = d[lo:hi]  # one chunk: faster than read_direct
                 except (OSError, RuntimeError, TypeError, ValueError) as exc:
                     raise DataError(f"data file {self.path}: cannot read {name}[{lo}:{hi}]: "
                                     f"{exc}") from None
