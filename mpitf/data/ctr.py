@@ -22,7 +22,7 @@ from ..config import check_batch_size, check_int
 from ..errors import DataError
 from .batches import ShardBatches
 from .chunks import check_compression, chunk_rows, create_rows
-from .stream import ShardReader
+from .stream import ShardReader, buffer_rows
 
 __all__ = ["DYNAMIC", "CtrDataset", "CtrWriter", "auc", "load_ctr", "write_ctr"]
 
@@ -192,7 +192,9 @@ def load_ctr(path, split, table_rows=None, start=0, stop=None, raw_ids=False):
 
     ``table_rows`` (the model's) must agree with the file's attribute when given. A file of
     raw ids is refused unless ``raw_ids`` (tables that grow); its ``table_rows`` is None.
+    A bad ``$MPITF_DATA_BUFFER_MIB`` is refused too: a job's up-front check of its file.
     """
+    buffer_rows(None, 1)
     f, arrays, rows = _open_ctr(path, split, table_rows, raw_ids)
     with f:
         read = [d[start:stop] for _, d in arrays]

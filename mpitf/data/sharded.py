@@ -15,7 +15,7 @@ import numpy
 from ..config import check_batch_size
 from ..errors import ConfigurationError, DataError
 from .batches import ShardBatches
-from .stream import ShardReader
+from .stream import ShardReader, buffer_rows
 
 __all__ = ["ShardedDataset", "check_file", "load_split"]
 
@@ -74,8 +74,10 @@ def check_file(path, splits=("train", "test"), num_classes=10, batch_size=None, 
     last class and a float label would be truncated, silently. Every split's samples must
     have the train split's shape, and an ``image_shape`` attribute must hold one sample.
     With ``batch_size``, the smallest of ``num_shards`` shards of the first split must hold
-    a batch. Labels are read whole (one integer per sample); features only by their shape.
+    a batch. Labels are read in blocks; features only by their shape. A bad
+    ``$MPITF_DATA_BUFFER_MIB`` is refused here too, before any worker reads.
     """
+    buffer_rows(None, 1)
     shape = None
     for split in splits:
         f, x, y = _open(path, split)

@@ -18,7 +18,10 @@ from mpitf.data.ctr import (
 )
 from mpitf.data.ctr_convert import MISSING_RAW
 from mpitf.data.ctr_synthetic import planted_vectors
+from mpitf.data.stream import BUFFER_ENV
 from mpitf.errors import ConfigurationError, DataError
+from mpitf.testing import run_mpi
+from tests.support import REPO
 
 
 def criteo_tsv(path, lines=10):
@@ -160,3 +163,22 @@ def test_the_cli_writes_raw_ids_and_refuses_bad_options(tmp_path, capsys):
     assert "not both" in capsys.readouterr().err
     assert mpitf(["data", "synthetic-ctr", "--out", raw, "--raw-ids", "--growth", "-1"]) == 2
     assert "growth (new ids per example) must be > 0" in capsys.readouterr().err
+
+
+def refused_once(run, message):
+    assert not run.timed_out and run.returncode == 2, run.output
+    assert run.output.count(message) == 1, run.output  # rank 0 alone says it
+    assert f"mpitf: error on rank 0: {message}" in run.stderr and "Traceback" not in run.output
+    assert "final:" not in run.stdout
+
+
+@pytest.mark.mpi
+def test_jobs_refuse_raw_ids_for_fixed_tables_and_a_bad_buffer_on_every_rank(tmp_path):
+    raw = str(tmp_path / "raw.h5")
+    synthetic_ctr(raw, train=200, test=50, fields=2, rows=10, dense=1, seed=1, raw_ids=True)
+    argv = ["-m", "mpitf.jobs.ctr", "--data", raw, "--num-ps", "1", "--steps", "5"]
+    refused_once(run_mpi(3, argv, timeout=30, cwd=str(REPO)), f"data file {raw} holds raw ids")
+    fixed = hash_ctr(raw, str(tmp_path / "fixed.h5"), 10)
+    argv[3] = fixed
+    refused_once(run_mpi(3, argv, timeout=30, cwd=str(REPO), env={BUFFER_ENV: "none"}),
+                 f"${BUFFER_ENV}='none': expecting the shuffle buffer in MiB, a number > 0")
