@@ -24,7 +24,7 @@ from .batches import ShardBatches
 from .chunks import check_compression, chunk_rows, create_rows
 from .stream import ShardReader, buffer_rows
 
-__all__ = ["DYNAMIC", "CtrDataset", "CtrWriter", "auc", "load_ctr", "write_ctr"]
+__all__ = ["DYNAMIC", "CtrDataset", "CtrWriter", "auc", "ctr_ids", "load_ctr", "write_ctr"]
 
 DYNAMIC = "dynamic"  # the vocabulary of a file of raw ids: tables that grow
 
@@ -121,6 +121,17 @@ def _id_rows(path, f):
         raise DataError(f"data file {path} has no `table_rows` attribute (one int per "
                         "field: the rows of its table)")
     return np.asarray(f.attrs["table_rows"], np.int64).reshape(-1)
+
+
+def ctr_ids(path):
+    """Return what a click-through file's ids are: ``("index", table_rows)`` or ``("raw", None)``.
+
+    A job chooses its tables by it: fixed tables of ``table_rows`` rows, or tables that grow.
+    """
+    f = _open_ctr(path, "train", None, True)[0]
+    with f:
+        rows = _id_rows(path, f)
+    return ("raw", None) if rows is None else ("index", rows.tolist())
 
 
 def _open_ctr(path, split, table_rows, raw_ids):

@@ -11,6 +11,7 @@ from mpitf.data.ctr import (
     CtrDataset,
     auc,
     convert_criteo,
+    ctr_ids,
     hash_ctr,
     load_ctr,
     synthetic_ctr,
@@ -41,6 +42,7 @@ def test_criteo_raw_ids_keep_the_32_bit_hashes(tmp_path):
     with h5py.File(out) as f:
         assert (f.attrs["ids"], f.attrs["vocabulary"]) == ("raw", "dynamic")
         assert "table_rows" not in f.attrs
+    assert ctr_ids(out) == ("raw", None)
     ids, dense, y, rows = load_ctr(out, "train", raw_ids=True)
     assert rows is None and ids.shape == (8, 26) and ids.dtype == np.int64
     assert ids[:, 0].tolist() == [k % 3 for k in range(8)]  # the hex hash itself, no modulo
@@ -71,6 +73,7 @@ def test_criteo_is_converted_in_blocks_alike(tmp_path, monkeypatch):
     with h5py.File(blocks) as f:
         assert f["ids_train"].compression == "gzip" and f["ids_train"].chunks == (16, 26)
         assert f.attrs["ids"] == "index" and len(f["y_test"]) == 7
+    assert ctr_ids(blocks) == ("index", [16] * 26)
 
 
 def test_synthetic_raw_ids_drift_and_their_fixed_twin_collides(tmp_path):
