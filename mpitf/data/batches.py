@@ -127,7 +127,7 @@ class ShardBatches:
 
     def _produce(self, epoch, cursor, q, stop):
         """Fill ``q`` with batches from ``(epoch, cursor)`` until ``stop`` is set."""
-        cache = {}
+        cache = {"read_ahead": True}  # the next window is read while this one is served
         try:
             while not stop.is_set():
                 item = self._batch_at(epoch, cursor, cache)
@@ -146,7 +146,7 @@ class ShardBatches:
                 except queue.Full:
                     continue
         finally:
-            self._reader.release(cache)
+            self._reader.close(cache)
 
     def _stop_thread(self):
         """Stop the prefetch thread and drop what it prepared and read."""

@@ -2,8 +2,9 @@
 
 The shard (rows ``[start, stop)`` of row-aligned arrays) is cut into blocks along the
 file's chunk grid. An epoch shuffles the blocks by ``(seed, epoch, shard)`` and packs them,
-in that order, into windows of at most ``buffer`` rows; a window is read whole (the buffer),
-its rows are shuffled by ``(seed, epoch, shard, window)`` and served. The epoch's order is a
+in that order, into windows of at most half the ``buffer`` rows; a window is read whole, its
+rows are shuffled by ``(seed, epoch, shard, window)`` and served, while a reader thread reads
+the next window into the other half (when batches are prefetched). The epoch's order is a
 pure function of those numbers and the buffer, so a position ``(epoch, cursor)`` names the
 next batch exactly and a resumed job sees the very batches it would have seen. A buffer that
 holds the whole shard is the one-window case: the plain shuffle
@@ -12,6 +13,8 @@ holds the whole shard is the one-window case: the plain shuffle
 
 import bisect
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy
 
@@ -65,8 +68,9 @@ class _Plan:
             return
         self.blocks = blocks[numpy.random.default_rng(self.key).permutation(len(blocks))]
         self.first, self.rows, held = [0], [0], 0
+        limit = window_limit(buffer)
         for i, size in enumerate(self.blocks[:, 1] - self.blocks[:, 0]):
-            if held and held + size > buffer:
+            if held and held + size > limit:
                 self.first.append(i)
                 self.rows.append(self.rows[-1] + held)
                 held = 0
@@ -86,9 +90,14 @@ class _Plan:
         return bisect.bisect_right(self.rows, pos) - 1
 
 
+def window_limit(buffer):
+    """Return the most rows of a window when the shard does not fit: half the buffer."""
+    return max(1, buffer // 2)
+
+
 def block_rows(chunk, buffer):
-    """Return the rows of a block: the file's ``chunk`` (None: unchunked) within the buffer."""
-    return min(buffer, chunk or max(1, buffer // BLOCKS_PER_BUFFER))
+    """Return the rows of a block: the file's ``chunk`` (None: unchunked) within a window."""
+    return min(window_limit(buffer), chunk or max(1, buffer // BLOCKS_PER_BUFFER))
 
 
 def epoch_order(start, stop, chunk, seed, epoch, shard, buffer):
@@ -118,7 +127,8 @@ class ShardReader:
     ``prepare(arrays, file_rows)`` turns a window's arrays as read into those served (a
     reshape, a cast, a check that raises DataError); ``file_rows(i)`` is the file's row of
     window row ``i``. ``rows_held`` counts the rows in the buffer now, ``peak_rows_held``
-    the most it ever held (never more than ``buffer``), ``rows_read`` the rows read so far.
+    the most it ever held (never more than ``buffer``), ``rows_read`` the rows read so far,
+    ``windows_read_ahead`` the windows a reader thread was asked to read ahead.
     """
 
     def __init__(self, path, datasets, start, stop, batch_size, seed, shard, buffer,
@@ -132,7 +142,8 @@ class ShardReader:
         chunks = [d.chunks[0] for _, d in datasets if d.chunks]
         self.chunk = block_rows(chunks[0] if chunks else None, self.buffer)
         self.blocks = cut_blocks(self.start, self.stop, self.chunk)
-        self.rows_held = self.peak_rows_held = self.rows_read = 0
+        self.rows_held = self.peak_rows_held = self.rows_read = self.windows_read_ahead = 0
+        self._counting = threading.Lock()  # the reader thread counts too
 
     def normalize(self, epoch, cursor):
         """Return the position of the next batch: roll over when the epoch is used up."""
@@ -158,7 +169,8 @@ class ShardReader:
             win = cache.get("window")
             if win is None or win.key != plan.window_key(w):
                 self.release(cache)
-                cache["window"] = win = self._load(plan, w)
+                cache["window"] = win = self._take(cache, plan, w)
+                self._read_ahead(cache, plan, w)
             if win.epoch != epoch:  # the whole shard, read once: a new order each epoch
                 win.epoch, win.perm = epoch, plan.window_rng(w).permutation(len(win.perm))
             lo, hi = pos - plan.rows[w], min(end, plan.rows[w + 1]) - plan.rows[w]
@@ -171,7 +183,53 @@ class ShardReader:
         """Drop the window ``cache`` holds, so the next one fits the buffer."""
         win = cache.pop("window", None)
         if win is not None:
-            self.rows_held -= len(win.perm)
+            self._count(-len(win.perm))
+
+    def close(self, cache):
+        """Drop everything ``cache`` holds, the window read ahead included, and its reader."""
+        self.release(cache)
+        ahead, pool = cache.pop("ahead", None), cache.pop("pool", None)
+        if ahead is not None:
+            try:
+                self._count(-len(ahead[1].result().perm))
+            except Exception:  # noqa: BLE001  (a failed read holds nothing; its error is moot)
+                pass
+        if pool is not None:
+            pool.shutdown()
+
+    def _count(self, rows):
+        with self._counting:
+            self.rows_held += rows
+            self.rows_read += max(rows, 0)
+            self.peak_rows_held = max(self.peak_rows_held, self.rows_held)
+
+    def _take(self, cache, plan, w):
+        """Return window ``w``: the one read ahead when it is that one, else read it now."""
+        ahead = cache.pop("ahead", None)
+        if ahead is not None:
+            key, future = ahead
+            win = future.result()  # the reader's error, if any, is raised here
+            if key == plan.window_key(w):
+                return win
+            self._count(-len(win.perm))
+        return self._load(plan, w)
+
+    def _read_ahead(self, cache, plan, w):
+        """Start reading the window after ``w`` (in this epoch or the next) on the reader.
+
+        Only where ``cache["read_ahead"]`` (a prefetching producer) and both fit the buffer.
+        """
+        if not cache.get("read_ahead") or plan.single or 2 * window_limit(self.buffer) > \
+                self.buffer:
+            return
+        if w + 2 < len(plan.first):
+            plan, w = plan, w + 1
+        else:
+            plan, w = _Plan(self.blocks, self.seed, plan.key[1] + 1, self.shard, self.buffer), 0
+        if "pool" not in cache:
+            cache["pool"] = ThreadPoolExecutor(1, thread_name_prefix="mpitf-read")
+        cache["ahead"] = (plan.window_key(w), cache["pool"].submit(self._load, plan, w))
+        self.windows_read_ahead += 1
 
     def _load(self, plan, w):
         """Read window ``w`` of ``plan`` into fresh arrays, blocks in file order."""
@@ -179,25 +237,29 @@ class ShardReader:
         sizes = blocks[:, 1] - blocks[:, 0]
         offsets = numpy.concatenate([[0], numpy.cumsum(sizes)])
         rows = int(offsets[-1])
-        arrays = []
-        for name, d in self.datasets:
-            out = numpy.empty((rows, *d.shape[1:]), d.dtype)
-            for j in numpy.argsort(blocks[:, 0], kind="stable") if out.size else ():
-                lo, hi = (int(v) for v in blocks[j])
-                try:
-                    out[offsets[j]:offsets[j + 1]] = d[lo:hi]  # one chunk: faster than read_direct
-                except (OSError, RuntimeError, TypeError, ValueError) as exc:
-                    raise DataError(f"data file {self.path}: cannot read {name}[{lo}:{hi}]: "
-                                    f"{exc}") from None
-            arrays.append(out)
-        self.rows_held += rows
-        self.rows_read += rows
-        self.peak_rows_held = max(self.peak_rows_held, self.rows_held)
-        if self.prepare is not None:
-            def file_rows(i):
-                b = int(numpy.searchsorted(offsets, i, side="right")) - 1
-                return int(blocks[b, 0] + i - offsets[b])
+        self._count(rows)  # held from here: the arrays are allocated before they are read
+        try:
+            arrays = [self._read(name, d, blocks, offsets, rows) for name, d in self.datasets]
+            if self.prepare is not None:
+                def file_rows(i):
+                    b = int(numpy.searchsorted(offsets, i, side="right")) - 1
+                    return int(blocks[b, 0] + i - offsets[b])
 
-            arrays = self.prepare(arrays, file_rows)
+                arrays = self.prepare(arrays, file_rows)
+        except BaseException:
+            self._count(-rows)
+            raise
         return _Window(plan.window_key(w), plan.key[1], arrays,
                        plan.window_rng(w).permutation(rows))
+
+    def _read(self, name, d, blocks, offsets, rows):
+        """Read ``blocks`` of array ``d`` into one array, block ``j`` at ``offsets[j]``."""
+        out = numpy.empty((rows, *d.shape[1:]), d.dtype)
+        for j in numpy.argsort(blocks[:, 0], kind="stable") if out.size else ():
+            lo, hi = (int(v) for v in blocks[j])
+            try:
+                out[offsets[j]:offsets[j + 1]] = d[lo:hi]  # one chunk: faster than read_direct
+            except (OSError, RuntimeError, TypeError, ValueError) as exc:
+                raise DataError(f"data file {self.path}: cannot read {name}[{lo}:{hi}]: "
+                                f"{exc}") from None
+        return out

@@ -118,10 +118,19 @@ def test_converters_write_chunks_that_streaming_reads_whole(tmp_path):
     with h5py.File(path) as f:
         assert f["x_train"].chunks == (rows, 200) and f["y_train"].chunks == (rows,)
         assert f["x_train"].compression == "lzf" and f["x_test"].chunks == (7, 200)
-    with ShardedDataset(path, batch_size=100, seed=1, buffer=rows, prefetch=0) as ds:
-        got = np.concatenate([ds.next_batch()[0] for _ in range(30)])
-        assert ds.peak_rows_held == rows  # one chunk-aligned block of each array at a time
-    np.testing.assert_array_equal(got, x[epoch_order(0, 3000, rows, 1, 0, 0, rows)])
+    order = x[epoch_order(0, 3000, rows, 1, 0, 0, 2 * rows)]
+    for prefetch in (0, 2):
+        with ShardedDataset(path, batch_size=100, seed=1, buffer=2 * rows,
+                            prefetch=prefetch) as ds:
+            got = np.concatenate([ds.next_batch()[0] for _ in range(30)])
+            # Windows of half the buffer, here one chunk of each array (three windows);
+            # prefetching reads the next window while serving one: the two fit the buffer.
+            assert ds.peak_rows_held <= 2 * rows
+            if prefetch:
+                assert ds._reader.windows_read_ahead >= 2  # windows 1 and 2 at least
+            else:
+                assert ds.peak_rows_held == rows and ds._reader.windows_read_ahead == 0
+        np.testing.assert_array_equal(got, order)
     write_dataset(path, x, np.arange(3000), x[:7], np.arange(7), name="t", num_classes=10,
                   image_shape=(200, 1, 1))
     with h5py.File(path) as f:
