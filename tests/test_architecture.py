@@ -64,7 +64,6 @@ LONG_MODULES = {
     "mpitf/cli/main.py": "the mpitf command's subcommands and their one parser",
     "mpitf/cluster/resolvers.py": "TF_CONFIG and the Slurm step, read as TensorFlow reads them",
     "mpitf/config.py": "every option of a job, declared once with its flag, help and check",
-    "mpitf/data/sharded.py": "a worker's shard of an HDF5 split, with a position to resume",
     "mpitf/models/layers.py": "the layers with hand-written gradients",
     "mpitf/placement.py": "which ps holds which variable or slice (TensorFlow's partitioners)",
     "mpitf/ps/consistency.py": "the consistency policies and who pushes (Senders)",

@@ -4,7 +4,7 @@ Subcommands::
 
     mpitf cluster --spec SPEC [-n N] [--hosts h1,h1,h2,...]   print the rank -> task map
     mpitf run -n N [--dry-run] JOB [ARGS...]                run a job under mpiexec
-    mpitf data digits|mnist|synthetic-ctr|criteo ...        write an HDF5 data set
+    mpitf data digits|mnist|synthetic-ctr|criteo|hash-ids ... write an HDF5 data set
     mpitf ckpt ls|show|verify|export DIR ...                inspect checkpoints
     mpitf bench [--quick] [--suite S] [--out DIR] [-n N]    run the benchmarks
     mpitf bench --plan --nodes N --model-bytes B --compute-ms C --fabric F   plan a cluster
@@ -164,20 +164,34 @@ def cmd_data(args):
 
     if args.dataset == "synthetic-ctr":
         ceiling = ctr.synthetic_ctr(args.out, args.train, args.test, args.fields, args.rows,
-                                    args.dense, seed=args.seed)
-        print(f"wrote {args.out}: synthetic click-through data, {args.train} training and "
-              f"{args.test} test examples; the planted model's test AUC is {ceiling:.4f}")
+                                    args.dense, seed=args.seed, raw_ids=args.raw_ids,
+                                    growth=args.growth, compression=args.compression)
+        ids = (f"raw ids, {args.rows} live per field, {args.growth:g} new per example"
+               if args.raw_ids else f"{args.fields} fields of {args.rows} rows")
+        print(f"wrote {args.out}: synthetic click-through data ({ids}), {args.train} training "
+              f"and {args.test} test examples; the planted model's test AUC is {ceiling:.4f}")
         return 0
     if args.dataset == "criteo":
-        n = ctr.convert_criteo(args.tsv, args.out, args.rows_per_field, args.test_fraction)
-        print(f"wrote {args.out}: {n} Criteo examples, 26 fields of {args.rows_per_field} rows")
+        rows = args.rows_per_field
+        if rows is None and not args.raw_ids:
+            rows = 100000
+        n = ctr.convert_criteo(args.tsv, args.out, rows, args.test_fraction, args.raw_ids,
+                               args.compression)
+        ids = "raw 32-bit hashes" if args.raw_ids else f"{rows} rows"
+        print(f"wrote {args.out}: {n} Criteo examples, 26 fields of {ids}")
+        return 0
+    if args.dataset == "hash-ids":
+        ctr.hash_ctr(args.src, args.out, args.rows_per_field, args.compression)
+        print(f"wrote {args.out}: the examples of {args.src}, ids hashed into "
+              f"{args.rows_per_field} rows per field (id mod rows)")
         return 0
     if args.dataset == "digits":
         out = args.out or datasets.default_data_path()
-        datasets.prepare_digits(out, test_fraction=args.test_fraction, seed=args.seed)
+        datasets.prepare_digits(out, test_fraction=args.test_fraction, seed=args.seed,
+                                compression=args.compression)
     else:
         out = args.out
-        datasets.convert_mnist_idx(args.idx_dir, out)
+        datasets.convert_mnist_idx(args.idx_dir, out, compression=args.compression)
     _report_dataset(out)
     return 0
 
@@ -288,14 +302,31 @@ def build_parser():
     d.add_argument("--rows", type=int, default=1000, help="rows of each field's table")
     d.add_argument("--dense", type=int, default=4, help="dense features")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--raw-ids", action="store_true",
+                   help="raw int64 ids of a vocabulary that grows over the file (new ids "
+                        "appear, old ones fade; --rows of them live), for tables that grow")
+    d.add_argument("--growth", type=float, default=0.02,
+                   help="with --raw-ids: new ids per example per field (default: 0.02)")
     d = data.add_parser("criteo", help="convert Criteo's display-advertising TSV (label, 13 "
                         "integers, 26 hashed categories)")
     d.add_argument("--tsv", required=True, help="the TSV file")
     d.add_argument("--out", required=True, help="output file")
-    d.add_argument("--rows-per-field", type=int, default=100000,
-                   help="rows each field's ids are hashed into")
+    d.add_argument("--rows-per-field", type=int, default=None,
+                   help="rows each field's ids are hashed into (default: 100000)")
+    d.add_argument("--raw-ids", action="store_true",
+                   help="keep Criteo's raw 32-bit hashes as ids (no modulo), for tables "
+                        "that grow")
     d.add_argument("--test-fraction", type=float, default=0.1,
                    help="share of the last lines held out for testing")
+    d = data.add_parser("hash-ids", help="a click-through file of raw ids with its ids "
+                        "hashed into fixed tables (id mod rows)")
+    d.add_argument("--src", required=True, help="a file of raw ids")
+    d.add_argument("--out", required=True, help="output file")
+    d.add_argument("--rows-per-field", type=int, required=True,
+                   help="rows of each field's fixed table")
+    for d in data.choices.values():
+        d.add_argument("--compression", choices=("gzip", "lzf"), default=None,
+                       help="compress the file's chunks (default: none)")
     p.set_defaults(handler=cmd_data)
 
     p = sub.add_parser("ckpt", help="list, show, verify or export checkpoints",

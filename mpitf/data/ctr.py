@@ -1,10 +1,17 @@
-"""Click-through data in HDF5: checked on read, sharded over workers, synthetic or Criteo's.
+"""Click-through data in HDF5: written in chunks, checked on read, streamed to workers.
 
 The layout: ``ids_train``/``ids_test`` int64 (N, F), ``dense_train``/``dense_test``
-float32 (N, D) (D may be 0, or the datasets absent), ``y_train``/``y_test`` in {0, 1},
-and the file attribute ``table_rows`` (one int per field: field f's ids lie in
-``[0, table_rows[f])``). Ids are never wrapped or clipped: one outside its field's range
-is refused, naming the field, the id and the split.
+float32 (N, D) (D may be 0, or the datasets absent), ``y_train``/``y_test`` in {0, 1}, and
+the file attribute ``ids`` that says what the ids are:
+
+- ``"index"`` (the default when absent): field f's ids are rows of a fixed table,
+  ``[0, table_rows[f])`` (the attribute ``table_rows``, one int per field). An id outside
+  its field's range is refused, naming the field, the id and the split: never wrapped or
+  clipped.
+- ``"raw"``: any int64 (Criteo's 32-bit hashes, a vocabulary that grows), for tables that
+  grow; the attribute ``vocabulary`` is ``"dynamic"``. A reader for fixed tables refuses
+  such a file with one message (its ids are out of any fixed table's range);
+  ``raw_ids=True`` takes it, and :func:`hash_ctr` writes its ids hashed into fixed tables.
 """
 
 import os
@@ -13,8 +20,13 @@ import numpy as np
 
 from ..config import check_batch_size, check_int
 from ..errors import DataError
+from .batches import ShardBatches
+from .chunks import check_compression, chunk_rows, create_rows
+from .stream import ShardReader, buffer_rows
 
-__all__ = ["CtrDataset", "auc", "convert_criteo", "load_ctr", "synthetic_ctr", "write_ctr"]
+__all__ = ["DYNAMIC", "CtrDataset", "CtrWriter", "auc", "ctr_ids", "load_ctr", "write_ctr"]
+
+DYNAMIC = "dynamic"  # the vocabulary of a file of raw ids: tables that grow
 
 
 def auc(y, score):
@@ -34,26 +46,96 @@ def auc(y, score):
     return float((ranks[y].sum() - pos * (pos + 1) / 2) / (pos * neg))
 
 
-def write_ctr(out, table_rows, splits):
-    """Write ``splits`` ({"train": (ids, dense, y), "test": ...}) atomically to ``out``."""
-    import h5py
+class CtrWriter:
+    """Write a click-through file block by block; ``out.tmp`` becomes ``out`` on success.
 
-    tmp = out + ".tmp"
-    with h5py.File(tmp, "w") as f:
-        f.attrs["table_rows"] = np.asarray(table_rows, np.int64)
+    ``table_rows``: one int per field (ids index fixed tables), or :data:`DYNAMIC` (raw
+    ids). ``sizes``: ``{"train": N, "test": M}``. Arrays are chunked by whole rows for
+    streaming reads; ``compression`` ("gzip" or "lzf") is off by default.
+    """
+
+    def __init__(self, out, table_rows, sizes, fields, dense_dim, compression=None, attrs=None):
+        import h5py
+
+        check_compression(compression)
+        self.out, self.tmp = out, out + ".tmp"
+        self.file = f = h5py.File(self.tmp, "w")
+        if isinstance(table_rows, str) and table_rows == DYNAMIC:
+            f.attrs["ids"], f.attrs["vocabulary"] = "raw", DYNAMIC
+        else:
+            f.attrs["ids"] = "index"
+            f.attrs["table_rows"] = np.asarray(table_rows, np.int64)
+        for key, value in (attrs or {}).items():
+            f.attrs[key] = value
+        for split, n in sizes.items():
+            shapes = {"ids": ((n, fields), np.int64), "dense": ((n, dense_dim), np.float32),
+                      "y": ((n,), np.int64)}
+            rows = chunk_rows(8 * fields + 4 * dense_dim + 8, n)  # one for the split
+            for name, (shape, dtype) in shapes.items():
+                create_rows(f, f"{name}_{split}", shape, dtype, rows, compression)
+
+    def write(self, split, start, ids, dense, y):
+        """Write rows ``[start, start + len(y))`` of ``split``."""
+        stop = start + len(y)
+        self.file[f"ids_{split}"][start:stop] = np.asarray(ids, np.int64)
+        if self.file[f"dense_{split}"].shape[1]:
+            self.file[f"dense_{split}"][start:stop] = np.asarray(dense, np.float32)
+        self.file[f"y_{split}"][start:stop] = np.asarray(y, np.int64)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *exc_info):
+        self.file.close()
+        if kind is None:
+            os.replace(self.tmp, self.out)
+        elif os.path.exists(self.tmp):
+            os.remove(self.tmp)
+
+
+def write_ctr(out, table_rows, splits, compression=None, attrs=None):
+    """Write ``splits`` ({"train": (ids, dense, y), "test": ...}) atomically to ``out``.
+
+    ``table_rows``: one int per field, or :data:`DYNAMIC` for raw ids.
+    """
+    first = np.asarray(next(iter(splits.values()))[0])
+    dense_dim = np.asarray(next(iter(splits.values()))[1]).reshape(len(first), -1).shape[1]
+    sizes = {split: len(arrays[2]) for split, arrays in splits.items()}
+    with CtrWriter(out, table_rows, sizes, first.shape[1], dense_dim, compression,
+                   attrs) as w:
         for split, (ids, dense, y) in splits.items():
-            f[f"ids_{split}"] = np.asarray(ids, np.int64)
-            f[f"dense_{split}"] = np.asarray(dense, np.float32)
-            f[f"y_{split}"] = np.asarray(y, np.int64)
-    os.replace(tmp, out)
+            w.write(split, 0, ids, np.asarray(dense).reshape(len(y), -1), y)
     return out
 
 
-def load_ctr(path, split, table_rows=None, start=0, stop=None):
-    """Return ``(ids, dense, y, table_rows)`` of rows ``[start, stop)`` of a split, checked.
+def _id_rows(path, f):
+    """Return the file's ``table_rows`` (an int64 array), or None for raw ids."""
+    kind = f.attrs.get("ids", "index")
+    kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+    if kind == "raw":
+        return None
+    if kind != "index":
+        raise DataError(f"data file {path}: attribute ids = {kind!r}, expecting 'index' "
+                        "(rows of fixed tables) or 'raw'")
+    if "table_rows" not in f.attrs:
+        raise DataError(f"data file {path} has no `table_rows` attribute (one int per "
+                        "field: the rows of its table)")
+    return np.asarray(f.attrs["table_rows"], np.int64).reshape(-1)
 
-    ``table_rows`` (the model's) must agree with the file's attribute when given.
+
+def ctr_ids(path):
+    """Return what a click-through file's ids are: ``("index", table_rows)`` or ``("raw", None)``.
+
+    A job chooses its tables by it: fixed tables of ``table_rows`` rows, or tables that grow.
     """
+    f = _open_ctr(path, "train", None, True)[0]
+    with f:
+        rows = _id_rows(path, f)
+    return ("raw", None) if rows is None else ("index", rows.tolist())
+
+
+def _open_ctr(path, split, table_rows, raw_ids):
+    """Open ``path``; return ``(file, [(name, dataset)], rows)``, the layout checked."""
     import h5py
 
     if not os.path.isfile(path):
@@ -63,149 +145,115 @@ def load_ctr(path, split, table_rows=None, start=0, stop=None):
         f = h5py.File(path, "r")
     except OSError as exc:
         raise DataError(f"cannot open data file {path} as HDF5: {exc}") from None
-    with f:
-        if "table_rows" not in f.attrs:
-            raise DataError(f"data file {path} has no `table_rows` attribute (one int per "
-                            "field: the rows of its table)")
-        rows = np.asarray(f.attrs["table_rows"], np.int64).reshape(-1)
-        if table_rows is not None and list(rows) != list(table_rows):
+    try:
+        rows = _id_rows(path, f)
+        if rows is None and not raw_ids:
+            name = f"ids_{split}"
+            first = f" (e.g. {name}[0, 0] = {int(f[name][0, 0])})" \
+                if name in f and f[name].ndim == 2 and f[name].size else ""
+            raise DataError(
+                f"data file {path} holds raw ids (attribute ids = 'raw', vocabulary "
+                f"{DYNAMIC!r}): they are out of the range of a fixed table's rows{first}, so a "
+                "model of fixed tables cannot look them up. Train it with tables that grow, or "
+                "hash its ids into fixed tables (`mpitf data hash-ids`, or write it without "
+                "--raw-ids)")
+        if rows is not None and table_rows is not None and list(rows) != list(table_rows):
             raise DataError(f"data file {path}: table_rows {rows.tolist()} disagrees with the "
                             f"model's {list(table_rows)}")
-        name = f"ids_{split}"
-        if name not in f:
-            raise DataError(f"data file {path} has no {name}")
-        ds = f[name]
-        if ds.dtype.kind not in "iu" or ds.ndim != 2 or ds.shape[1] != len(rows):
-            raise DataError(f"data file {path}: {name} must be integer (N, {len(rows)}), got "
+        names = [f"ids_{split}", f"y_{split}"]
+        for name in names:
+            if name not in f:
+                raise DataError(f"data file {path} has no {name}")
+        ds, fields = f[names[0]], (len(rows) if rows is not None else f[names[0]].shape[-1])
+        if ds.dtype.kind not in "iu" or ds.ndim != 2 or ds.shape[1] != fields:
+            raise DataError(f"data file {path}: {names[0]} must be integer (N, {fields}), got "
                             f"{ds.dtype} {ds.shape}")
-        ids = ds[start:stop].astype(np.int64)
-        n = len(ids)
-        dense = f[f"dense_{split}"][start:stop].astype(np.float32) \
-            if f"dense_{split}" in f else np.zeros((n, 0), np.float32)
-        if f"y_{split}" not in f:
-            raise DataError(f"data file {path} has no y_{split}")
-        y = f[f"y_{split}"][start:stop]
-    if len(dense) != n or len(y) != n or dense.ndim != 2:
-        raise DataError(f"data file {path}: ids_{split}, dense_{split} and y_{split} must "
-                        f"have one row per example, got {n}, {len(dense)}, {len(y)}")
+        if f"dense_{split}" in f:
+            names.insert(1, f"dense_{split}")
+        arrays = [(name, f[name]) for name in names]
+        lengths = [len(d) for _, d in arrays]
+        if len(set(lengths)) != 1 or (len(arrays) == 3 and arrays[1][1].ndim != 2):
+            raise DataError(f"data file {path}: ids_{split}, dense_{split} and y_{split} must "
+                            f"have one row per example, got {', '.join(map(str, lengths))}")
+    except BaseException:
+        f.close()
+        raise
+    return f, arrays, rows
+
+
+def _checked(path, split, arrays, rows, row_of):
+    """Return ``(ids, dense, y)`` as int64, float32, float32, checked (``row_of``: file row)."""
+    ids, y = arrays[0].astype(np.int64, copy=False), arrays[-1]
+    dense = arrays[1].astype(np.float32, copy=False) if len(arrays) == 3 \
+        else np.zeros((len(ids), 0), np.float32)
     if not np.isin(y, (0, 1)).all():
         raise DataError(f"data file {path}: y_{split} must hold labels 0 or 1")
-    bad = (ids < 0) | (ids >= rows)
-    if bad.any():
-        row, field = map(int, np.argwhere(bad)[0])
-        raise DataError(f"data file {path}: id {int(ids[row, field])} of field {field} in "
-                        f"split {split!r} (example {start + row}) is outside "
-                        f"[0, {int(rows[field])}) (ids are never wrapped or clipped)")
-    return ids, dense, y.astype(np.float32), rows
+    if rows is not None:
+        bad = (ids < 0) | (ids >= rows)
+        if bad.any():
+            row, field = map(int, np.argwhere(bad)[0])
+            raise DataError(f"data file {path}: id {int(ids[row, field])} of field {field} in "
+                            f"split {split!r} (example {row_of(row)}) is outside "
+                            f"[0, {int(rows[field])}) (ids are never wrapped or clipped)")
+    return ids, dense, y.astype(np.float32)
 
 
-class CtrDataset:
-    """One worker's contiguous shard of the train split, shuffled per (seed, epoch, shard)."""
+def load_ctr(path, split, table_rows=None, start=0, stop=None, raw_ids=False):
+    """Return ``(ids, dense, y, table_rows)`` of rows ``[start, stop)`` of a split, checked.
 
-    def __init__(self, path, shard_index, num_shards, batch_size, seed=0, table_rows=None):
-        import h5py
+    ``table_rows`` (the model's) must agree with the file's attribute when given. A file of
+    raw ids is refused unless ``raw_ids`` (tables that grow); its ``table_rows`` is None.
+    A bad ``$MPITF_DATA_BUFFER_MIB`` is refused too: a job's up-front check of its file.
+    """
+    buffer_rows(None, 1)
+    f, arrays, rows = _open_ctr(path, split, table_rows, raw_ids)
+    with f:
+        read = [d[start:stop] for _, d in arrays]
+    return (*_checked(path, split, read, rows, lambda i: start + i), rows)
 
+
+class CtrDataset(ShardBatches):
+    """One worker's contiguous shard of the train split, shuffled per (seed, epoch, shard).
+
+    Streamed through a shuffle buffer of ``buffer`` examples, each window checked as read
+    (see :class:`~mpitf.data.sharded.ShardedDataset` for ``buffer`` and ``prefetch``). Batches
+    are ``(ids, dense, y)``; an epoch ends at its last full batch. ``raw_ids`` takes a file of
+    raw ids (``table_rows`` is then None).
+    """
+
+    def __init__(self, path, shard_index, num_shards, batch_size, seed=0, table_rows=None,
+                 buffer=None, prefetch=2, raw_ids=False):
         self.batch_size = check_batch_size(batch_size)
         check_int("num_shards", num_shards, 1)
-        with h5py.File(path, "r") as f:
-            n = len(f["ids_train"]) if "ids_train" in f else 0
-        lo, hi = shard_index * n // num_shards, (shard_index + 1) * n // num_shards
-        self.ids, self.dense, self.y, self.table_rows = load_ctr(path, "train", table_rows,
-                                                                 lo, hi)
-        if len(self.y) < self.batch_size:
-            raise DataError(f"data file {path}: worker {shard_index}'s shard has "
-                            f"{len(self.y)} examples, fewer than a batch of {batch_size}")
-        self.seed, self.shard = seed, shard_index
-        self.epoch = self.cursor = 0
-        self._perm = None
-
-    @property
-    def dense_dim(self):
-        return self.dense.shape[1]
-
-    def _order(self):
-        if self._perm is None:
-            rng = np.random.default_rng((self.seed, self.epoch, self.shard))
-            self._perm = rng.permutation(len(self.y))
-        return self._perm
-
-    def next_batch(self):
-        """Return the next ``(ids, dense, y)`` batch (an epoch ends at its last full one)."""
-        if self.cursor + self.batch_size > len(self.y):
-            self.epoch, self.cursor, self._perm = self.epoch + 1, 0, None
-        take = self._order()[self.cursor:self.cursor + self.batch_size]
-        self.cursor += self.batch_size
-        return self.ids[take], self.dense[take], self.y[take]
-
-    def state(self):
-        """Return the position of the next batch."""
-        return {"epoch": self.epoch, "cursor": self.cursor}
-
-    def restore(self, state):
-        """Continue from a saved position."""
-        self.epoch, self.cursor, self._perm = int(state["epoch"]), int(state["cursor"]), None
+        f, arrays, self.table_rows = _open_ctr(path, "train", table_rows, raw_ids)
+        try:
+            n = len(arrays[0][1])
+            lo, hi = shard_index * n // num_shards, (shard_index + 1) * n // num_shards
+            if hi - lo < self.batch_size:
+                raise DataError(f"data file {path}: worker {shard_index}'s shard has "
+                                f"{hi - lo} examples, fewer than a batch of {batch_size}")
+            self.dense_dim = arrays[1][1].shape[1] if len(arrays) == 3 else 0
+            self.path, self.shard_index, self.num_shards = path, shard_index, num_shards
+            self.start, self.stop, self.num_samples, self.seed = lo, hi, hi - lo, seed
+            rows = self.table_rows
+            reader = ShardReader(path, arrays, lo, hi, self.batch_size, seed, shard_index,
+                                 buffer, prepare=lambda a, row_of: _checked(
+                                     path, "train", a, rows, row_of))
+            super().__init__(reader, prefetch, f)
+        except BaseException:
+            f.close()
+            raise
 
 
-def synthetic_ctr(out, train=200000, test=5000, fields=8, rows=1000, dense=4, dim=4,
-                  zipf=1.2, seed=0):
-    """Write power-law CTR data from a planted model; return the planted model's test AUC.
-
-    Field f's ids are Zipf(``zipf``) over ``rows`` rows; each id has a planted vector of
-    ``dim`` values and the logit is a planted MLP-free model: the sum over fields of
-    ``<e_f[id], u>`` plus ``<dense, v>``; labels are drawn from its sigmoid, so its AUC on
-    the test split is the ceiling a learner can reach. The default 200 000 training
-    examples give the rare rows of the power law enough examples to learn: with 20 000
-    (25 per row of 1000 on average, most of them on the few popular ids) a learner
-    overfits the rare ids and falls well short of the ceiling (benchmarks/README.md).
-    """
-    rng = np.random.default_rng(seed)
-    table_rows = [int(rows)] * fields
-    planted = [rng.normal(0, 1.0, (rows, dim)) for _ in range(fields)]
-    u, v = rng.normal(0, 1.0, dim), rng.normal(0, 0.5, dense)
-    splits = {}
-    for split, n in (("train", train), ("test", test)):
-        ids = (rng.zipf(zipf, (n, fields)) - 1) % rows
-        x = rng.normal(0, 1.0, (n, dense)).astype(np.float32)
-        logit = sum(planted[f][ids[:, f]] @ u for f in range(fields)) / np.sqrt(fields) \
-            + x @ v - 1.0
-        y = (rng.random(n) < 1 / (1 + np.exp(-logit))).astype(np.int64)
-        splits[split] = (ids, x, y)
-        if split == "test":
-            ceiling = auc(y, logit)
-    write_ctr(out, table_rows, splits)
-    return ceiling
+# The writers of click-through files live beside it and write with CtrWriter; they are
+# importable from here too, imported on first use (no import cycle).
+_ELSEWHERE = {"MISSING_RAW": "ctr_convert", "convert_criteo": "ctr_convert",
+              "hash_ctr": "ctr_convert", "synthetic_ctr": "ctr_synthetic"}
 
 
-def convert_criteo(tsv, out, rows_per_field, test_fraction=0.1):
-    """Convert Criteo's display-advertising TSV (label, 13 ints, 26 hashed categories).
+def __getattr__(name):
+    if name in _ELSEWHERE:
+        import importlib
 
-    Integer features become ``log(1 + max(x, 0))`` (missing: 0); each categorical value
-    (hexadecimal, missing: its own id) is hashed with crc32 into ``rows_per_field`` rows.
-    The last ``test_fraction`` of the lines is the test split. Returns the example count.
-    """
-    import zlib
-
-    check_int("rows_per_field", rows_per_field, 2)
-    labels, dense, ids = [], [], []
-    with open(tsv) as f:
-        for number, line in enumerate(f, 1):
-            parts = line.rstrip("\n").split("\t")
-            if len(parts) != 40:
-                raise DataError(f"{tsv}:{number}: expecting 40 tab-separated fields (label, "
-                                f"13 integers, 26 categories), got {len(parts)}")
-            try:
-                labels.append(int(parts[0]))
-                dense.append([np.log1p(max(int(p), 0)) if p else 0.0 for p in parts[1:14]])
-            except ValueError:
-                raise DataError(f"{tsv}:{number}: label and integer features must be "
-                                "integers") from None
-            ids.append([1 + zlib.crc32(p.encode()) % (rows_per_field - 1) if p else 0
-                        for p in parts[14:]])
-    n = len(labels)
-    if n < 2:
-        raise DataError(f"{tsv}: needs at least 2 lines, got {n}")
-    cut = n - max(1, int(round(n * test_fraction)))
-    arrays = np.asarray(ids, np.int64), np.asarray(dense, np.float32), np.asarray(labels)
-    write_ctr(out, [rows_per_field] * 26, {
-        "train": tuple(a[:cut] for a in arrays), "test": tuple(a[cut:] for a in arrays)})
-    return n
+        return getattr(importlib.import_module(f".{_ELSEWHERE[name]}", __package__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

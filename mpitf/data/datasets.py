@@ -3,6 +3,7 @@
 The layout: arrays ``x_train`` (N, D) float32 in [0, 1], ``y_train`` (N,) int64,
 ``x_test``, ``y_test``, and attributes ``name``, ``num_classes`` and
 ``image_shape`` (H, W, C) that tells how a row of ``x`` folds into an NHWC image.
+Arrays are chunked by whole rows for streaming reads (:mod:`mpitf.data.chunks`).
 """
 
 import gzip
@@ -11,6 +12,7 @@ import os
 import numpy
 
 from ..errors import ConfigurationError, DataError
+from .chunks import check_compression, create_rows, split_rows
 
 __all__ = [
     "convert_mnist_idx",
@@ -44,17 +46,19 @@ def _fsync_dir(path):
 
 
 def write_dataset(out_path, x_train, y_train, x_test, y_test, *, name, num_classes,
-                  image_shape):
+                  image_shape, compression=None):
     """Write a data set in the mpitf layout, atomically.
 
     The file is written to ``out_path + ".tmp"``, flushed, fsynced and renamed
-    over ``out_path``, so a reader never sees a half-written file.
+    over ``out_path``, so a reader never sees a half-written file. Arrays are chunked by
+    whole rows; ``compression`` ("gzip" or "lzf") is off by default.
 
     Returns:
         ``out_path``.
     """
     import h5py
 
+    check_compression(compression)
     for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
         if len(x) != len(y):
             raise DataError(f"{out_path}: x_{split} has {len(x)} rows but y_{split} has {len(y)}")
@@ -63,10 +67,11 @@ def write_dataset(out_path, x_train, y_train, x_test, y_test, *, name, num_class
     tmp = out_path + ".tmp"
     try:
         with h5py.File(tmp, "w") as f:
-            f.create_dataset("x_train", data=x_train)
-            f.create_dataset("y_train", data=numpy.asarray(y_train, dtype=numpy.int64))
-            f.create_dataset("x_test", data=x_test)
-            f.create_dataset("y_test", data=numpy.asarray(y_test, dtype=numpy.int64))
+            for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
+                x, y = numpy.asarray(x), numpy.asarray(y, dtype=numpy.int64)
+                rows = split_rows((x, y))
+                create_rows(f, f"x_{split}", x.shape, x.dtype, rows, compression, x)
+                create_rows(f, f"y_{split}", y.shape, y.dtype, rows, compression, y)
             f.attrs["name"] = name
             f.attrs["num_classes"] = int(num_classes)
             f.attrs["image_shape"] = numpy.asarray(image_shape, dtype=numpy.int64)
@@ -85,7 +90,7 @@ def write_dataset(out_path, x_train, y_train, x_test, y_test, *, name, num_class
     return out_path
 
 
-def prepare_digits(out_path, test_fraction=0.2, seed=0):
+def prepare_digits(out_path, test_fraction=0.2, seed=0, compression=None):
     """Write scikit-learn's bundled 8x8 digits (1797 images, 10 classes) to ``out_path``.
 
     The data ship inside scikit-learn, so nothing is downloaded. Samples are
@@ -111,7 +116,8 @@ def prepare_digits(out_path, test_fraction=0.2, seed=0):
     x, y = x[order], y[order]
     n_test = max(1, int(round(len(x) * test_fraction)))
     return write_dataset(out_path, x[n_test:], y[n_test:], x[:n_test], y[:n_test],
-                         name="digits", num_classes=10, image_shape=(8, 8, 1))
+                         name="digits", num_classes=10, image_shape=(8, 8, 1),
+                         compression=compression)
 
 
 def _find_idx(idx_dir, base, array):
@@ -154,7 +160,7 @@ def _read_idx(path, array, ndim):
     return numpy.frombuffer(raw, dtype=numpy.uint8, offset=header).reshape(dims)
 
 
-def convert_mnist_idx(idx_dir, out_path):
+def convert_mnist_idx(idx_dir, out_path, compression=None):
     """Convert the four MNIST IDX files in ``idx_dir`` to the mpitf layout at ``out_path``.
 
     Reads ``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,
@@ -188,6 +194,7 @@ def convert_mnist_idx(idx_dir, out_path):
     return write_dataset(
         out_path, arrays["x_train"][1], arrays["y_train"][1], arrays["x_test"][1],
         arrays["y_test"][1], name="mnist", num_classes=num_classes, image_shape=(rows, cols, 1),
+        compression=compression,
     )
 
 

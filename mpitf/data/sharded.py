@@ -1,20 +1,21 @@
-"""HDF5 data sets sharded over workers, with epoch-seeded shuffling and prefetch.
+"""HDF5 data sets sharded over workers, streamed through a shuffle buffer, with prefetch.
 
-Worker ``i`` of ``W`` owns the contiguous sample range ``[i*N//W, (i+1)*N//W)``
-of a split and reads only that range, once, into memory. Each epoch visits the
-shard in the order ``numpy.random.default_rng((seed, epoch, i)).permutation``,
-so a position ``(epoch, cursor)`` names the next batch exactly, and a job
-restarted from a checkpoint sees the very batches it would have seen.
+Worker ``i`` of ``W`` owns the contiguous sample range ``[i*N//W, (i+1)*N//W)`` of a split
+and reads only that range, in chunk-aligned blocks through a buffer of a bounded number of
+rows (:mod:`mpitf.data.stream`): a worker's memory is bounded by its buffer, not the file.
+Each epoch's order is a pure function of ``(seed, epoch, shard, buffer)``, so a position
+``(epoch, cursor)`` names the next batch exactly, and a job restarted from a checkpoint (with
+the same buffer) sees the very batches it would have seen.
 """
 
 import os
-import queue
-import threading
 
 import numpy
 
-from ..config import check_batch_size, check_int
+from ..config import check_batch_size
 from ..errors import ConfigurationError, DataError
+from .batches import ShardBatches
+from .stream import ShardReader, buffer_rows
 
 __all__ = ["ShardedDataset", "check_file", "load_split"]
 
@@ -73,8 +74,10 @@ def check_file(path, splits=("train", "test"), num_classes=10, batch_size=None, 
     last class and a float label would be truncated, silently. Every split's samples must
     have the train split's shape, and an ``image_shape`` attribute must hold one sample.
     With ``batch_size``, the smallest of ``num_shards`` shards of the first split must hold
-    a batch. Labels are read whole (one integer per sample); features only by their shape.
+    a batch. Labels are read in blocks; features only by their shape. A bad
+    ``$MPITF_DATA_BUFFER_MIB`` is refused here too, before any worker reads.
     """
+    buffer_rows(None, 1)
     shape = None
     for split in splits:
         f, x, y = _open(path, split)
@@ -101,18 +104,22 @@ def check_file(path, splits=("train", "test"), num_classes=10, batch_size=None, 
                     f"data file {path}: samples of x_{split} have shape {tuple(x.shape[1:])} "
                     f"but those of x_{splits[0]} {tuple(shape)}: every split needs the same "
                     "features")
-            _check_labels(path, f"y_{split}", _read(path, f"y_{split}", y, 0, y.shape[0]),
-                          classes)
+            for lo in range(0, y.shape[0], _LABEL_BLOCK):  # in blocks: the file may be large
+                _check_labels(path, f"y_{split}", _read(path, f"y_{split}", y, lo,
+                                                        lo + _LABEL_BLOCK), classes, lo)
     return path
 
 
-def _check_labels(path, name, y, classes):
+_LABEL_BLOCK = 1 << 20
+
+
+def _check_labels(path, name, y, classes, first=0):
     if y.dtype.kind not in "iu":
         raise DataError(f"data file {path}: {name} must hold integer class labels, got dtype "
                         f"{y.dtype}; store them as integers in [0, {classes})")
     if y.size and (int(y.min()) < 0 or int(y.max()) >= classes):
         bad = int(y.min()) if int(y.min()) < 0 else int(y.max())
-        where = int(numpy.flatnonzero(y == bad)[0])
+        where = first + int(numpy.flatnonzero(y == bad)[0])
         raise DataError(f"data file {path}: {name}[{where}] = {bad} is outside the classes "
                         f"[0, {classes}) (num_classes={classes}); fix the labels or the file's "
                         "num_classes attribute")
@@ -130,14 +137,7 @@ def load_split(path, split):
         return x_all.reshape(n, -1), _read(path, f"y_{split}", y, 0, n)
 
 
-class _Failure:
-    """Carries an exception raised in the prefetch thread to the consumer."""
-
-    def __init__(self, exc):
-        self.exc = exc
-
-
-class ShardedDataset:
+class ShardedDataset(ShardBatches):
     """One worker's shard of a split, served in shuffled batches forever.
 
     Args:
@@ -147,14 +147,21 @@ class ShardedDataset:
         num_shards: number of workers sharing the split.
         batch_size: samples per batch.
         seed: shuffling seed; epochs and shards get distinct streams from it.
-        prefetch: batches prepared ahead by a background thread; 0 = synchronous.
+        prefetch: batches prepared ahead by a background thread (which also reads the
+            file); 0 = synchronous.
         drop_remainder: end the epoch when fewer than ``batch_size`` samples are
             left (True), or serve them as a last short batch (False).
+        buffer: the shuffle buffer, in samples: the most rows of the shard held at once
+            (default: ``$MPITF_DATA_BUFFER_MIB`` MiB of rows, else 64 MiB). A buffer that
+            holds the shard reads it once and shuffles it whole; a resumed job needs the
+            buffer it was saved with to see the same batches.
 
     Attributes:
         num_samples: samples in this shard; ``start``, ``stop``: its range in the split.
         total_samples: samples in the whole split.
         batches_per_epoch: batches served per epoch.
+        buffer: the shuffle buffer in samples; ``rows_held``, ``peak_rows_held``: the rows
+            in it now and at most so far (never more than ``buffer``).
         num_classes, image_shape, name: the file's attributes (None where absent); a split
             stored as images (N, H, W) or (N, H, W, C) with no ``image_shape`` attribute
             takes its image shape from the array.
@@ -164,19 +171,18 @@ class ShardedDataset:
     """
 
     def __init__(self, path, split="train", shard_index=0, num_shards=1, batch_size=32, seed=0,
-                 prefetch=2, drop_remainder=True):
+                 prefetch=2, drop_remainder=True, buffer=None):
         if num_shards < 1 or not 0 <= shard_index < num_shards:
             raise ConfigurationError(
                 f"shard_index must be in [0, num_shards), got {shard_index} of {num_shards}"
             )
         check_batch_size(batch_size)
-        check_int("prefetch", prefetch, 0)
         self.path, self.split = path, split
         self.shard_index, self.num_shards = int(shard_index), int(num_shards)
-        self.batch_size, self.seed, self.prefetch = int(batch_size), seed, int(prefetch)
+        self.batch_size, self.seed = int(batch_size), seed
         self.drop_remainder = bool(drop_remainder)
         f, x, y = _open(path, split)
-        with f:
+        try:
             n = x.shape[0]
             if n < num_shards:
                 raise DataError(
@@ -186,154 +192,35 @@ class ShardedDataset:
             self.total_samples = n
             self.start = shard_index * n // num_shards
             self.stop = (shard_index + 1) * n // num_shards
-            rows = _read(path, f"x_{split}", x, self.start, self.stop)
-            self._x = rows.reshape(len(rows), -1)  # a view: images become flat rows
-            self._y = _read(path, f"y_{split}", y, self.start, self.stop)
             self.name = _attr(f, "name")
             self.num_classes = _attr(f, "num_classes")
             self.image_shape = _attr(f, "image_shape") or (
                 tuple(int(d) for d in x.shape[1:]) if x.ndim in (3, 4) else None)
-        self.x_dim = int(np_prod(x.shape[1:]))
-        self.num_samples = self.stop - self.start
-        if self.drop_remainder and self.num_samples < self.batch_size:
-            raise ConfigurationError(
-                f"data file {path}: shard {shard_index} of {num_shards} holds "
-                f"{self.num_samples} samples of x_{split}, fewer than batch_size="
-                f"{self.batch_size}; use a smaller batch or drop_remainder=False"
-            )
+            self.x_dim = int(np_prod(x.shape[1:]))
+            self.num_samples = self.stop - self.start
+            if self.drop_remainder and self.num_samples < self.batch_size:
+                raise ConfigurationError(
+                    f"data file {path}: shard {shard_index} of {num_shards} holds "
+                    f"{self.num_samples} samples of x_{split}, fewer than batch_size="
+                    f"{self.batch_size}; use a smaller batch or drop_remainder=False"
+                )
+            reader = ShardReader(
+                path, [(f"x_{split}", x), (f"y_{split}", y)], self.start, self.stop,
+                self.batch_size, seed, self.shard_index, buffer, self.drop_remainder,
+                prepare=lambda arrays, _: [arrays[0].reshape(len(arrays[0]), -1), arrays[1]])
+            super().__init__(reader, prefetch, f)
+        except BaseException:
+            f.close()
+            raise
         if self.drop_remainder:
             self.batches_per_epoch = self.num_samples // self.batch_size
         else:
             self.batches_per_epoch = -(-self.num_samples // self.batch_size)
-        self._epoch, self._cursor = 0, 0
-        self._perms = {}  # permutation cache of synchronous mode
-        self._thread = None
-        self._stop = None
-        self._queue = None
-        self._closed = False
-
-    # --- positions -----------------------------------------------------------
-
-    def _normalize(self, epoch, cursor):
-        """Return the position of the next batch: roll over when the epoch is used up."""
-        left = self.num_samples - cursor
-        if left <= 0 or (self.drop_remainder and left < self.batch_size):
-            return epoch + 1, 0
-        return epoch, cursor
-
-    def _batch_at(self, epoch, cursor, perms):
-        """Return ``(x, y, next_epoch, next_cursor)`` for the batch at a normalized position.
-
-        ``perms`` is a one-entry cache ``{epoch: permutation}`` owned by the caller.
-        """
-        if epoch not in perms:
-            perms.clear()
-            rng = numpy.random.default_rng((self.seed, epoch, self.shard_index))
-            perms[epoch] = rng.permutation(self.num_samples)
-        idx = perms[epoch][cursor : cursor + self.batch_size]
-        x, y = self._x[idx], self._y[idx]
-        return (x, y, *self._normalize(epoch, cursor + len(idx)))
-
-    def state(self):
-        """Return ``{"epoch", "cursor"}``: the position of the next batch ``next_batch`` returns."""
-        return {"epoch": self._epoch, "cursor": self._cursor}
-
-    def restore(self, state):
-        """Reposition so the next batch is the one that followed ``state`` when it was taken.
-
-        Batches prefetched from the old position are dropped.
-        """
-        try:
-            epoch, cursor = int(state["epoch"]), int(state["cursor"])
-        except (KeyError, TypeError, ValueError):
-            raise ConfigurationError(
-                f"data position must be a dict with integer 'epoch' and 'cursor', got {state!r}"
-            ) from None
-        if epoch < 0 or not 0 <= cursor < self.num_samples:
-            raise ConfigurationError(
-                f"data position {state!r} out of range for a shard of {self.num_samples} samples"
-            )
-        self._stop_thread()
-        self._epoch, self._cursor = self._normalize(epoch, cursor)
-
-    # --- serving -------------------------------------------------------------
-
-    def next_batch(self):
-        """Return the next ``(x, y)`` batch as host numpy arrays."""
-        if self._closed:
-            raise ConfigurationError(f"ShardedDataset over {self.path} is closed")
-        if self.prefetch == 0:
-            x, y, self._epoch, self._cursor = self._batch_at(self._epoch, self._cursor,
-                                                             self._perms)
-            return x, y
-        if self._thread is None:
-            self._start_thread()
-        item = self._queue.get()
-        if isinstance(item, _Failure):
-            self._queue.put(item)  # keep failing on later calls instead of blocking
-            raise item.exc
-        x, y, self._epoch, self._cursor = item
-        return x, y
-
-    def __iter__(self):
-        """Yield batches forever."""
-        while True:
-            yield self.next_batch()
-
-    def _start_thread(self):
-        """Start the prefetch thread from the current position."""
-        self._queue = queue.Queue(maxsize=self.prefetch)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._produce, args=(self._epoch, self._cursor, self._queue, self._stop),
-            name=f"mpitf-prefetch-{self.split}-{self.shard_index}", daemon=True,
-        )
-        self._thread.start()
-
-    def _produce(self, epoch, cursor, q, stop):
-        """Fill ``q`` with batches from ``(epoch, cursor)`` until ``stop`` is set."""
-        perms = {}
-        try:
-            while not stop.is_set():
-                x, y, epoch, cursor = self._batch_at(epoch, cursor, perms)
-                item = (x, y, epoch, cursor)
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.05)
-                        break
-                    except queue.Full:
-                        continue
-        except BaseException as exc:  # handed to the consumer, which re-raises it
-            while not stop.is_set():
-                try:
-                    q.put(_Failure(exc), timeout=0.05)
-                    break
-                except queue.Full:
-                    continue
-
-    def _stop_thread(self):
-        """Stop the prefetch thread and drop what it prepared."""
-        if self._thread is None:
-            return
-        self._stop.set()
-        self._thread.join()
-        self._thread, self._queue, self._stop = None, None, None
-
-    def close(self):
-        """Stop prefetching; later ``next_batch`` calls fail."""
-        self._stop_thread()
-        self._closed = True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        self.close()
 
     def __repr__(self):
         return (f"ShardedDataset({self.path!r}, split={self.split!r}, shard {self.shard_index} "
                 f"of {self.num_shards}: samples [{self.start}, {self.stop}), "
-                f"batch_size={self.batch_size}, position={self.state()})")
+                f"batch_size={self.batch_size}, buffer={self.buffer}, position={self.state()})")
 
 
 def np_prod(shape):
