@@ -16,6 +16,7 @@ import torch
 from torch.nn import functional as F
 
 from ..errors import ConfigurationError
+from .rowgrad import RowGather, bag_weights
 
 __all__ = ["Embedding", "EmbeddingBag", "check_ids"]
 
@@ -139,8 +140,13 @@ class _RowTable(torch.nn.Module):
         self.table_name, self._front = name, front
         self.weight.data = torch.empty((0, self.embedding_dim), dtype=self.weight.dtype)
 
-    def _rows(self, input, pull):
-        """Pull ``input``'s rows: (unique rows as a leaf, inverse indices, padding index)."""
+    def _rows(self, input, pull, accumulate=False):
+        """Pull ``input``'s rows: (unique rows as a leaf, inverse indices, padding, lookup).
+
+        Under grad the rows require it; ``accumulate``: torch's backward adds the rows'
+        gradients into ``rows.grad``, the push's buffer (else :class:`RowGather` writes
+        each occurrence's into the lookup, summed per row by the session).
+        """
         if input.numel() > self.max_ids:
             raise ConfigurationError(
                 f"table {self.table_name!r}: a step looks up {input.numel()} ids, more than "
@@ -148,17 +154,18 @@ class _RowTable(torch.nn.Module):
         lookup = pull(self, input.numpy())
         rows = torch.from_numpy(lookup.unique_rows)
         if torch.is_grad_enabled():
-            grad = lookup.unique_grad
+            grad = lookup.unique_grad  # zero: what is pushed if backward never comes
             grad[...] = 0
             rows.requires_grad_(True)
-            rows.grad = torch.from_numpy(grad)  # backward adds the row gradients in place
+            if accumulate:
+                rows.grad = torch.from_numpy(grad)  # backward adds in place
         inverse = torch.from_numpy(lookup.inverse)
         pad = None
         if self.padding_idx is not None:
             hits = np.flatnonzero(input.numpy().reshape(-1) == self.padding_idx)
             if len(hits):
                 pad = int(lookup.inverse.reshape(-1)[hits[0]])
-        return rows, inverse, pad
+        return rows, inverse, pad, lookup
 
     def extra_repr(self):
         text = f"{self.num_embeddings}, {self.embedding_dim}"
@@ -203,10 +210,18 @@ class EmbeddingBag(_RowTable):
         if per_sample_weights is not None and self.mode != "sum":
             raise ConfigurationError(f"table {self.table_name!r}: per_sample_weights needs "
                                      f"mode='sum', not {self.mode!r} (as torch)")
-        rows, inverse, pad = self._rows(input, pull)
-        return F.embedding_bag(inverse, rows, offsets, mode=self.mode,
-                               per_sample_weights=per_sample_weights,
-                               include_last_offset=self.include_last_offset, padding_idx=pad)
+        rows, inverse, pad, lookup = self._rows(input, pull, accumulate=self.mode == "max")
+
+        def run(r, w):
+            return F.embedding_bag(inverse, r, offsets, mode=self.mode, per_sample_weights=w,
+                                   include_last_offset=self.include_last_offset,
+                                   padding_idx=pad)
+
+        if self.mode == "max" or not rows.requires_grad:
+            return run(rows, per_sample_weights)
+        bag, weight = bag_weights(input.numpy(), offsets, self.include_last_offset, self.mode,
+                                  per_sample_weights, self.padding_idx)
+        return RowGather.apply(rows, per_sample_weights, run, lookup, bag, weight)
 
 
 class Embedding(_RowTable):
@@ -221,5 +236,9 @@ class Embedding(_RowTable):
     def remote(self, pull, input):
         """Check the ids, pull their rows (``pull``) and gather them (the bound forward)."""
         check_ids(self.table_name, self.num_embeddings, input, bag=False)
-        rows, inverse, pad = self._rows(input, pull)
-        return F.embedding(inverse, rows, pad)
+        rows, inverse, pad, lookup = self._rows(input, pull)
+        if not rows.requires_grad:
+            return F.embedding(inverse, rows, pad)
+        weight = None if pad is None else (input.numpy().reshape(-1) != self.padding_idx) * 1.0
+        return RowGather.apply(rows, None, lambda r, _: F.embedding(inverse, r, pad), lookup,
+                               None, weight)

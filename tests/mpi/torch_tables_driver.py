@@ -35,10 +35,11 @@ class Model(torch.nn.Module):
             self.emb = bag(ROWS, DIM, padding_idx=0) if bag is mt.Embedding else \
                 torch.nn.Embedding(ROWS, DIM, padding_idx=0, sparse=True)
         elif bag is mt.EmbeddingBag:
-            self.emb = bag(ROWS, DIM, mode=mode, max_ids=64)
+            self.emb = bag(ROWS, DIM, mode=mode, max_ids=64, padding_idx=1)
         else:
             # torch's max mode takes no sparse gradient: a dense one is the same update here
-            self.emb = torch.nn.EmbeddingBag(ROWS, DIM, mode=mode, sparse=mode != "max")
+            self.emb = torch.nn.EmbeddingBag(ROWS, DIM, mode=mode, sparse=mode != "max",
+                                             padding_idx=1)
         self.kind = kind
         self.out = torch.nn.Linear(DIM, 3)
 
