@@ -41,12 +41,18 @@ class Model(torch.nn.Module):
             self.emb = torch.nn.EmbeddingBag(ROWS, DIM, mode=mode, sparse=mode != "max",
                                              padding_idx=1)
         self.kind = kind
+        if kind == "two":  # a second table, looked up after the first: table by table
+            self.emb2 = mt.EmbeddingBag(30, DIM, mode="mean") if bag is mt.EmbeddingBag \
+                else torch.nn.EmbeddingBag(30, DIM, mode="mean", sparse=True)
         self.out = torch.nn.Linear(DIM, 3)
 
     def forward(self, ids, offsets, weights):
         if self.kind == "embedding":
             return self.out(self.emb(ids[:2 * BAGS].reshape(BAGS, 2)).sum(1))
-        return self.out(self.emb(ids, offsets, per_sample_weights=weights))
+        bags = self.emb(ids, offsets, per_sample_weights=weights)
+        if self.kind == "two":
+            bags = bags + self.emb2(ids % 30, offsets)
+        return self.out(bags)
 
 
 def batch(step, w, bad=None):
@@ -79,7 +85,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--optimizer", default="sgd")
     p.add_argument("--mode", default="mean")
-    p.add_argument("--kind", default="bag", choices=["bag", "embedding"])
+    p.add_argument("--kind", default="bag", choices=["bag", "embedding", "two"])
+    p.add_argument("--num-ps", type=int, default=1)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--bad", default=None)
     p.add_argument("--checkpoint-dir", default=None)
@@ -88,8 +95,8 @@ def main():
     with abort_on_error():
         import mpi4py.MPI as MPI
 
-        workers = MPI.COMM_WORLD.Get_size() - 1
-        server = Server(ClusterSpec({"ps": 1, "worker": workers}), deadline=30)
+        workers = MPI.COMM_WORLD.Get_size() - args.num_ps
+        server = Server(ClusterSpec({"ps": args.num_ps, "worker": workers}), deadline=30)
         if server.job_name == "ps":
             server.join()
             sys.exit(server.exit_code)
@@ -113,7 +120,10 @@ def main():
         while not dist.should_stop():
             s = dist.global_step
             dist.zero_grad()
-            loss = loss_of(model, batch(s, k, args.bad if s == 3 else None), args.mode)
+            b = batch(s, k, args.bad if s == 3 else None)
+            if args.bad == "twice" and s == 3:
+                model.emb(b[0], b[1])  # a second lookup of the table before step()
+            loss = loss_of(model, b, args.mode)
             loss.backward()
             dist.step(loss)
             ref_step(ref, ref_opt, s, workers, args.mode)
@@ -121,6 +131,11 @@ def main():
         dense = [(a, b) for (n, a), b in zip(model.named_parameters(), ref.parameters())
                  if n != "emb.weight"]
         pairs = dense + [(rows, ref.emb.weight)]
+        if args.kind == "two":
+            pairs = [(a, b) for (n, a), b in zip(model.named_parameters(), ref.parameters())
+                     if "emb" not in n]
+            pairs += [(rows, ref.emb.weight),
+                      (dist.table_rows("emb2.weight", torch.arange(30)), ref.emb2.weight)]
         worst = max(float((a.detach() - b.detach()).norm() / b.detach().norm())
                     for a, b in pairs)
         moved = float((rows - start).abs().max())

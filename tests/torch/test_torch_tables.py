@@ -65,20 +65,25 @@ def test_an_embedding_with_adagrad_equals_torch_and_resumes_bit_for_bit(tmp_path
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_two_workers_equal_torch_on_the_mean_gradient():
-    # sum mode with per_sample_weights, Adagrad with lr_decay
-    maxrels, digests = results(drive(3, "--optimizer", "adagrad", "--mode", "sum"), 2)
+def test_two_workers_and_two_tables_on_two_ps_equal_torch_on_the_mean_gradient():
+    # sum mode with per_sample_weights and a second (mean) table, looked up after the
+    # first; each table's rows split over 2 ps; Adagrad with lr_decay
+    run = drive(4, "--optimizer", "adagrad", "--mode", "sum", "--kind", "two", "--num-ps", 2)
+    maxrels, digests = results(run, 2)
     assert max(maxrels) < 1e-5
     assert digests[0] == digests[1]  # both workers read the same rows and parameters
 
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_an_id_outside_the_table_ends_every_rank_naming_it():
-    run = drive(3, "--bad", "id")
-    assert run.returncode != 0, run.output
-    assert "table 'emb.weight': id 53 at position 7 is outside [0, 50)" in run.output
-    assert run.output.count("is outside") == 1, run.output  # one line, no traceback
+@pytest.mark.parametrize("bad,words", [
+    ("id", "table 'emb.weight': id 53 at position 7 is outside [0, 50)"),
+    ("twice", "table 'emb.weight' was looked up twice before step() at step 3: call each "
+              "mpitf.torch table once per step")], ids=["id", "twice"])
+def test_bad_input_ends_every_rank_naming_the_table(bad, words):
+    run = drive(3, "--bad", bad)
+    assert run.returncode == 2, run.output
+    assert run.output.count(words) == 1, run.output  # one line, no traceback
     assert "Traceback" not in run.output and "worker 0: step" not in run.output
 
 
