@@ -288,7 +288,7 @@ class Embeddings:
             end = lay.end(counts)
             self.sends.append(P.frame_op(link.comm.Isend, buf[:end], rank, P.TAG_REQUEST))
             self.bytes_sent += end
-        self.lookups = {}
+        self.lookups, self.packed = {}, False  # a push without a lookup sends no rows
 
     def _wait_sends(self):
         if self.sends:

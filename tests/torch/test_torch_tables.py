@@ -44,7 +44,8 @@ def results(run, workers, steps=50):
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_one_worker_equals_torch_with_a_sparse_gradient():
-    (maxrel,), _ = results(drive(2, "--optimizer", "sgd", "--mode", "mean"), 1)
+    # steps 3 and 7 do not use the table: nothing of it is pushed (torch: its grad None)
+    (maxrel,), _ = results(drive(2, "--optimizer", "sgd", "--mode", "mean", "--skip", 3, 7), 1)
     assert maxrel < 1e-5
 
 
