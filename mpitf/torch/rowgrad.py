@@ -3,17 +3,41 @@
 torch's CPU backward of ``embedding_bag`` / ``embedding`` into the pulled rows adds
 occurrence by occurrence (index_add): 35 ms on one thread for 4096 x 26 ids of 16 floats,
 more than the rest of the step. :class:`RowGather` runs torch's forward on the pulled rows
-and, in backward, writes each occurrence's gradient (its bag's output gradient times the
+and, in backward, sums each occurrence's gradient (its bag's output gradient times the
 occurrence's weight: 1, 1 / the bag's size for "mean", its per_sample_weight, 0 for the
-padding id) into the lookup's per-occurrence buffer
-(:attr:`~mpitf.worker.embedding.Lookup.grad`); the session sums it per pulled row
-(compiled, in float64: 2.5 ms) into the sparse push. "max" keeps torch's backward.
+padding id) per pulled row in one compiled pass (:func:`bag_grad_rows`, in float64 in the
+order of the occurrences, as ``segment_sum``) straight into the lookup's ``unique_grad``,
+the sparse push. "max" keeps torch's backward.
 """
 
 import numpy as np
 import torch
+from numba import njit
 
-__all__ = ["RowGather", "bag_weights"]
+__all__ = ["RowGather", "bag_grad_rows", "bag_weights"]
+
+_NO_BAGS = np.zeros(0, np.int64)  # one output row per occurrence (embedding)
+_ONES = np.zeros(0)  # every weight 1
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def bag_grad_rows(grad_out, bag, weight, inverse, acc, out):
+    """``out[inverse[i]] += grad_out[bag[i]] * weight[i]`` over the occurrences, in order.
+
+    Summed in ``acc`` (float64, rows x dim, zeroed here) and written to ``out`` once;
+    an empty ``bag`` means occurrence ``i``'s output row is ``i``, an empty ``weight`` 1.
+    """
+    acc[:] = 0.0
+    dim = grad_out.shape[1]
+    for i in range(inverse.shape[0]):
+        s = inverse[i]
+        b = i if bag.shape[0] == 0 else bag[i]
+        w = 1.0 if weight.shape[0] == 0 else weight[i]
+        for d in range(dim):
+            acc[s, d] += grad_out[b, d] * w
+    for s in range(out.shape[0]):
+        for d in range(dim):
+            out[s, d] = acc[s, d]
 
 
 def bag_weights(ids, offsets, include_last_offset, mode, per_sample_weights, pad):
@@ -49,35 +73,39 @@ def bag_weights(ids, offsets, include_last_offset, mode, per_sample_weights, pad
 
 
 class RowGather(torch.autograd.Function):
-    """``apply(rows, weights, run, lookup, bag, weight)``: ``run(rows, weights)`` forward.
+    """``apply(rows, weights, run, lookup, bag, weight, acc, padded)``: ``run(rows, weights)``.
 
     ``rows`` are the pulled rows (a leaf that requires grad), ``weights`` the
-    per_sample_weights or None; backward writes ``lookup.grad`` (each occurrence: its
-    output row's gradient, from ``bag`` (None: one output row per occurrence, as
-    ``embedding``), times ``weight``) and returns the weights' gradient when asked.
+    per_sample_weights or None; backward writes the rows' gradient into
+    ``lookup.unique_grad`` (:func:`bag_grad_rows` over ``bag``: None for one output row per
+    occurrence, as ``embedding``; ``weight``: None for 1; ``acc``: float64 scratch of at
+    least rows x dim) and returns the weights' gradient when asked (none where ``padded``,
+    the occurrences of the padding id, or None).
     """
 
     @staticmethod
-    def forward(ctx, rows, weights, run, lookup, bag, weight):
-        ctx.lookup, ctx.bag, ctx.weight = lookup, bag, weight
+    def forward(ctx, rows, weights, run, lookup, bag, weight, acc, padded=None):
+        ctx.lookup, ctx.bag, ctx.weight, ctx.acc, ctx.padded = lookup, bag, weight, acc, padded
         ctx.save_for_backward(rows, weights)
         return run(rows, weights)
 
     @staticmethod
     def backward(ctx, grad_out):
-        lookup, bag, weight = ctx.lookup, ctx.bag, ctx.weight
+        lookup, bag = ctx.lookup, ctx.bag
         go = grad_out.detach().contiguous().numpy()
         dim = go.shape[-1]
-        out = lookup.grad.reshape(-1, dim)
-        per = go.reshape(-1, dim) if bag is None else go[bag]
-        if weight is None:
-            out[...] = per
-        else:
-            np.multiply(per, weight[:, None], out=out, casting="unsafe")
+        go = go.reshape(-1, dim)
+        out = lookup.unique_grad
+        inverse = lookup.inverse.reshape(-1)
+        bag_grad_rows(go, _NO_BAGS if bag is None else bag,
+                      _ONES if ctx.weight is None else ctx.weight, inverse,
+                      ctx.acc[:out.size].reshape(out.shape), out)
         grad_weights = None
         if ctx.needs_input_grad[1]:  # d(loss)/d(per_sample_weight): row . bag's gradient
-            rows, _ = ctx.saved_tensors
-            inverse = torch.from_numpy(lookup.inverse.reshape(-1))
-            grad_weights = (rows.detach()[inverse] * torch.from_numpy(per)).sum(1)
-            grad_weights = grad_weights.reshape(ctx.saved_tensors[1].shape)
-        return None, grad_weights, None, None, None, None
+            rows, weights = ctx.saved_tensors
+            per = torch.from_numpy(go if bag is None else go[bag])
+            grad_weights = (rows.detach()[torch.from_numpy(inverse)] * per).sum(1)
+            if ctx.padded is not None:  # a padding id's weight gets none, as in torch
+                grad_weights[torch.from_numpy(ctx.padded)] = 0
+            grad_weights = grad_weights.reshape(weights.shape)
+        return None, grad_weights, None, None, None, None, None, None

@@ -77,6 +77,10 @@ def _check_bags(name, input, offsets, per_sample_weights, include_last_offset):
         if len(o) and o[-1] > n:
             raise ConfigurationError(f"table {name!r}: offsets[{len(o) - 1}] = {int(o[-1])} "
                                      f"is past the {n} ids")
+        if include_last_offset and (not len(o) or o[-1] != n):
+            raise ConfigurationError(
+                f"table {name!r}: with include_last_offset the last offset is the number of "
+                f"ids, {n}, got {int(o[-1]) if len(o) else 'no offsets'}")
     else:
         raise ConfigurationError(f"table {name!r}: ids must be 1-D (with offsets) or 2-D, "
                                  f"got {input.dim()}-D")
@@ -121,6 +125,7 @@ class _RowTable(torch.nn.Module):
             self.weight = torch.nn.Parameter(_weight)
         self.table_name = None  # the table's name once bound (its state_dict key)
         self._front = None  # the DistributedOptimizer that bound it
+        self._acc = None  # float64 scratch of the backward (rowgrad.RowGather)
 
     def reset_parameters(self):
         """Draw the weight as torch does: N(0, 1), the padding row zero."""
@@ -145,7 +150,7 @@ class _RowTable(torch.nn.Module):
 
         Under grad the rows require it; ``accumulate``: torch's backward adds the rows'
         gradients into ``rows.grad``, the push's buffer (else :class:`RowGather` writes
-        each occurrence's into the lookup, summed per row by the session).
+        them there).
         """
         if input.numel() > self.max_ids:
             raise ConfigurationError(
@@ -166,6 +171,12 @@ class _RowTable(torch.nn.Module):
             if len(hits):
                 pad = int(lookup.inverse.reshape(-1)[hits[0]])
         return rows, inverse, pad, lookup
+
+    def _scratch(self):
+        """Return the float64 scratch of the backward's sums (made once, on first use)."""
+        if self._acc is None:
+            self._acc = np.empty(min(self.max_ids, self.num_embeddings) * self.embedding_dim)
+        return self._acc
 
     def extra_repr(self):
         text = f"{self.num_embeddings}, {self.embedding_dim}"
@@ -221,7 +232,10 @@ class EmbeddingBag(_RowTable):
             return run(rows, per_sample_weights)
         bag, weight = bag_weights(input.numpy(), offsets, self.include_last_offset, self.mode,
                                   per_sample_weights, self.padding_idx)
-        return RowGather.apply(rows, per_sample_weights, run, lookup, bag, weight)
+        padded = None if self.padding_idx is None or per_sample_weights is None else \
+            input.numpy().reshape(-1) == self.padding_idx
+        return RowGather.apply(rows, per_sample_weights, run, lookup, bag, weight,
+                               self._scratch(), padded)
 
 
 class Embedding(_RowTable):
@@ -241,4 +255,4 @@ class Embedding(_RowTable):
             return F.embedding(inverse, rows, pad)
         weight = None if pad is None else (input.numpy().reshape(-1) != self.padding_idx) * 1.0
         return RowGather.apply(rows, None, lambda r, _: F.embedding(inverse, r, pad), lookup,
-                               None, weight)
+                               None, weight, self._scratch())

@@ -127,6 +127,8 @@ def test_bad_ids_offsets_and_weights_are_named_with_their_position(call, words):
         call()
     assert words in str(exc.value)
     check_ids("t", 10, _ids(0, 9, 9), _ids(0, 1, 3), include_last_offset=True)  # good ones
+    with pytest.raises(ConfigurationError, match="the last offset is the number of ids, 3"):
+        check_ids("t", 10, _ids(0, 9, 9), _ids(0, 1, 2), include_last_offset=True)
 
 
 def test_only_what_torch_runs_on_a_sparse_gradient_updates_a_table():
@@ -154,3 +156,47 @@ def test_before_wrapping_the_modules_are_torch_s_own():
     with pytest.raises(ConfigurationError, match="max_norm or scale_grad_by_freq"):
         mt.EmbeddingBag(20, 3, max_norm=1.0)
     assert np.all(bag.weight.detach().numpy()[2] == 0)
+
+
+@pytest.mark.parametrize("mode,last,pad,weighted", [
+    ("sum", False, None, False), ("mean", False, 1, False), ("mean", True, 1, False),
+    ("sum", True, 1, True), ("embedding", False, 1, False)])
+def test_the_backward_over_pulled_rows_is_torch_s(mode, last, pad, weighted):
+    # RowGather against torch's autograd on the whole weight: each pulled row's gradient
+    # (what the push carries) and the per_sample_weights' gradient.
+    from mpitf.torch.rowgrad import RowGather, bag_weights
+    from mpitf.worker.embedding import Lookup
+
+    rng = np.random.default_rng(3)
+    ids = torch.from_numpy(np.minimum(rng.zipf(1.3, 40) - 1, 19))
+    offsets = torch.tensor([0, 3, 3, 10, 25] + ([40] if last else []))
+    weight = torch.randn(20, 4, dtype=torch.float64, requires_grad=True)
+    psw = torch.rand(40, dtype=torch.float64, requires_grad=True) if weighted else None
+    unique, inverse = np.unique(ids.numpy(), return_inverse=True)
+    lookup = Lookup(ids.numpy(), weight.detach().numpy()[unique].copy(), inverse)
+    rows = torch.from_numpy(lookup.unique_rows).requires_grad_(True)
+    inv = torch.from_numpy(lookup.inverse)
+    at = None if pad is None or pad not in unique else int(np.searchsorted(unique, pad))
+    if mode == "embedding":
+        ref = torch.nn.functional.embedding(ids, weight, pad)
+        bag, w = None, (ids.numpy() != pad) * 1.0
+        run = lambda r, _: torch.nn.functional.embedding(inv, r, at)  # noqa: E731
+    else:
+        ref = torch.nn.functional.embedding_bag(ids, weight, offsets, mode=mode,
+                                                per_sample_weights=psw,
+                                                include_last_offset=last, padding_idx=pad)
+        bag, w = bag_weights(ids.numpy(), offsets, last, mode, psw, pad)
+        run = lambda r, s: torch.nn.functional.embedding_bag(  # noqa: E731
+            inv, r, offsets, mode=mode, per_sample_weights=s, include_last_offset=last,
+            padding_idx=at)
+    padded = ids.numpy() == pad if weighted and pad is not None else None
+    out = RowGather.apply(rows, psw, run, lookup, bag, w, np.empty(20 * 4), padded)
+    assert torch.allclose(out, ref)
+    g = torch.randn(ref.shape, dtype=torch.float64)
+    want = torch.autograd.grad(ref, [weight] + ([psw] if weighted else []), g)
+    got = torch.autograd.grad(out, [rows] + ([psw] if weighted else []), g,
+                              allow_unused=True)
+    assert got[0] is None  # the rows' gradient went into the push buffer instead
+    assert np.allclose(lookup.unique_grad, want[0].numpy()[unique], rtol=1e-12, atol=1e-12)
+    if weighted:
+        assert torch.allclose(got[1], want[1])
