@@ -58,7 +58,7 @@ class _TorchVariables:
                                m.weight.detach().numpy().dtype.name, lookups=m.max_ids)
                 for name, m in self.table_modules.items()]
 
-    def table_rows(self):
+    def initial_table_rows(self):
         """Return every table's rows as the chief built them (what every ps starts from)."""
         return {name: m.weight.detach().numpy() for name, m in self.table_modules.items()}
 

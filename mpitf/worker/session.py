@@ -130,8 +130,8 @@ class TrainingSession:
         if restore is None:
             rng = np.random.default_rng(self.config.seed)
             values = self.model.init(rng)
-            if sparse and hasattr(self.model, "table_rows") and self.server.is_chief:
-                sparse = self.embeddings.assignments(self.model.table_rows())
+            if sparse and hasattr(self.model, "initial_table_rows") and self.server.is_chief:
+                sparse = self.embeddings.assignments(self.model.initial_table_rows())
         with self.timeline.span("pull"):
             self.last_reply = self.client.start(
                 self.config, optimizer.config(), values, restore,
