@@ -139,8 +139,8 @@ class _RowTable(torch.nn.Module):
 
         Called by DistributedOptimizer once every ps holds the rows: the local weight is
         emptied (the worker never holds the table), its Parameter kept for the optimizer.
-        ``front.table_forward(module, *args)`` runs :meth:`remote` where a refusal ends
-        every rank; ``front.pull(module, ids)`` returns the ids' Lookup.
+        ``front.table_forward(module, *args)`` runs :meth:`remote` (with the front end's
+        ``pull(module, ids)``, which returns the ids' Lookup) where a refusal ends every rank.
         """
         self.table_name, self._front = name, front
         self.weight.data = torch.empty((0, self.embedding_dim), dtype=self.weight.dtype)
@@ -158,9 +158,9 @@ class _RowTable(torch.nn.Module):
                 f"max_ids={self.max_ids}; build the module with a larger max_ids")
         lookup = pull(self, input.numpy())
         rows = torch.from_numpy(lookup.unique_rows)
-        if torch.is_grad_enabled():
-            grad = lookup.unique_grad  # zero: what is pushed if backward never comes
-            grad[...] = 0
+        grad = lookup.unique_grad  # zero: what is pushed if backward never comes
+        grad[...] = 0
+        if torch.is_grad_enabled() and self.weight.requires_grad:  # a frozen table: zeros
             rows.requires_grad_(True)
             if accumulate:
                 rows.grad = torch.from_numpy(grad)  # backward adds in place
