@@ -23,7 +23,7 @@ import numpy as np
 
 from ..config import check_choice, check_int, check_number
 from ..errors import ConfigurationError
-from ..tables.rows import ROW_PLACEMENTS
+from ..tables.rows import ROW_PLACEMENTS, RowPlacement
 
 INIT_BLOCK = 4096
 INITIALIZERS = ("uniform", "normal", "zeros")
@@ -109,3 +109,19 @@ def check_tables(tables):
     if len(set(names)) != len(names):
         raise ConfigurationError(f"table names must be unique, got {names}")
     return tables
+
+
+def split_rows(tables, num_ps, initial):
+    """Return, for each of ``num_ps`` ps tasks, {table: its rows} of the ``initial`` tables.
+
+    ``initial``: {table name: all its rows} (a torch module's weight, say), which each ps
+    starts from instead of :func:`initial_rows`; a ps gets only the rows it holds.
+    """
+    out = [{} for _ in range(num_ps)]
+    for t in tables:
+        if t.name in initial:
+            pl = RowPlacement(t.rows, num_ps, t.placement)
+            for p in range(num_ps):
+                rows = initial[t.name] if num_ps == 1 else initial[t.name][pl.global_ids(p)]
+                out[p][t.name] = np.ascontiguousarray(rows, t.dtype)
+    return out

@@ -37,6 +37,13 @@ def message_layout(tables, batch_size):
                         [t.max_ids(batch_size) for t in tables])
 
 
+def _initial(table, placement, ps, seed, given):
+    """Return ``initial(ids)``: the rows ``given`` by the chief (this ps's), else mpitf's."""
+    if given is None:
+        return lambda ids: initial_rows(table, seed, ids)
+    return lambda ids: given[placement.local(ids, ps)]
+
+
 class SparseTables:
     """Every table's rows on one ps, and the sparse pushes waiting to be applied.
 
@@ -54,8 +61,9 @@ class SparseTables:
         self.ps, self.optimizer = ps, optimizer
         self.layout = message_layout(self.specs, sparse["batch_size"])
         self.placements = [RowPlacement(t.rows, num_ps, t.placement) for t in self.specs]
+        given = sparse.pop("initial", None) or {}  # the chief's rows of a table, if sent
         self.tables = [TableShard(t, pl, ps, optimizer, n * num_workers,
-                                  lambda ids, t=t: initial_rows(t, seed, ids))
+                                  _initial(t, pl, ps, seed, given.get(t.name)))
                        for t, pl, n in zip(self.specs, self.placements, self.layout.max_ids)]
         self.messages = [None] * num_workers  # each worker's push, in the frame it came in
         self.pending = [None] * num_workers  # ... and its local rows of every table

@@ -20,10 +20,12 @@ import os
 import torch
 
 from ..errors import ConfigurationError
+from ..models.embedding import EmbeddingTable
 from ..worker.frontend import SessionFrontEnd, ends_the_job
 from ..worker.session import TrainingSession
 from .buffers import buffer_views, check_model
-from .translate import group_options, learning_rate, rate_groups, translate
+from .tables import Embedding, _RowTable
+from .translate import check_table_rule, group_options, learning_rate, rate_groups, translate
 
 __all__ = ["DistributedOptimizer", "share_threads"]
 
@@ -32,15 +34,33 @@ _BATCH = ()  # the session's batch: backward already ran, so there is nothing to
 
 
 class _TorchVariables:
-    """The model as the session sees it: names, shapes, dtype, the chief's values, buffers."""
+    """The model as the session sees it: names, shapes, dtype, the chief's values, buffers.
 
-    def __init__(self, named, module):
-        self.named, self.module = named, module
+    ``tables`` (name -> mpitf.torch table module) are its embedding tables: looked up in
+    the modules' forward (the session's ``lookup``), so one step's buffers hold
+    ``max_ids`` ids of each (``table_batch_size`` 1).
+    """
+
+    table_batch_size = 1
+
+    def __init__(self, named, module, tables):
+        self.named, self.module, self.table_modules = named, module, tables
         self.loss = None
 
     def buffers(self):
         """Return the untrained state_dict entries as numpy views (see .buffers)."""
-        return buffer_views(self.module, {name for name, _ in self.named})
+        return buffer_views(self.module, {name for name, _ in self.named} | set(
+            self.table_modules))
+
+    def tables(self):
+        """Return the tables' descriptions (the ps holds their rows)."""
+        return [EmbeddingTable(name, m.num_embeddings, m.embedding_dim,
+                               m.weight.detach().numpy().dtype.name, lookups=m.max_ids)
+                for name, m in self.table_modules.items()]
+
+    def initial_table_rows(self):
+        """Return every table's rows as the chief built them (what every ps starts from)."""
+        return {name: m.weight.detach().numpy() for name, m in self.table_modules.items()}
 
     def variables(self):
         return [(name, tuple(p.shape), p.detach().numpy().dtype) for name, p in self.named]
@@ -54,14 +74,26 @@ class _TorchVariables:
         return self.loss
 
 
-def _trainable(model, optimizer):
+def _tables(model):
+    """Return {state_dict key: module} of the mpitf.torch table modules in ``model``."""
+    return {f"{q}.weight" if q else "weight": m for q, m in model.named_modules()
+            if isinstance(m, _RowTable)}
+
+
+def _trainable(model, optimizer, tables=()):
     """Return ``[(name, param)]`` of the parameters to train, checked against the optimizer.
 
     A frozen parameter (``requires_grad`` False) may stay in a param group, as torch skips
-    it: mpitf holds it as the model's state (the chief's), not as a variable.
+    it: mpitf holds it as the model's state (the chief's), not as a variable. The weights
+    of ``tables`` (names) must be in the optimizer too; they are not dense parameters.
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for name, p in named:
+        if name in tables and id(p) not in in_optimizer:
+            raise ConfigurationError(f"table {name!r} is not in the optimizer: add its "
+                                     "weight (model.parameters() holds it)")
+    named = [(n, p) for n, p in named if n not in tables]
     in_model = {id(p) for _, p in model.named_parameters()}
     for name, p in named:
         if id(p) not in in_optimizer:
@@ -90,11 +122,11 @@ def _refuse_sparse(model):
 
 
 def _sparse_message(name):
-    return (f"parameter {name!r} gets a sparse gradient (an Embedding or EmbeddingBag with "
-            "sparse=True): sparse gradients are not supported by "
-            "mpitf.torch.DistributedOptimizer yet; build it with sparse=False (a dense "
-            "gradient), or keep a large table in mpitf's own EmbeddingTable "
-            "(mpitf.models.embedding), whose rows the ps updates sparsely")
+    return (f"parameter {name!r} gets a sparse gradient (a torch.nn.Embedding or "
+            "EmbeddingBag with sparse=True), which mpitf.torch.DistributedOptimizer cannot "
+            "push: use mpitf.torch.EmbeddingBag or mpitf.torch.Embedding (torch's "
+            "arguments), whose rows live on the ps and are updated sparsely, or build it "
+            "with sparse=False (a dense gradient: the whole table every step)")
 
 
 def share_threads(server):
@@ -143,16 +175,19 @@ class DistributedOptimizer(SessionFrontEnd):
     def __init__(self, optimizer, model, server, **session_options):
         self._server = server
         self.optimizer, self.model = optimizer, model
-        self._named = _trainable(model, optimizer)
+        tables = _tables(model)
+        self._named = _trainable(model, optimizer, tables)
         names = {id(p): name for name, p in self._named}
         self.ps_optimizer = translate(optimizer, names)
-        check_model(model, self._named)
+        if tables:
+            check_table_rule(optimizer, list(tables))
+        check_model(model, self._named + [(n, m.weight) for n, m in tables.items()])
         self._options = [group_options(g) for g in optimizer.param_groups]
         # several param groups: each one's rate travels (a RATES request), else one rate
         self._rate_groups = rate_groups(optimizer, names) \
             if len(optimizer.param_groups) > 1 else None
         share_threads(server)
-        self._variables = _TorchVariables(self._named, model)
+        self._variables = _TorchVariables(self._named, model, tables)
         # One frame per ps unless asked: buckets leave during backward, and a loop that
         # changes .grad after backward (clip_grad_norm_) must not be ignored by default.
         session_options.setdefault("bucket_bytes", 0)
@@ -167,8 +202,45 @@ class DistributedOptimizer(SessionFrontEnd):
         self._handle = None  # the bucketed push that backward's hooks started
         # the hooks push once the first step has shown one backward per step (see step())
         self._hooks_push = False
-        self._learning = self.client.bucketed and not self.session.config.skip_nonfinite
+        # tables: their gradients are final after backward, and leave before the dense push
+        self._learning = self.client.bucketed and not self.session.config.skip_nonfinite \
+            and not tables
         self._bind()
+        for name, module in tables.items():
+            module.bind(name, self)
+
+    @ends_the_job
+    def table_forward(self, module, *args):
+        """Run a table module's bound forward; bad ids end every rank, naming the table."""
+        return module.remote(self._pull, *args)
+
+    @ends_the_job
+    def table_rows(self, name, ids):
+        """Return rows ``ids`` of table ``name`` as the ps holds them now (a new tensor)."""
+        module = self._variables.table_modules.get(name)
+        if module is None:
+            raise ConfigurationError(f"the model has no mpitf.torch table {name!r}: its "
+                                     f"tables are {sorted(self._variables.table_modules)}")
+        ids = torch.as_tensor(ids)
+        with torch.no_grad():  # an Embedding's lookup, on any table module
+            return Embedding.remote(module, self._pull, ids).clone()
+
+    def _pull(self, module, ids):
+        """Pull the rows of table ``module``'s ``ids`` now; step() pushes their gradients.
+
+        Under ``torch.no_grad()`` (evaluation) the rows are not pushed.
+        """
+        emb, name = self.session.embeddings, module.table_name
+        if name in emb.lookups:
+            raise ConfigurationError(
+                f"table {name!r} was looked up twice before step() at step "
+                f"{self.global_step}: call each mpitf.torch table once per step (give a "
+                "table that several fields share all their ids in one call), and evaluate "
+                "under torch.no_grad() after step(), not between forward and step()")
+        found = self.session.lookup({name: ids})[name]
+        if not torch.is_grad_enabled():
+            emb.forget(name)
+        return found
 
     def _bind(self):
         """Point every parameter's ``.data`` and ``.grad`` at the client's buffers."""

@@ -124,3 +124,31 @@ def rate_groups(optimizer, names):
     """
     return [k for k, group in enumerate(optimizer.param_groups)
             if any(id(p) in names for p in group["params"])]
+
+
+def check_table_rule(optimizer, tables):
+    """Refuse an update of ``tables``' rows (names) that torch would not run sparsely.
+
+    The ps updates a table's present rows by the optimizer's rule, as torch updates a
+    weight from a sparse gradient: SGD without momentum or weight decay, Adagrad without
+    weight decay (torch's sparse Adagrad). Tables take the optimizer's one param group.
+    """
+    name = type(optimizer).__name__
+    groups = optimizer.param_groups
+    if len(groups) > 1:
+        raise ConfigurationError(
+            f"{name} has {len(groups)} param groups, but the model has mpitf.torch tables "
+            f"({', '.join(tables)}), which train with one: give the optimizer one group")
+    options = group_options(groups[0])
+    if type(optimizer) is torch.optim.SGD and not options["momentum"] \
+            and not options["weight_decay"]:
+        return
+    if type(optimizer) is torch.optim.Adagrad and not options["weight_decay"]:
+        return
+    raise ConfigurationError(
+        f"table {tables[0]!r} cannot be updated by {name}("
+        f"{', '.join(f'{k}={v}' for k, v in sorted(options.items()) if v)}) on the ps: "
+        "mpitf.torch tables update the rows a step looks up, as torch updates a sparse "
+        "gradient; use torch.optim.SGD without momentum or weight_decay, or "
+        "torch.optim.Adagrad without weight_decay (Adam, AdamW and RMSprop are not "
+        "supported for tables)")

@@ -286,7 +286,8 @@ class Client:
             initial_values: dict of starting values, sent by the chief unless restoring.
             restore: a checkpoint directory every ps loads its shard from, or None.
             total_num_replicas: the number of workers that push (None: all of them).
-            sparse: the embedding tables every ps holds rows of (``Embeddings.assignment``).
+            sparse: the embedding tables every ps holds rows of (``Embeddings.assignment``,
+                or one per ps: ``Embeddings.assignments``).
         Returns the :class:`Reply` of the first pull (its ``global_step`` is where to start).
         """
         if config.wire_dtype != self.wire_dtype:
@@ -307,7 +308,8 @@ class Client:
                     optimizer=optimizer, chief_rank=self.server.rank, restore=restore,
                     deadline=self.deadline, adaptive=self.adaptive,
                     chunk_bytes=self.chunk_bytes,
-                    total_num_replicas=total_num_replicas, sparse=sparse,
+                    total_num_replicas=total_num_replicas,
+                    sparse=sparse[p] if isinstance(sparse, list) else sparse,
                     nodes=self.transport.nodes)
                 self.comm.send((config, assignment), dest=rank, tag=P.TAG_CONTROL)
             if restore is None:

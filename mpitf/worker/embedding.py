@@ -20,7 +20,7 @@ batch's rows.
 import numpy as np
 
 from ..errors import DataError, PeerError
-from ..models.embedding import check_tables
+from ..models.embedding import check_tables, split_rows
 from ..tables.rows import Dedup, RowPlacement, all_finite, segment_sum, take_rows
 from ..wire import header as H
 from ..wire import protocol as P
@@ -162,7 +162,8 @@ class Embeddings:
         self.replies = [self.layout.allocate(reply=True) for _ in range(num_ps)]
         self.counts = np.zeros((num_ps, len(self.specs)), np.int64)
         self.sends = []
-        self.lookups = {}
+        self.lookups = {}  # this step's, until the push
+        self.packed = True  # the requests hold every table's ids (one lookup of them all)
         self.bytes_sent = self.bytes_received = 0
 
     @property
@@ -170,13 +171,26 @@ class Embeddings:
         """Return what every ps needs to hold its rows (the PsAssignment's ``sparse``)."""
         return {"tables": self.specs, "batch_size": self.batch_size}
 
-    def lookup(self, ids):
-        """Pull the rows of ``ids`` ({table: int array}); return {table: :class:`Lookup`}."""
+    def assignments(self, initial):
+        """Return each ps's ``sparse`` assignment, starting from its rows of ``initial``."""
+        return [{**self.assignment, "initial": rows}
+                for rows in split_rows(self.specs, len(self.link.ranks), initial)]
+
+    def lookup(self, ids, partial=False):
+        """Pull the rows of ``ids`` ({table: int array}); return {table: :class:`Lookup`}.
+
+        ``partial``: ``ids`` may name some tables only (a front end that looks tables up
+        one by one, in forward): the others keep this step's earlier lookup, if any; the
+        rows are then copied out of the replies, and :meth:`push` packs every table's.
+        """
         self._wait_sends()
         lay, link = self.layout, self.link
-        values = []
+        values, chosen = [], []
         for t, table in enumerate(self.tables):
             value = ids.get(table.spec.name) if isinstance(ids, dict) else None
+            if value is None and partial:
+                self.counts[:, t] = 0
+                continue
             if value is None:
                 raise DataError(f"the model's ids(batch) gave no ids for table "
                                 f"{table.spec.name!r}")
@@ -188,13 +202,16 @@ class Embeddings:
                 value = value.astype(np.int64)
             table.route(value)
             values.append(value)
+            chosen.append(table)
             self.counts[:, t] = np.diff(table.offsets)
+        whole = len(chosen) == len(self.tables)
         receives, sends = [], []
         for p, rank in enumerate(link.ranks):
             buf, counts = self.requests[p], self.counts[p]
             lay.counts(buf)[...] = counts
             for table, dest in zip(self.tables, lay.ids(buf, counts)):
-                table.ids_to(p, dest)
+                if table in chosen:
+                    table.ids_to(p, dest)
             H.pack_request(lay.header(buf), P.SPARSE_PULL, link.steps[p], link.worker,
                            int(counts.sum()), link.flags)
             end = lay.ids_end(counts)
@@ -202,30 +219,38 @@ class Embeddings:
                                        P.TAG_SPARSE_REPLY))
             sends.append(P.frame_op(link.comm.Isend, buf[:end], rank, P.TAG_REQUEST))
             self.bytes_sent += end
-        for table in self.tables:
+        for table in chosen:
             table.number()
         nps = len(link.ranks)
         P.wait_all(receives + sends, link.deadline,
                    lambda i: link.describe(i % nps, "sparse pull"))
+        self.packed = whole  # the requests hold every looked-up table's ids
         for p in range(nps):
             reply = self.replies[p]
             if H.unpack_reply(lay.header(reply)).kind != P.SPARSE_REPLY:
                 raise PeerError("unexpected answer to a sparse pull", **link.describe(p))
             self.bytes_received += lay.reply_end(self.counts[p])
             rows = lay.reply_rows(reply, self.counts[p])
-            if nps == 1:  # the reply's rows and the push's are the batch's: no copies
+            if nps == 1 and whole:  # the reply's rows and the push's are the batch's: no copies
                 grads = lay.rows(self.requests[0], self.counts[0])
                 for table, r, g in zip(self.tables, rows, grads):
                     table.pulled, table.summed = r, g
                 continue
             for table, r in zip(self.tables, rows):
-                table.rows[table.offsets[p]:table.offsets[p + 1]] = r
-        if nps > 1:
-            for table in self.tables:
+                if table in chosen:
+                    table.rows[table.offsets[p]:table.offsets[p + 1]] = r
+        if nps > 1 or not whole:
+            for table in chosen:
                 n = table.offsets[-1]
                 table.pulled, table.summed = table.rows[:n], table.grads[:n]
-        self.lookups = {t.spec.name: t.lookup(v) for t, v in zip(self.tables, values)}
-        return self.lookups
+        found = {t.spec.name: t.lookup(v) for t, v in zip(chosen, values)}
+        self.lookups = {**self.lookups, **found} if partial else found
+        return found
+
+    def forget(self, name):
+        """Leave table ``name``'s lookup of this step out of the push (an evaluation's)."""
+        self.lookups.pop(name, None)
+        self.packed = False
 
     def reduce(self):
         """Sum each table's gradients per pulled row (after the backward pass)."""
@@ -235,7 +260,7 @@ class Embeddings:
     def nonfinite(self):
         """Return the name of a table whose row gradients hold NaN or Inf, or None."""
         for table in self.tables:
-            if not all_finite(table.summed):
+            if table.spec.name in self.lookups and not all_finite(table.summed):
                 return table.spec.name
         return None
 
@@ -245,16 +270,25 @@ class Embeddings:
         Call it just before the dense push: the ps applies both when it handles that one.
         """
         lay, link = self.layout, self.link
+        for t, table in enumerate(self.tables if not self.packed else ()):  # table by table
+            self.counts[:, t] = np.diff(table.offsets) if table.spec.name in self.lookups else 0
         for p, rank in enumerate(link.ranks):
             buf, counts = self.requests[p], self.counts[p]
-            if len(link.ranks) > 1:  # one ps: the model wrote into the push already
+            if not self.packed:
+                lay.counts(buf)[...] = counts
+                for table, dest in zip(self.tables, lay.ids(buf, counts)):
+                    if len(dest):
+                        table.ids_to(p, dest)
+            if len(link.ranks) > 1 or not self.packed:  # else the model wrote into the push
                 for table, dest in zip(self.tables, lay.rows(buf, counts)):
-                    dest[...] = table.grads[table.offsets[p]:table.offsets[p + 1]]
+                    if len(dest):
+                        dest[...] = table.grads[table.offsets[p]:table.offsets[p + 1]]
             H.pack_request(lay.header(buf), P.SPARSE_PUSH, link.steps[p], link.worker,
                            int(counts.sum()), link.flags)
             end = lay.end(counts)
             self.sends.append(P.frame_op(link.comm.Isend, buf[:end], rank, P.TAG_REQUEST))
             self.bytes_sent += end
+        self.lookups, self.packed = {}, False  # a push without a lookup sends no rows
 
     def _wait_sends(self):
         if self.sends:

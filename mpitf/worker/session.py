@@ -101,7 +101,9 @@ class TrainingSession:
         self.layerwise = self.client.bucketed and not config.skip_nonfinite and not tables \
             and "final" in inspect.signature(model.loss_and_grads).parameters
         link = self.client.link
-        self.embeddings = Embeddings(link, tables, self.batch_size) if tables else None
+        # a front end that looks tables up itself (mpitf.torch) sizes them per step
+        self.embeddings = Embeddings(link, tables, getattr(
+            model, "table_batch_size", self.batch_size)) if tables else None
         self.buffers = model_buffers(model, server, self.clients)  # see worker/buffers.py
         self.hooks = []
         if config.last_step is not None:
@@ -124,14 +126,16 @@ class TrainingSession:
             cut.check_optimizer_state(restore, optimizer, names,
                                       self.config.reset_optimizer_state, _log.warning)
         values = None
+        sparse = self.embeddings.assignment if self.embeddings else None
         if restore is None:
             rng = np.random.default_rng(self.config.seed)
             values = self.model.init(rng)
+            if sparse and hasattr(self.model, "initial_table_rows") and self.server.is_chief:
+                sparse = self.embeddings.assignments(self.model.initial_table_rows())
         with self.timeline.span("pull"):
             self.last_reply = self.client.start(
                 self.config, optimizer.config(), values, restore,
-                total_num_replicas=self.num_workers,
-                sparse=self.embeddings.assignment if self.embeddings else None)
+                total_num_replicas=self.num_workers, sparse=sparse)
         self.global_step = self.last_reply.global_step
         self.optimizer = optimizer
         # A worker waiting on a reply cannot tell a silent ps from a ps waiting (sync) on a
@@ -188,14 +192,16 @@ class TrainingSession:
         with tl.span("compute", step=self.global_step):
             if batch is None:
                 batch = self.dataset.next_batch()
-            if self.embeddings is None:
+            if self.embeddings is None or not hasattr(self.model, "ids"):
+                # no tables, or a front end looked them up already (lookup(), in forward)
                 self.loss = self.model.loss_and_grads(self.client.params, batch,
                                                       self.client.grads)
-            else:  # pull the batch's rows, backward into them, sum per id
+            else:  # pull the batch's rows, backward into them
                 lookups = self.embeddings.lookup(self.model.ids(batch))
                 self.loss = self.model.loss_and_grads(self.client.params, batch,
                                                       self.client.grads, lookups)
-                self.embeddings.reduce()
+            if self.embeddings is not None:
+                self.embeddings.reduce()  # sum per id
         state = self.dataset.state() if self.dataset is not None else {"epoch": 0, "cursor": 0}
         bad = self.client.nonfinite_gradient() or (
             self.embeddings.nonfinite() if self.embeddings else None)
@@ -233,6 +239,15 @@ class TrainingSession:
                                                   self.client.grads, final=handle.final)
         return self.finish_push(handle)
 
+    def lookup(self, ids):
+        """Pull the rows of ``ids`` ({table: ids}, some tables) now; push them at :meth:`run`.
+
+        For a front end whose model looks tables up in its forward pass (mpitf.torch): the
+        step's :meth:`run` then pushes their gradients, before the dense push.
+        """
+        with self.timeline.span("pull", step=self.global_step):
+            return self.embeddings.lookup(ids, partial=True)
+
     def start_push(self):
         """Begin a bucketed step whose backward runs outside ``run`` (as in mpitf.torch)."""
         state = self.dataset.state() if self.dataset is not None else {"epoch": 0, "cursor": 0}
@@ -269,6 +284,8 @@ class TrainingSession:
                 "parameters have likely diverged; lower the learning rate, or raise "
                 "max_nonfinite_skips (--max-nonfinite-skips)")
         self._save_if_due()
+        if self.embeddings is not None:
+            self.embeddings.lookups = {}  # the skipped step's rows are not pushed
         self.last_reply = self.client.skip_push()
         self.global_step = self.last_reply.global_step
         for hook in self.hooks:

@@ -86,6 +86,20 @@ def test_frameworks_json(mpirun, tmp_path):
     assert data["repeats"] == 1 and len(data["load_average"]) == 3
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_torch_tables_json(mpirun, tmp_path):
+    # the torch click model with mpitf.torch.EmbeddingBag against nn.EmbeddingBag (quick)
+    out = tmp_path / "tt.json"
+    run = mpirun(2, REPO / "benchmarks" / "torch_tables.py", "--quick", "--json", out,
+                 timeout=120)
+    assert run.returncode == 0, run.output
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["tables_ms"] > 0 and row["dense_ms"] > 0, row
+    assert row["ratio"] == pytest.approx(row["dense_ms"] / row["tables_ms"])
+    assert row["rows"] == 10_000 and 1 < row["unique_ids"] <= 256 * 26
+
+
 @pytest.mark.mpi
 def test_timeline_covers_every_rank_and_step(mpirun, tmp_path):
     trace, steps = tmp_path / "tl.json", 6

@@ -139,9 +139,9 @@ def test_jax_weight_decay_mask_and_a_subtree_rate_equal_the_rule():
 def test_embedding_bag_sparse_is_one_message_and_every_rank_ends():
     run = drive(3, TORCH, "--model", "bag", "--optimizer", "sparse", "--steps", 5, timeout=30)
     assert run.returncode == 2, run.output
-    words = ("parameter 'bag.weight' gets a sparse gradient (an Embedding or EmbeddingBag "
-             "with sparse=True): sparse gradients are not supported by "
-             "mpitf.torch.DistributedOptimizer yet; build it with sparse=False")
+    words = ("parameter 'bag.weight' gets a sparse gradient (a torch.nn.Embedding or "
+             "EmbeddingBag with sparse=True), which mpitf.torch.DistributedOptimizer cannot "
+             "push: use mpitf.torch.EmbeddingBag or mpitf.torch.Embedding")
     assert run.output.count(words) == 1, run.output
     assert "Traceback" not in run.output and "Cannot access data pointer" not in run.output
 

@@ -289,7 +289,7 @@ def test_readme_torch_loops_differ_in_at_most_six_lines():
 
     text = (REPO / "README.md").read_text()
     section = text[text.index("## PyTorch"):text.index("## TensorFlow programs on mpitf")]
-    plain, ours = re.findall(r"```python\n(.*?)```", section, re.S)
+    plain, ours = re.findall(r"```python\n(.*?)```", section, re.S)[:2]  # then the tables
     changed = [d for d in difflib.ndiff(plain.splitlines(), ours.splitlines())
                if d.startswith("+ ")]
     assert len(changed) <= 6, changed

@@ -1,0 +1,258 @@
+"""``EmbeddingBag`` and ``Embedding`` whose weight lives on the ps by rows (an mpitf table).
+
+torch's arguments and forward. Until a :class:`~mpitf.torch.DistributedOptimizer` wraps
+the model, a module is torch's own (its weight a local parameter, initialised as torch's).
+Wrapping makes its weight an :class:`~mpitf.models.embedding.EmbeddingTable` named by its
+state_dict key (``"emb.weight"``), which every ps starts from the chief's values; the local
+weight is then emptied. Each forward checks the ids, pulls the rows of the batch's unique
+ids (:meth:`~mpitf.worker.session.TrainingSession.lookup`), and runs torch's
+``embedding_bag`` / ``embedding`` over them with each id's index among them: backward
+writes one gradient per pulled row straight into the sparse push, which ``step()`` sends
+before the dense push. The ps updates the rows present only (torch's sparse SGD, Adagrad).
+"""
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from ..errors import ConfigurationError
+from .rowgrad import RowGather, bag_weights
+
+__all__ = ["Embedding", "EmbeddingBag", "check_ids"]
+
+_MODES = ("sum", "mean", "max")
+_INT = (torch.int64, torch.int32)
+
+
+def _position(shape, flat):
+    """Return index ``flat`` of an array of ``shape`` as torch would print it."""
+    where = np.unravel_index(int(flat), shape)
+    return int(where[0]) if len(where) == 1 else tuple(int(i) for i in where)
+
+
+def check_ids(name, rows, input, offsets=None, per_sample_weights=None,
+              include_last_offset=False, bag=True):
+    """Refuse ids, offsets or weights torch would reject or read wrongly, naming the value.
+
+    ``name`` is the table, ``rows`` its size. Raises ConfigurationError with the table, the
+    value and its position: an id outside ``[0, rows)``, a float id tensor, offsets that
+    do not start at 0, go down or point past the ids, per_sample_weights of another shape.
+    """
+    if not isinstance(input, torch.Tensor) or input.dtype not in _INT:
+        kind = input.dtype if isinstance(input, torch.Tensor) else type(input).__name__
+        raise ConfigurationError(f"table {name!r}: ids must be an integer tensor (torch.long "
+                                 f"or torch.int), got {kind}")
+    if bag:
+        _check_bags(name, input, offsets, per_sample_weights, include_last_offset)
+    ids = input.numpy()
+    if ids.size and (ids.min() < 0 or ids.max() >= rows):
+        bad = int(np.flatnonzero((ids.reshape(-1) < 0) | (ids.reshape(-1) >= rows))[0])
+        raise ConfigurationError(
+            f"table {name!r}: id {int(ids.reshape(-1)[bad])} at position "
+            f"{_position(ids.shape, bad)} is outside [0, {rows}) (ids are never wrapped or "
+            "clipped)")
+
+
+def _check_bags(name, input, offsets, per_sample_weights, include_last_offset):
+    if input.dim() == 2:
+        if offsets is not None:
+            raise ConfigurationError(f"table {name!r}: offsets must be None when the ids are "
+                                     f"2-D (one bag per row), got {tuple(offsets.shape)}")
+    elif input.dim() == 1:
+        if offsets is None:
+            raise ConfigurationError(f"table {name!r}: 1-D ids need offsets (where each bag "
+                                     "starts)")
+        if not isinstance(offsets, torch.Tensor) or offsets.dtype not in _INT \
+                or offsets.dim() != 1:
+            raise ConfigurationError(f"table {name!r}: offsets must be a 1-D integer tensor")
+        o, n = offsets.numpy(), input.shape[0]
+        if len(o) and o[0] != 0:
+            raise ConfigurationError(f"table {name!r}: offsets[0] is {int(o[0])}: the first "
+                                     "bag starts at position 0")
+        down = np.flatnonzero(np.diff(o) < 0)
+        if len(down):
+            i = int(down[0]) + 1
+            raise ConfigurationError(f"table {name!r}: offsets are not monotone: offsets[{i}] "
+                                     f"= {int(o[i])} < offsets[{i - 1}] = {int(o[i - 1])}")
+        if len(o) and o[-1] > n:
+            raise ConfigurationError(f"table {name!r}: offsets[{len(o) - 1}] = {int(o[-1])} "
+                                     f"is past the {n} ids")
+        if include_last_offset and (not len(o) or o[-1] != n):
+            raise ConfigurationError(
+                f"table {name!r}: with include_last_offset the last offset is the number of "
+                f"ids, {n}, got {int(o[-1]) if len(o) else 'no offsets'}")
+    else:
+        raise ConfigurationError(f"table {name!r}: ids must be 1-D (with offsets) or 2-D, "
+                                 f"got {input.dim()}-D")
+    if per_sample_weights is not None and per_sample_weights.shape != input.shape:
+        raise ConfigurationError(
+            f"table {name!r}: per_sample_weights has shape {tuple(per_sample_weights.shape)}, "
+            f"the ids {tuple(input.shape)}: one weight per id")
+
+
+class _RowTable(torch.nn.Module):
+    """What both modules share: the weight, its checks, and the lookup once bound."""
+
+    def __init__(self, num_embeddings, embedding_dim, padding_idx=None, max_norm=None,
+                 scale_grad_by_freq=False, sparse=False, _weight=None, device=None,
+                 dtype=None, max_ids=1 << 16):
+        super().__init__()
+        if max_norm is not None or scale_grad_by_freq:
+            raise ConfigurationError(
+                "mpitf.torch tables do not support max_norm or scale_grad_by_freq (the rows "
+                "live on the ps); leave them at None and False")
+        if device is not None and torch.device(device).type != "cpu":
+            raise ConfigurationError(f"mpitf.torch tables live on the CPU, got device {device}")
+        for what, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim),
+                            ("max_ids", max_ids)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigurationError(f"{what} must be a positive int, got {value!r}")
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ConfigurationError(f"padding_idx {padding_idx} is outside the "
+                                         f"{num_embeddings} rows")
+            padding_idx %= num_embeddings
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx, self.sparse, self.max_ids = padding_idx, sparse, max_ids
+        self.max_norm, self.scale_grad_by_freq = None, False
+        if _weight is None:
+            self.weight = torch.nn.Parameter(torch.empty((num_embeddings, embedding_dim),
+                                                         dtype=dtype))
+            self.reset_parameters()
+        else:
+            if tuple(_weight.shape) != (num_embeddings, embedding_dim):
+                raise ConfigurationError("_weight must be num_embeddings x embedding_dim")
+            self.weight = torch.nn.Parameter(_weight)
+        self.table_name = None  # the table's name once bound (its state_dict key)
+        self._front = None  # the DistributedOptimizer that bound it
+        self._acc = None  # float64 scratch of the backward (rowgrad.RowGather)
+
+    def reset_parameters(self):
+        """Draw the weight as torch does: N(0, 1), the padding row zero."""
+        torch.nn.init.normal_(self.weight)
+        if self.padding_idx is not None:
+            with torch.no_grad():
+                self.weight[self.padding_idx].fill_(0)
+
+    def bind(self, name, front):
+        """Make the weight table ``name`` on the ps, looked up through ``front``.
+
+        Called by DistributedOptimizer once every ps holds the rows: the local weight is
+        emptied (the worker never holds the table), its Parameter kept for the optimizer.
+        ``front.table_forward(module, *args)`` runs :meth:`remote` (with the front end's
+        ``pull(module, ids)``, which returns the ids' Lookup) where a refusal ends every rank.
+        """
+        self.table_name, self._front = name, front
+        self.weight.data = torch.empty((0, self.embedding_dim), dtype=self.weight.dtype)
+
+    def _rows(self, input, pull, accumulate=False):
+        """Pull ``input``'s rows: (unique rows as a leaf, inverse indices, padding, lookup).
+
+        Under grad the rows require it; ``accumulate``: torch's backward adds the rows'
+        gradients into ``rows.grad``, the push's buffer (else :class:`RowGather` writes
+        them there).
+        """
+        if input.numel() > self.max_ids:
+            raise ConfigurationError(
+                f"table {self.table_name!r}: a step looks up {input.numel()} ids, more than "
+                f"max_ids={self.max_ids}; build the module with a larger max_ids")
+        lookup = pull(self, input.numpy())
+        rows = torch.from_numpy(lookup.unique_rows)
+        grad = lookup.unique_grad  # zero: what is pushed if backward never comes
+        grad[...] = 0
+        if torch.is_grad_enabled() and self.weight.requires_grad:  # a frozen table: zeros
+            rows.requires_grad_(True)
+            if accumulate:
+                rows.grad = torch.from_numpy(grad)  # backward adds in place
+        inverse = torch.from_numpy(lookup.inverse)
+        pad = None
+        if self.padding_idx is not None:
+            hits = np.flatnonzero(input.numpy().reshape(-1) == self.padding_idx)
+            if len(hits):
+                pad = int(lookup.inverse.reshape(-1)[hits[0]])
+        return rows, inverse, pad, lookup
+
+    def _scratch(self):
+        """Return the float64 scratch of the backward's sums (made once, on first use)."""
+        if self._acc is None:
+            self._acc = np.empty(min(self.max_ids, self.num_embeddings) * self.embedding_dim)
+        return self._acc
+
+    def extra_repr(self):
+        text = f"{self.num_embeddings}, {self.embedding_dim}"
+        if self.padding_idx is not None:
+            text += f", padding_idx={self.padding_idx}"
+        return text + (f", table={self.table_name!r}" if self.table_name else "")
+
+
+class EmbeddingBag(_RowTable):
+    """torch.nn.EmbeddingBag whose weight the ps holds by rows (see the module docstring).
+
+    Args: torch's (``num_embeddings``, ``embedding_dim``, ``mode``, ``padding_idx``,
+    ``include_last_offset``, ``_weight``, ``dtype``; ``sparse`` is accepted and ignored,
+    the rows are always updated sparsely; ``max_norm`` and ``scale_grad_by_freq`` are
+    refused), and ``max_ids``: the most ids one step looks up in this table (the size
+    of the buffers, made once on every worker and ps).
+    """
+
+    def __init__(self, num_embeddings, embedding_dim, max_norm=None, norm_type=2.0,
+                 scale_grad_by_freq=False, mode="mean", sparse=False, _weight=None,
+                 include_last_offset=False, padding_idx=None, device=None, dtype=None,
+                 max_ids=1 << 16):
+        if mode not in _MODES:
+            raise ConfigurationError(f"mode must be one of {_MODES}, got {mode!r}")
+        super().__init__(num_embeddings, embedding_dim, padding_idx, max_norm,
+                         scale_grad_by_freq, sparse, _weight, device, dtype, max_ids)
+        self.mode, self.include_last_offset, self.norm_type = mode, include_last_offset, norm_type
+
+    def forward(self, input, offsets=None, per_sample_weights=None):
+        """Return each bag's sum, mean or max of its rows (torch's ``embedding_bag``)."""
+        if self._front is None:
+            return F.embedding_bag(input, self.weight, offsets, mode=self.mode,
+                                   per_sample_weights=per_sample_weights,
+                                   include_last_offset=self.include_last_offset,
+                                   padding_idx=self.padding_idx)
+        return self._front.table_forward(self, input, offsets, per_sample_weights)
+
+    def remote(self, pull, input, offsets=None, per_sample_weights=None):
+        """Check the ids, pull their rows (``pull``) and bag them (the bound forward)."""
+        check_ids(self.table_name, self.num_embeddings, input, offsets, per_sample_weights,
+                  self.include_last_offset)
+        if per_sample_weights is not None and self.mode != "sum":
+            raise ConfigurationError(f"table {self.table_name!r}: per_sample_weights needs "
+                                     f"mode='sum', not {self.mode!r} (as torch)")
+        rows, inverse, pad, lookup = self._rows(input, pull, accumulate=self.mode == "max")
+
+        def run(r, w):
+            return F.embedding_bag(inverse, r, offsets, mode=self.mode, per_sample_weights=w,
+                                   include_last_offset=self.include_last_offset,
+                                   padding_idx=pad)
+
+        if self.mode == "max" or not rows.requires_grad:
+            return run(rows, per_sample_weights)
+        bag, weight = bag_weights(input.numpy(), offsets, self.include_last_offset, self.mode,
+                                  per_sample_weights, self.padding_idx)
+        padded = None if self.padding_idx is None or per_sample_weights is None else \
+            input.numpy().reshape(-1) == self.padding_idx
+        return RowGather.apply(rows, per_sample_weights, run, lookup, bag, weight,
+                               self._scratch(), padded)
+
+
+class Embedding(_RowTable):
+    """torch.nn.Embedding whose weight the ps holds by rows (see :class:`EmbeddingBag`)."""
+
+    def forward(self, input):
+        """Return each id's row (``input.shape + (embedding_dim,)``)."""
+        if self._front is None:
+            return F.embedding(input, self.weight, self.padding_idx)
+        return self._front.table_forward(self, input)
+
+    def remote(self, pull, input):
+        """Check the ids, pull their rows (``pull``) and gather them (the bound forward)."""
+        check_ids(self.table_name, self.num_embeddings, input, bag=False)
+        rows, inverse, pad, lookup = self._rows(input, pull)
+        if not rows.requires_grad:
+            return F.embedding(inverse, rows, pad)
+        weight = None if pad is None else (input.numpy().reshape(-1) != self.padding_idx) * 1.0
+        return RowGather.apply(rows, None, lambda r, _: F.embedding(inverse, r, pad), lookup,
+                               None, weight, self._scratch())
