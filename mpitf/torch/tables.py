@@ -11,6 +11,8 @@ writes one gradient per pulled row straight into the sparse push, which ``step()
 before the dense push. The ps updates the rows present only (torch's sparse SGD, Adagrad).
 """
 
+import operator
+
 import numpy as np
 import torch
 from torch.nn import functional as F
@@ -103,10 +105,17 @@ class _RowTable(torch.nn.Module):
                 "live on the ps); leave them at None and False")
         if device is not None and torch.device(device).type != "cpu":
             raise ConfigurationError(f"mpitf.torch tables live on the CPU, got device {device}")
+        sizes = []
         for what, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim),
                             ("max_ids", max_ids)):
-            if not isinstance(value, int) or value < 1:
+            try:  # any integer, numpy's too (a size read from a file), as torch takes
+                size = operator.index(value)
+            except TypeError:
+                size = 0
+            if isinstance(value, bool) or size < 1:
                 raise ConfigurationError(f"{what} must be a positive int, got {value!r}")
+            sizes.append(size)
+        num_embeddings, embedding_dim, max_ids = sizes
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
                 raise ConfigurationError(f"padding_idx {padding_idx} is outside the "
