@@ -72,6 +72,7 @@ LONG_MODULES = {
     "mpitf/ps/service.py": "the ps's event loop: one handler per request kind",
     "mpitf/runtime/backend.py": "numpy or CuPy behind one handle (the only CuPy import)",
     "mpitf/tables/rowkernels.py": "the compiled row loops of the tables",
+    "mpitf/tables/dynkernels.py": "the compiled loops of the tables that grow",
     "mpitf/tables/rows.py": "row placement and dedup of a table's ids",
     "mpitf/testing/__init__.py": "mpiexec with a deadline, and fake GPU arrays",
     "mpitf/testing/netcluster.py": "the cluster in a box: make, use and remove it",

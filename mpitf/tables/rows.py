@@ -90,6 +90,16 @@ class RowPlacement:
         owner = ids % self.num_ps
         return self.starts[owner] + ids // self.num_ps
 
+    def route(self, dedup, ids):
+        """Return ``(unique keys, offsets per ps, bad)`` of ``ids`` (inverse: ``dedup.finish``)."""
+        keys, bad = dedup.start(ids, self)
+        return keys, None if bad >= 0 else np.searchsorted(keys, self.starts), bad
+
+    def refusal(self, name, x):
+        """Return the message for id ``x``, outside the table."""
+        return (f"table {name!r}: id {x} is outside [0, {self.rows}) (ids are never wrapped "
+                "or clipped)")
+
     def ids_of_keys(self, keys, ps, out):
         """Write the ids of ps ``ps``'s ``keys`` into ``out``; return ``out``."""
         if self.num_ps == 1 or self.kind == "range":
@@ -205,6 +215,7 @@ class Dedup:
         bits = max(4, (2 * n - 1).bit_length())  # at least twice the ids: short probes
         self.shift, self.entries = 64 - bits, 1 << bits
         self.table = None  # the hash table, made on first use
+        self.any_table = None  # ... and the one of ids of any sign (group), on first use
         self.bitmaps = {}  # bound -> (bits, prefix), made on first use
         self.firsts, self.where = np.empty(n, np.int64), np.empty(n, np.int64)
         self.perm, self.rank = np.empty(n, np.int64), np.empty(n, np.int64)
@@ -246,6 +257,38 @@ class Dedup:
         if placement.num_ps >= len(self.counts):
             self.counts = np.empty(placement.num_ps + 1, np.int64)
         return self._start(ids, placement.rows, placement.num_ps, mod, placement.starts)
+
+    def group(self, ids, num_ps, negatives=True):
+        """Return ``(unique ids, offsets, bad)`` of any int64 ``ids``, grouped by hash owner.
+
+        A dynamic table's routing (:class:`~mpitf.tables.hashing.HashPlacement`): ps ``p``'s
+        ids are ``unique[offsets[p]:offsets[p + 1]]``, in first-seen order; ``bad`` is the
+        index of the first negative id when ``negatives`` is False, else -1. The inverse
+        waits for :meth:`finish`.
+        """
+        if self._todo is not None:
+            self.finish()
+        ids = np.ascontiguousarray(ids, np.int64).reshape(-1)
+        if len(ids) > self.capacity:
+            raise ValueError(f"{len(ids)} ids, but this Dedup was made for at most "
+                             f"{self.capacity}")
+        if self.any_table is None:
+            from . import dynkernels
+
+            dynkernels.warm_up()
+            self.any_table = (np.zeros(self.entries, np.int64),
+                              np.full(self.entries, dynkernels.EMPTY, np.int64))
+            self.offsets = np.empty(num_ps + 1, np.int64)
+            self._group = dynkernels.hash_group
+        if len(self.offsets) < num_ps + 1:
+            self.offsets = np.empty(num_ps + 1, np.int64)
+        inverse = self.inverse[:len(ids)]
+        u, bad = self._group(ids, num_ps, negatives, self.shift, *self.any_table,
+                             self.firsts, self.where, self.offsets, self.unique, inverse)
+        if bad >= 0:
+            return self.unique[:0], None, bad
+        self._todo = (ids, inverse, None)
+        return self.unique[:u], self.offsets[:num_ps + 1], -1
 
     def finish(self):
         """Return the inverse of the ids of the last :meth:`start` (empty after a bad id)."""
