@@ -4,7 +4,8 @@ The layout: ``ids_train``/``ids_test`` int64 (N, F), ``dense_train``/``dense_tes
 float32 (N, D) (D may be 0, or the datasets absent), ``y_train``/``y_test`` in {0, 1},
 and the file attribute ``table_rows`` (one int per field: field f's ids lie in
 ``[0, table_rows[f])``). Ids are never wrapped or clipped: one outside its field's range
-is refused, naming the field, the id and the split.
+is refused, naming the field, the id and the split. For tables that grow (the ctr job's
+``--dynamic-tables``) the ids are raw: any int64 (``bounded=False``).
 """
 
 import os
@@ -49,10 +50,12 @@ def write_ctr(out, table_rows, splits):
     return out
 
 
-def load_ctr(path, split, table_rows=None, start=0, stop=None):
+def load_ctr(path, split, table_rows=None, start=0, stop=None, bounded=True):
     """Return ``(ids, dense, y, table_rows)`` of rows ``[start, stop)`` of a split, checked.
 
     ``table_rows`` (the model's) must agree with the file's attribute when given.
+    ``bounded`` False: the ids may be any int64 (tables that grow); only the count of
+    fields is taken from ``table_rows``.
     """
     import h5py
 
@@ -90,7 +93,7 @@ def load_ctr(path, split, table_rows=None, start=0, stop=None):
                         f"have one row per example, got {n}, {len(dense)}, {len(y)}")
     if not np.isin(y, (0, 1)).all():
         raise DataError(f"data file {path}: y_{split} must hold labels 0 or 1")
-    bad = (ids < 0) | (ids >= rows)
+    bad = (ids < 0) | (ids >= rows) if bounded else np.zeros(1, bool)
     if bad.any():
         row, field = map(int, np.argwhere(bad)[0])
         raise DataError(f"data file {path}: id {int(ids[row, field])} of field {field} in "
@@ -102,7 +105,8 @@ def load_ctr(path, split, table_rows=None, start=0, stop=None):
 class CtrDataset:
     """One worker's contiguous shard of the train split, shuffled per (seed, epoch, shard)."""
 
-    def __init__(self, path, shard_index, num_shards, batch_size, seed=0, table_rows=None):
+    def __init__(self, path, shard_index, num_shards, batch_size, seed=0, table_rows=None,
+                 bounded=True):
         import h5py
 
         self.batch_size = check_batch_size(batch_size)
@@ -111,7 +115,7 @@ class CtrDataset:
             n = len(f["ids_train"]) if "ids_train" in f else 0
         lo, hi = shard_index * n // num_shards, (shard_index + 1) * n // num_shards
         self.ids, self.dense, self.y, self.table_rows = load_ctr(path, "train", table_rows,
-                                                                 lo, hi)
+                                                                 lo, hi, bounded)
         if len(self.y) < self.batch_size:
             raise DataError(f"data file {path}: worker {shard_index}'s shard has "
                             f"{len(self.y)} examples, fewer than a batch of {batch_size}")

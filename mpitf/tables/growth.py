@@ -19,13 +19,13 @@ class Growth:
 
     admit_min_count: int = option(
         1, "--admit-min-count", check=integer(1), group="dynamic tables",
-        help="an id gets a row once its gradients came in this many steps; until then it "
+        help="an id gets a row once this many pushes carried its gradient; until then it "
              "reads zeros and its gradients are counted, not applied")
     admit_probability: float = option(
         1.0, "--admit-probability", group="dynamic tables",
         check=number(low=0.0, high=1.0, low_open=True, high_open=False),
         help="an id that reached --admit-min-count gets a row with this probability per "
-             "step (a draw of seed, table, id and count: the same in every run)")
+             "push (a draw of seed, table, id and count: the same in every run)")
     evict_after_steps: int = option(
         None, "--evict-after-steps", check=integer(1), group="dynamic tables",
         help="evict the rows no gradient reached for this many steps (default: never)")
