@@ -243,7 +243,7 @@ def test_a_dynamic_table_admitting_every_id_trains_the_bits_of_a_fixed_one(tmp_p
 
 @pytest.mark.slow
 @pytest.mark.mpi
-def test_kill_and_resume_onto_three_ps_from_one_is_the_uninterrupted_run(tmp_path):
+def test_kill_and_resume_onto_three_ps_from_one_is_the_uninterrupted_run(tmp_path, capsys):
     # Raw int64 ids (some negative), admission by count, eviction of rows unused for 2
     # steps at each checkpoint: the resumed run restores rows, slots, ages, uses and the
     # counts of ids not yet admitted, each routed to its owner among 3 ps.
@@ -269,6 +269,14 @@ def test_kill_and_resume_onto_three_ps_from_one_is_the_uninterrupted_run(tmp_pat
     for name in driver.ROWS:
         assert (whole[name]["ids"] < 0).any() and len(whole[name]["ids"]) > 3
     assert any(len(whole[f"extra:{name}"]["pending/ids"]) for name in driver.ROWS)
+    from mpitf.ckpt.commands import cmd_export, cmd_show
+    assert cmd_show(str(ckpt)) == 0
+    assert re.search(r"^  users +dynamic x 4 +float32 +rows ps0:\d+ ps1:\d+ ps2:\d+$",
+                     capsys.readouterr().out, re.M)
+    assert cmd_export(str(ckpt), str(tmp_path / "e.npz")) == 0
+    with np.load(tmp_path / "e.npz") as f:  # the last checkpoint: the final rows, by id
+        assert np.array_equal(f["users/ids"], whole["users"]["ids"])
+        assert np.array_equal(f["users"], whole["users"]["rows"])
 
 
 @pytest.mark.mpi
