@@ -173,7 +173,7 @@ class DynamicShard(TableShard):
             return
         c, g, admit = self.counts, self.growth, self.admit[:len(ids)]
         c.reserve(int(missing.sum()))
-        n, new = K.count_seen(c.keys, c.vals, c.shift, ids, found, g.admit_min_count,
+        n, new = K.count_seen(c.table, c.shift, ids, found, g.admit_min_count,
                               g.admit_probability, self.key, admit)
         c.size += new
         if n:

@@ -1,7 +1,8 @@
 """Compiled loops of the tables that grow: an int64 id -> slot map, routing and initial rows.
 
-The map is open addressing with linear probing over two arrays (``keys``, ``vals``; a
-``vals`` of -1 marks an empty entry, so every int64 is a valid key) and backward-shift
+The map is open addressing with linear probing over one ``(entries, 2)`` int64 array of
+(key, value) pairs (one cache line per probe; a value of -1 marks an empty entry, so
+every int64 is a valid key) and backward-shift
 deletion, so no tombstones pile up as rows come and go. Hashes and draws come from
 splitmix64's finaliser (a counter-based generator): an id's owner ps and its initial
 values are functions of the id (and the seed and table) alone, whatever the ps count or
@@ -20,7 +21,7 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _S30, _S27, _S31, _S32, _S11 = (np.uint64(s) for s in (30, 27, 31, 32, 11))
 _UNIT = 1.0 / 9007199254740992.0  # 2 ** -53
-EMPTY = -1  # vals of an unused entry
+EMPTY = -1  # the value of an unused entry
 ADMIT = 1 << 40  # admission draws are draws (key, id, ADMIT + count): apart from the columns'
 
 
@@ -44,16 +45,16 @@ def _slot(x, shift):
 
 
 @_jit
-def map_find(keys, vals, shift, ids, out):
+def map_find(table, shift, ids, out):
     """Write each id's value into ``out``, -1 where absent; return how many were found."""
-    mask, found = keys.shape[0] - 1, 0
+    mask, found = table.shape[0] - 1, 0
     for i in range(ids.shape[0]):
         x = ids[i]
         h = _slot(x, shift)
         out[i] = EMPTY
-        while vals[h] != EMPTY:
-            if keys[h] == x:
-                out[i] = vals[h]
+        while table[h, 1] != EMPTY:
+            if table[h, 0] == x:
+                out[i] = table[h, 1]
                 found += 1
                 break
             h = (h + 1) & mask
@@ -61,69 +62,69 @@ def map_find(keys, vals, shift, ids, out):
 
 
 @_jit
-def map_put(keys, vals, shift, ids, values):
+def map_put(table, shift, ids, values):
     """Set ``map[ids[i]] = values[i]``; return how many ids were already present."""
-    mask, present = keys.shape[0] - 1, 0
+    mask, present = table.shape[0] - 1, 0
     for i in range(ids.shape[0]):
         x = ids[i]
         h = _slot(x, shift)
-        while vals[h] != EMPTY and keys[h] != x:
+        while table[h, 1] != EMPTY and table[h, 0] != x:
             h = (h + 1) & mask
-        present += vals[h] != EMPTY
-        keys[h] = x
-        vals[h] = values[i]
+        present += table[h, 1] != EMPTY
+        table[h, 0] = x
+        table[h, 1] = values[i]
     return present
 
 
 @_jit
-def map_delete(keys, vals, shift, ids):
+def map_delete(table, shift, ids):
     """Remove ``ids`` (backward shift: later entries of a probe move up); return how many."""
-    mask, removed = keys.shape[0] - 1, 0
+    mask, removed = table.shape[0] - 1, 0
     for i in range(ids.shape[0]):
         x = ids[i]
         h = _slot(x, shift)
-        while vals[h] != EMPTY and keys[h] != x:
+        while table[h, 1] != EMPTY and table[h, 0] != x:
             h = (h + 1) & mask
-        if vals[h] == EMPTY:
+        if table[h, 1] == EMPTY:
             continue
         removed += 1
         hole = h
         j = (h + 1) & mask
-        while vals[j] != EMPTY:
-            home = _slot(keys[j], shift)
+        while table[j, 1] != EMPTY:
+            home = _slot(table[j, 0], shift)
             # move j into the hole unless its home lies cyclically in (hole, j]
             if (j > hole and (home <= hole or home > j)) or (j < hole and home <= hole
                                                              and home > j):
-                keys[hole] = keys[j]
-                vals[hole] = vals[j]
+                table[hole, 0] = table[j, 0]
+                table[hole, 1] = table[j, 1]
                 hole = j
             j = (j + 1) & mask
-        vals[hole] = EMPTY
+        table[hole, 1] = EMPTY
     return removed
 
 
 @_jit
-def map_rehash(keys, vals, new_keys, new_vals, shift):
+def map_rehash(table, new, shift):
     """Insert every entry of one map into an empty larger one (``shift``: the larger's)."""
-    mask = new_keys.shape[0] - 1
-    for h in range(keys.shape[0]):
-        if vals[h] != EMPTY:
-            x = keys[h]
+    mask = new.shape[0] - 1
+    for h in range(table.shape[0]):
+        if table[h, 1] != EMPTY:
+            x = table[h, 0]
             j = _slot(x, shift)
-            while new_vals[j] != EMPTY:
+            while new[j, 1] != EMPTY:
                 j = (j + 1) & mask
-            new_keys[j] = x
-            new_vals[j] = vals[h]
+            new[j, 0] = x
+            new[j, 1] = table[h, 1]
 
 
 @_jit
-def map_items(keys, vals, out_keys, out_vals):
+def map_items(table, out_keys, out_vals):
     """Write every (key, value) into the outputs in table order; return the count."""
     n = 0
-    for h in range(keys.shape[0]):
-        if vals[h] != EMPTY:
-            out_keys[n] = keys[h]
-            out_vals[n] = vals[h]
+    for h in range(table.shape[0]):
+        if table[h, 1] != EMPTY:
+            out_keys[n] = table[h, 0]
+            out_vals[n] = table[h, 1]
             n += 1
     return n
 
@@ -171,18 +172,16 @@ def take_or_zero(src, slots, out):
 
 
 @_jit
-def hash_group(ids, num_ps, negatives, shift, keys, vals, firsts, rank, offsets, unique,
-               inverse):
+def hash_group(ids, num_ps, negatives, shift, table, firsts, rank, offsets, unique, inverse):
     """Deduplicate any int64 ``ids`` and group the unique ones by owner; return ``(u, bad)``.
 
-    One pass over a map (``keys``/``vals``, all empty on entry and on return) numbers the
-    unique ids in first-seen order (``firsts``, ``inverse``); a counting sort by
-    :func:`owner_of` then writes them into ``unique``, ps 0's first (first-seen order within
-    each), with ps ``p``'s at ``offsets[p]:offsets[p + 1]``, and ``rank`` each first-seen
-    id's place there (for ``renumber``). A negative id when ``negatives`` is False stops
-    the pass: its index is ``bad`` (else -1).
+    A pass over ``table`` (empty on entry and return) numbers the unique ids first-seen
+    (``firsts``, ``inverse``); a counting sort by :func:`owner_of` writes them to ``unique``
+    (ps ``p``'s at ``offsets[p]:offsets[p + 1]``, first-seen within) and each one's place to
+    ``rank`` (for ``renumber``; one ps: no sort, no rank). A negative id when ``negatives``
+    is False stops the pass: its index is ``bad`` (else -1).
     """
-    mask, u, bad = keys.shape[0] - 1, 0, -1
+    mask, u, bad = table.shape[0] - 1, 0, -1
     for i in range(ids.shape[0]):
         x = ids[i]
         if x < 0 and not negatives:
@@ -190,22 +189,22 @@ def hash_group(ids, num_ps, negatives, shift, keys, vals, firsts, rank, offsets,
             break
         h = _slot(x, shift)
         while True:
-            if vals[h] == EMPTY:
-                keys[h] = x
-                vals[h] = u
-                firsts[u] = x
-                rank[u] = h
-                inverse[i] = u
+            if table[h, 1] == EMPTY:
+                table[h, 0], table[h, 1], firsts[u], rank[u], inverse[i] = x, u, x, h, u
                 u += 1
                 break
-            if keys[h] == x:
-                inverse[i] = vals[h]
+            if table[h, 0] == x:
+                inverse[i] = table[h, 1]
                 break
             h = (h + 1) & mask
     for j in range(u):
-        vals[rank[j]] = EMPTY
+        table[rank[j], 1] = EMPTY
     if bad >= 0:
         return 0, bad
+    if num_ps == 1:  # one owner: first-seen order is the order (rank unused)
+        unique[:u] = firsts[:u]
+        offsets[0], offsets[1] = 0, u
+        return u, -1
     offsets[:num_ps + 1] = 0
     for j in range(u):
         offsets[owner_of(firsts[j], num_ps) + 1] += 1
@@ -224,7 +223,7 @@ def hash_group(ids, num_ps, negatives, shift, keys, vals, firsts, rank, offsets,
 
 
 @_jit
-def count_seen(keys, vals, shift, ids, slots, min_count, probability, key, admit):
+def count_seen(table, shift, ids, slots, min_count, probability, key, admit):
     """Count each absent id (``slots[j] < 0``) once more; mark ``admit[j]`` when it gets a row.
 
     An id is admitted when its count reaches ``min_count`` and a draw of (key, id, count)
@@ -232,19 +231,19 @@ def count_seen(keys, vals, shift, ids, slots, min_count, probability, key, admit
     every id. Returns ``(admitted, new keys)`` (admitted ids' counts stay: the caller
     removes them).
     """
-    mask, n, new = keys.shape[0] - 1, 0, 0
+    mask, n, new = table.shape[0] - 1, 0, 0
     for j in range(ids.shape[0]):
         admit[j] = False
         if slots[j] >= 0:
             continue
         x = ids[j]
         h = _slot(x, shift)
-        while vals[h] != EMPTY and keys[h] != x:
+        while table[h, 1] != EMPTY and table[h, 0] != x:
             h = (h + 1) & mask
-        new += vals[h] == EMPTY
-        c = (vals[h] if vals[h] != EMPTY else 0) + 1
-        keys[h] = x
-        vals[h] = c
+        new += table[h, 1] == EMPTY
+        c = (table[h, 1] if table[h, 1] != EMPTY else 0) + 1
+        table[h, 0] = x
+        table[h, 1] = c
         if c >= min_count and (probability >= 1.0 or draw(key, x, ADMIT + c) < probability):
             admit[j] = True
             n += 1
@@ -290,15 +289,15 @@ def warm_up():
     global _warm
     if _warm:
         return
-    keys, vals = np.zeros(8, np.int64), np.full(8, EMPTY, np.int64)
+    table = np.full((8, 2), EMPTY, np.int64)
     ids, out = np.arange(2, dtype=np.int64), np.empty(2, np.int64)
-    map_put(keys, vals, 61, ids, ids)
-    map_find(keys, vals, 61, ids, out)
-    map_delete(keys, vals, 61, ids[:1])
-    map_rehash(keys, vals, np.zeros(16, np.int64), np.full(16, EMPTY, np.int64), 60)
-    map_items(keys, vals, np.empty(8, np.int64), np.empty(8, np.int64))
+    map_put(table, 61, ids, ids)
+    map_find(table, 61, ids, out)
+    map_delete(table, 61, ids[:1])
+    map_rehash(table, np.full((16, 2), EMPTY, np.int64), 60)
+    map_items(table, np.empty(8, np.int64), np.empty(8, np.int64))
     admit = np.zeros(2, np.bool_)
-    count_seen(keys, vals, 61, ids, np.full(2, -1, np.int64), 2, 1.0, 0, admit)
+    count_seen(table, 61, ids, np.full(2, -1, np.int64), 2, 1.0, 0, admit)
     touch(out.copy(), out.copy(), np.zeros(1, np.int64), 1)
     first_foreign(ids, 2, 0, True)
     for dtype in (np.float32, np.float64):
@@ -308,7 +307,7 @@ def warm_up():
     for word in (np.uint64, np.uint32):
         w = np.zeros((2, 2), word)
         take_or_zero(w, np.array([0, -1], np.int64), w.copy())
-    t = np.zeros(8, np.int64)
-    hash_group(ids, 2, True, 61, t, np.full(8, EMPTY, np.int64), out.copy(), out.copy(),
-               np.empty(3, np.int64), out.copy(), np.empty(2, np.intp))
+    for num_ps in (1, 2):
+        hash_group(ids, num_ps, True, 61, np.full((8, 2), EMPTY, np.int64), out.copy(),
+                   out.copy(), np.empty(3, np.int64), out.copy(), np.empty(2, np.intp))
     _warm = True

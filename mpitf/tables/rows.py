@@ -276,18 +276,17 @@ class Dedup:
             from . import dynkernels
 
             dynkernels.warm_up()
-            self.any_table = (np.zeros(self.entries, np.int64),
-                              np.full(self.entries, dynkernels.EMPTY, np.int64))
+            self.any_table = np.full((self.entries, 2), dynkernels.EMPTY, np.int64)
             self.offsets = np.empty(num_ps + 1, np.int64)
             self._group = dynkernels.hash_group
         if len(self.offsets) < num_ps + 1:
             self.offsets = np.empty(num_ps + 1, np.int64)
         inverse = self.inverse[:len(ids)]
-        u, bad = self._group(ids, num_ps, negatives, self.shift, *self.any_table,
+        u, bad = self._group(ids, num_ps, negatives, self.shift, self.any_table,
                              self.firsts, self.where, self.offsets, self.unique, inverse)
         if bad >= 0:
             return self.unique[:0], None, bad
-        self._todo = (ids, inverse, None)
+        self._todo = (ids, inverse, None if num_ps > 1 else ())  # (): numbered already
         return self.unique[:u], self.offsets[:num_ps + 1], -1
 
     def finish(self):
@@ -296,6 +295,8 @@ class Dedup:
         if todo is None:
             return self.inverse[:0]
         ids, inverse, args = todo
+        if args == ():
+            return inverse
         if args is None:
             self.k.renumber(inverse, self.where)
         else:
