@@ -180,20 +180,22 @@ def take_or_zero(src, slots, out):
 
 
 @_jit
-def hash_group(ids, num_ps, negatives, shift, table, firsts, rank, offsets, unique, inverse):
+def hash_group(ids, num_ps, negatives, shift, table, limit, firsts, rank, offsets, unique,
+               inverse):
     """Deduplicate any int64 ``ids`` and group the unique ones by owner; return ``(u, bad)``.
 
     A pass over ``table`` (empty on entry and return) numbers the unique ids first-seen
     (``firsts``, ``inverse``); a counting sort by :func:`owner_of` writes them to ``unique``
     (ps ``p``'s at ``offsets[p]:offsets[p + 1]``, first-seen within) and each one's place to
     ``rank`` (for ``renumber``; one ps: no sort, no rank). A negative id when ``negatives``
-    is False stops the pass: its index is ``bad`` (else -1).
+    is False stops the pass: its index is ``bad`` (else -1); a ``limit``-th unique id stops
+    it with ``bad`` -2 (the table is too small for a load of one half: double it, again).
     """
     mask, u, bad = table.shape[0] - 1, 0, -1
     for i in range(ids.shape[0]):
         x = ids[i]
-        if x < 0 and not negatives:
-            bad = i
+        if (x < 0 and not negatives) or u == limit:
+            bad = i if u < limit else -2
             break
         h = _slot(x, shift)
         while True:
@@ -207,7 +209,7 @@ def hash_group(ids, num_ps, negatives, shift, table, firsts, rank, offsets, uniq
             h = (h + 1) & mask
     for j in range(u):
         table[rank[j], 1] = EMPTY
-    if bad >= 0:
+    if bad != -1:
         return 0, bad
     if num_ps == 1:  # one owner: first-seen order is the order (rank unused)
         unique[:u] = firsts[:u]
@@ -316,6 +318,6 @@ def warm_up():
         w = np.zeros((2, 2), word)
         take_or_zero(w, np.array([0, -1], np.int64), w.copy())
     for num_ps in (1, 2):
-        hash_group(ids, num_ps, True, 61, np.full((8, 2), EMPTY, np.int64), out.copy(),
+        hash_group(ids, num_ps, True, 61, np.full((8, 2), EMPTY, np.int64), 4, out.copy(),
                    out.copy(), np.empty(3, np.int64), out.copy(), np.empty(2, np.intp))
     _warm = True

@@ -215,7 +215,7 @@ class Dedup:
         bits = max(4, (2 * n - 1).bit_length())  # at least twice the ids: short probes
         self.shift, self.entries = 64 - bits, 1 << bits
         self.table = None  # the hash table, made on first use
-        self.any_table = None  # ... and the one of ids of any sign (group), on first use
+        self.any_table = None  # ... and the one of ids of any sign (group), grown on use
         self.bitmaps = {}  # bound -> (bits, prefix), made on first use
         self.firsts, self.where = np.empty(n, np.int64), np.empty(n, np.int64)
         self.perm, self.rank = np.empty(n, np.int64), np.empty(n, np.int64)
@@ -276,14 +276,20 @@ class Dedup:
             from . import dynkernels
 
             dynkernels.warm_up()
-            self.any_table = np.full((self.entries, 2), dynkernels.EMPTY, np.int64)
+            self.any_table = np.full((1024, 2), dynkernels.EMPTY, np.int64)
             self.offsets = np.empty(num_ps + 1, np.int64)
-            self._group = dynkernels.hash_group
+            self._group, self._empty = dynkernels.hash_group, dynkernels.EMPTY
         if len(self.offsets) < num_ps + 1:
             self.offsets = np.empty(num_ps + 1, np.int64)
         inverse = self.inverse[:len(ids)]
-        u, bad = self._group(ids, num_ps, negatives, self.shift, self.any_table,
-                             self.firsts, self.where, self.offsets, self.unique, inverse)
+        while True:  # a table for twice the unique ids, not the ids: it stays in cache
+            table = self.any_table
+            shift = 64 - (len(table).bit_length() - 1)
+            u, bad = self._group(ids, num_ps, negatives, shift, table, len(table) // 2,
+                                 self.firsts, self.where, self.offsets, self.unique, inverse)
+            if bad != -2:
+                break
+            self.any_table = np.full((2 * len(table), 2), self._empty, np.int64)
         if bad >= 0:
             return self.unique[:0], None, bad
         self._todo = (ids, inverse, None if num_ps > 1 else ())  # (): numbered already
