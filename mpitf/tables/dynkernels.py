@@ -184,8 +184,9 @@ def hash_group(ids, num_ps, negatives, shift, table, limit, firsts, rank, offset
                inverse):
     """Deduplicate any int64 ``ids`` and group the unique ones by owner; return ``(u, bad)``.
 
-    A pass over ``table`` (empty on entry and return) numbers the unique ids first-seen
-    (``firsts``, ``inverse``); a counting sort by :func:`owner_of` writes them to ``unique``
+    A pass over ``table`` (int32 indices into ``firsts``, -1 empty on entry and return: 4
+    bytes an entry, so it stays in cache) numbers the unique ids first-seen (``firsts``,
+    ``inverse``); a counting sort by :func:`owner_of` writes them to ``unique``
     (ps ``p``'s at ``offsets[p]:offsets[p + 1]``, first-seen within) and each one's place to
     ``rank`` (for ``renumber``; one ps: no sort, no rank). A negative id when ``negatives``
     is False stops the pass: its index is ``bad`` (else -1); a ``limit``-th unique id stops
@@ -199,16 +200,17 @@ def hash_group(ids, num_ps, negatives, shift, table, limit, firsts, rank, offset
             break
         h = _slot(x, shift)
         while True:
-            if table[h, 1] == EMPTY:
-                table[h, 0], table[h, 1], firsts[u], rank[u], inverse[i] = x, u, x, h, u
+            k = table[h]
+            if k == EMPTY:
+                table[h], firsts[u], rank[u], inverse[i] = u, x, h, u
                 u += 1
                 break
-            if table[h, 0] == x:
-                inverse[i] = table[h, 1]
+            if firsts[k] == x:
+                inverse[i] = k
                 break
             h = (h + 1) & mask
     for j in range(u):
-        table[rank[j], 1] = EMPTY
+        table[rank[j]] = EMPTY
     if bad != -1:
         return 0, bad
     if num_ps == 1:  # one owner: first-seen order is the order (rank unused)
@@ -318,6 +320,6 @@ def warm_up():
         w = np.zeros((2, 2), word)
         take_or_zero(w, np.array([0, -1], np.int64), w.copy())
     for num_ps in (1, 2):
-        hash_group(ids, num_ps, True, 61, np.full((8, 2), EMPTY, np.int64), 4, out.copy(),
+        hash_group(ids, num_ps, True, 61, np.full(8, EMPTY, np.int32), 4, out.copy(),
                    out.copy(), np.empty(3, np.int64), out.copy(), np.empty(2, np.intp))
     _warm = True

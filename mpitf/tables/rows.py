@@ -276,7 +276,7 @@ class Dedup:
             from . import dynkernels
 
             dynkernels.warm_up()
-            self.any_table = np.full((1024, 2), dynkernels.EMPTY, np.int64)
+            self.any_table = np.full(1024, dynkernels.EMPTY, np.int32)
             self.offsets = np.empty(num_ps + 1, np.int64)
             self._group, self._empty = dynkernels.hash_group, dynkernels.EMPTY
         if len(self.offsets) < num_ps + 1:
@@ -289,7 +289,7 @@ class Dedup:
                                  self.firsts, self.where, self.offsets, self.unique, inverse)
             if bad != -2:
                 break
-            self.any_table = np.full((2 * len(table), 2), self._empty, np.int64)
+            self.any_table = np.full(2 * len(table), self._empty, np.int32)
         if bad >= 0:
             return self.unique[:0], None, bad
         self._todo = (ids, inverse, None if num_ps > 1 else ())  # (): numbered already
