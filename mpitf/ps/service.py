@@ -408,9 +408,10 @@ class Service:
         self._finish_replies()
         if self.sparse:
             self.sparse.close()
-            for name, stats in self.tables.stats().items():
-                _log.info("ps task %d, table %r: %s", self.ps_task, name,
-                          ", ".join(f"{k} {v}" for k, v in stats.items()))
+            for name, stats in self.tables.stats().items():  # the tables that grow
+                if "admitted" in stats:
+                    _log.info("ps task %d, table %r: %s", self.ps_task, name,
+                              ", ".join(f"{k} {v}" for k, v in stats.items()))
         self.shard.close()
         return EXIT_REQUEUE if self.requeue else 0
 

@@ -228,3 +228,12 @@ def test_dynamic_tables_train_the_bits_of_fixed_ones_and_report_their_rows(tmp_p
     held = [sum(ps[f"field{f}"]["rows"] for ps in dynamic["tables"]) for f in range(2)]
     assert all(30 < h < 300 for h in held), dynamic["tables"]  # the ids trained, no more
     assert all(ps[t]["evicted"] == 0 for ps in dynamic["tables"] for t in ps)
+
+
+def test_the_growth_flags_need_dynamic_tables():
+    from mpitf.jobs.ctr import main
+
+    with pytest.raises(Exception, match="are for tables that grow: add --dynamic-tables"):
+        main(["--data", "x.h5", "--admit-min-count", "3"])
+    with pytest.raises(SystemExit):
+        main(["--data", "x.h5", "--dynamic-tables", "--admit-probability", "x"])
