@@ -231,9 +231,10 @@ def test_dynamic_tables_train_the_bits_of_fixed_ones_and_report_their_rows(tmp_p
 
 
 def test_the_growth_flags_need_dynamic_tables():
+    from mpitf.errors import CollectiveError
     from mpitf.jobs.ctr import main
 
-    with pytest.raises(Exception, match="are for tables that grow: add --dynamic-tables"):
+    with pytest.raises(CollectiveError, match="are for tables that grow: add --dynamic-tables"):
         main(["--data", "x.h5", "--admit-min-count", "3"])
     with pytest.raises(SystemExit):
         main(["--data", "x.h5", "--dynamic-tables", "--admit-probability", "x"])
