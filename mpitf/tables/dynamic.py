@@ -57,7 +57,7 @@ class DynamicShard(TableShard):
         self.admit = np.empty(rows, np.bool_)
         self.compact_grads = np.empty((rows, dim), dtype)
         self.admitted = self.evicted = self.skipped = 0
-        self.warned_at = 0  # the rows held when the capacity warning was last given
+        self.warned_at = 0  # the rows evicted for capacity when last said (doubling: not a flood)
 
     # -- storage ---------------------------------------------------------------------------
 
@@ -201,11 +201,18 @@ class DynamicShard(TableShard):
             self._evict(ids[old], slots[old])
 
     def evict_least_used(self, step):
-        """Evict the least used rows (then the oldest, then the smallest ids) beyond capacity."""
+        """Evict the least used rows (then the oldest, then the smallest ids) beyond capacity.
+
+        Says so (a warning with the numbers) the first time, then each time the evictions
+        in all have doubled.
+        """
         held, cap = len(self.map), self.growth.capacity
         ids, slots = self.map.items()
         order = np.lexsort((ids, self.last_seen[slots], self.uses[slots]))[:held - cap]
         self._evict(ids[order], slots[order])
+        if self.evicted < 2 * self.warned_at:
+            return
+        self.warned_at = self.evicted
         _log.warning("ps task %d, table %r: capacity of %d rows reached at step %d: evicted "
                      "the %d least used (held %d, admitted %d, evicted %d in all)", self.ps,
                      self.spec.name, cap, step, held - cap, len(self.map), self.admitted,
