@@ -96,6 +96,7 @@ LONG_FUNCTIONS = {
     "mpitf/runtime/backend.py:select_backend": "the device decision and what it says, per case",
     "mpitf/runtime/cuda_aware.py:cuda_aware_support": "each MPI family's own test, in turn",
     "mpitf/tables/rowkernels.py:bitmap_unique": "a numba kernel: one pass, no calls inside",
+    "mpitf/tables/dynkernels.py:hash_group": "a numba kernel: dedup and owner sort, no calls",
     "mpitf/testing/netcluster.py:main": "the box's subcommands and their parser",
     "mpitf/worker/client.py:__init__": "the flat buffers, views and frames, built in order",
     "mpitf/worker/embedding.py:lookup": "one pass over the tables, overlapped with the pulls",

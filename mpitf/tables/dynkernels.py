@@ -184,13 +184,12 @@ def hash_group(ids, num_ps, negatives, shift, table, limit, firsts, rank, offset
                inverse):
     """Deduplicate any int64 ``ids`` and group the unique ones by owner; return ``(u, bad)``.
 
-    A pass over ``table`` (int32 indices into ``firsts``, -1 empty on entry and return: 4
-    bytes an entry, so it stays in cache) numbers the unique ids first-seen (``firsts``,
-    ``inverse``); a counting sort by :func:`owner_of` writes them to ``unique``
-    (ps ``p``'s at ``offsets[p]:offsets[p + 1]``, first-seen within) and each one's place to
-    ``rank`` (for ``renumber``; one ps: no sort, no rank). A negative id when ``negatives``
-    is False stops the pass: its index is ``bad`` (else -1); a ``limit``-th unique id stops
-    it with ``bad`` -2 (the table is too small for a load of one half: double it, again).
+    ``table``: int32 indices into ``firsts`` (-1 empty on entry and return; 4 bytes an
+    entry, it stays in cache). Unique ids are numbered first-seen (``firsts``, ``inverse``),
+    then counting-sorted by :func:`owner_of` into ``unique`` (ps ``p``'s at ``offsets[p]:
+    offsets[p + 1]``), each one's place in ``rank`` (for ``renumber``; one ps: no sort).
+    ``bad``: the first negative id's index if ``negatives`` is False; -2 at ``limit``
+    unique ids (double the table); else -1.
     """
     mask, u, bad = table.shape[0] - 1, 0, -1
     for i in range(ids.shape[0]):
