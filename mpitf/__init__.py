@@ -37,6 +37,7 @@ _LAZY = {
     "build_model": "models",
     "EmbeddingTable": "models.embedding",
     "RowPlacement": "tables.rows",
+    "Growth": "tables.growth",
     "replica_device_setter": "placement",
     "GreedyLoadBalancingStrategy": "placement",
     "min_max_variable_partitioner": "placement",

@@ -27,6 +27,11 @@ Zipf(A) with a fixed seed (``(zipf - 1) % R``). Measured in one run, on the work
   :func:`mpitf.tables.rows.segment_sum` (compiled, the one used; the same bits as a
   ``np.bincount`` per column).
 
+With ``--dynamic`` the table grows (``rows=None``, every id admitted; the same ids): the
+step and dedup figures are a dynamic table's, after every batch has been seen once (its
+rows made); ``rows_held`` and ``ps_bytes_per_row`` (the ps's storage, map included, per
+row held) come from the ps's report, and the dense figure is left out (no table to push).
+
 ``bytes_per_step`` counts both directions (headers included); rank 0 writes the JSON.
 Each time is the median over its repetitions; ``*_min_us`` (step, raw, dense) are the
 fastest repetition, the figure least moved by other processes on a shared machine.
@@ -66,6 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--num-ps", type=int, default=1)
     p.add_argument("--steps", type=int, default=30, help="timed steps per figure")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dynamic", action="store_true",
+                   help="a table that grows (any int64 id) in place of R fixed rows")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -74,7 +81,7 @@ class TableModel:
     """One table looked up ``fields`` times per example, and one dense float."""
 
     def __init__(self, rows, dim, fields):
-        self.table = EmbeddingTable("table", rows, dim, lookups=fields)
+        self.table = EmbeddingTable("table", rows, dim, lookups=fields)  # rows None: grows
         self.per_occurrence = False
 
     def variables(self):
@@ -132,12 +139,13 @@ def main(argv=None):
     if is_ps:
         serve(server)
     else:
-        model = TableModel(args.rows, args.dim, args.fields)
+        model = TableModel(None if args.dynamic else args.rows, args.dim, args.fields)
         session = TrainingSession(server, model, make_optimizer("sgd", LR), mode="sync",
                                   batch_size=args.batch, log_every=0)
         emb = session.embeddings
         k = iter(range(10**9))
-        session.run(batches[0])
+        for b in batches[:BATCHES if args.dynamic else 1]:  # a dynamic table: rows made
+            session.run(b)
         b0, r0 = emb.bytes_sent, emb.bytes_received
         times = timed(lambda: session.run(batches[next(k) % BATCHES]), args.steps)
         steps = WARMUP + args.steps
@@ -153,7 +161,18 @@ def main(argv=None):
         table = emb.tables[0]
         n = table.offsets[-1]
         dedup, flat = Dedup(batches[0].size), batches[0].reshape(-1)
-        row["dedup_us"] = median_us(timed(lambda: dedup(flat, args.rows), args.steps))
+        if args.dynamic:  # grouped by a hash owner, any int64
+            def dedup_once():
+                dedup.group(flat, args.num_ps)
+                dedup.finish()
+        else:
+            def dedup_once():
+                dedup(flat, args.rows)
+        row["dedup_us"] = median_us(timed(dedup_once, args.steps))
+        if args.dynamic:
+            stats = [c["tables"]["table"] for c in session.client.ps_counters()]
+            row["rows_held"] = sum(s["rows"] for s in stats)
+            row["ps_bytes_per_row"] = sum(s["bytes"] for s in stats) / row["rows_held"]
         row["segment_sum_us"] = _segment_sums(table.occ_grads[:len(table.inverse)],
                                               table.inverse, n)
         # per ps, the sizes of the last step's messages, for the raw exchange
@@ -207,7 +226,9 @@ def main(argv=None):
         row["gather_scatter_us"], row["gather_scatter_aligned_us"] = raw.recv(
             source=ps_ranks[0], tag=5)
     # -- dense push+pull of the whole table ----------------------------------------------
-    if is_ps:
+    if args.dynamic:
+        pass
+    elif is_ps:
         serve(server)
     else:
         n = args.rows * args.dim // len(ps_ranks)
@@ -223,7 +244,8 @@ def main(argv=None):
     if not server.is_chief:
         return 0
     row.update(rows=args.rows, dim=args.dim, batch=args.batch, fields=args.fields,
-               zipf=args.zipf, num_ps=args.num_ps)
+               zipf=args.zipf, num_ps=args.num_ps, dynamic=args.dynamic)
+    row["lookups_per_sec"] = args.batch * args.fields / row["step_us"] * 1e6
     row["bytes_bound"] = 1.1 * row["unique_ids"] * (8 + 2 * args.dim * 4)
     print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                    for k, v in row.items()), flush=True)

@@ -68,7 +68,8 @@ def describe_checkpoint(ckpt_dir):
         width = max([len(t["name"]) for t in tables] + [8])
         for t in tables:
             where = " ".join(f"ps{p}:{n}" for p, n in sorted(shards[t["name"]]))
-            lines.append(f"  {t['name']:<{width}}  {t['rows']} x {t['dim']:<10} "
+            rows = "dynamic" if t["rows"] is None else t["rows"]  # a table that grows
+            lines.append(f"  {t['name']:<{width}}  {rows} x {t['dim']:<10} "
                          f"{t['dtype']:<8} rows {where}")
     buffers = (m.get("buffers") or {}).get("buffers", [])
     if buffers:

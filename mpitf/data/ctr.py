@@ -233,6 +233,7 @@ class CtrDataset(ShardBatches):
                 raise DataError(f"data file {path}: worker {shard_index}'s shard has "
                                 f"{hi - lo} examples, fewer than a batch of {batch_size}")
             self.dense_dim = arrays[1][1].shape[1] if len(arrays) == 3 else 0
+            self.fields = arrays[0][1].shape[1]
             self.path, self.shard_index, self.num_shards = path, shard_index, num_shards
             self.start, self.stop, self.num_samples, self.seed = lo, hi, hi - lo, seed
             rows = self.table_rows

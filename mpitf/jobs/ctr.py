@@ -3,11 +3,14 @@
 Run: mpiexec -n 3 python jobs/ctr.py --data ctr.h5 --num-ps 1   (adagrad, lr 0.5, 3000
 steps of 256 by default; write the data with ``mpitf data synthetic-ctr --out ctr.h5`` or
 ``mpitf data criteo``).
-Every field's ids look up its own table on the ps tasks (rows i mod P); the embeddings
+Every field's ids look up its own table on the ps tasks (rows i mod P; with
+``--dynamic-tables``, tables that grow: raw int64 ids, rows made on first use); the embeddings
 and the dense features go through an MLP to one logit. The chief evaluates the test
 split every ``--eval-every`` steps (a log line) and at the end, where it prints
 ``final: {json}`` with ``test_auc`` and ``test_logloss``.
 """
+
+import functools
 
 import numpy as np
 
@@ -21,7 +24,9 @@ from mpitf.cli.side_tasks import start_replica
 from mpitf.data.ctr import CtrDataset, auc, load_ctr
 from mpitf.errors import ConfigurationError
 from mpitf.models.ctr import CTR, logistic_loss
+from mpitf.options import add_flags, values_from_args
 from mpitf.runtime.exits import RankParser, collective, run_job
+from mpitf.tables.growth import Growth
 from mpitf.wire.dtypes import refuse_wire
 from mpitf.worker.node import refuse_aggregation
 
@@ -36,14 +41,26 @@ def _check_cluster(cluster):
             "ctr keeps its embedding tables on ps tasks: give --num-ps 1 or more")
 
 
-def _check_data(path, batch_size, num_shards):
-    load_ctr(path, "test")  # the layout, table_rows and every id of the split, checked
+def _check_data(path, batch_size, num_shards, raw_ids=False):
+    load_ctr(path, "test", raw_ids=raw_ids)  # the layout, table_rows, every id, checked
+
+
+def _growth(args):
+    """Return the tables' Growth when --dynamic-tables is given, else None (refusing its flags)."""
+    growth = Growth(**values_from_args(Growth, args))
+    if not args.dynamic_tables and growth != Growth():
+        raise collective(ConfigurationError(
+            "--admit-min-count, --admit-probability, --evict-after-steps, --table-capacity "
+            "and --evict-every are for tables that grow: add --dynamic-tables"))
+    return growth if args.dynamic_tables else None
 
 
 
 def evaluate(sess, model, path, batch_size):
     """Return (AUC, log loss) of the newest parameters on the test split, in batches."""
-    ids, dense, y, _ = load_ctr(path, "test", model.table_rows)
+    growing = model.growth is not None
+    ids, dense, y, _ = load_ctr(path, "test", None if growing else model.table_rows,
+                                raw_ids=growing)
     sess.client.pull()
     logits = []
     for lo in range(0, len(y), batch_size):
@@ -64,20 +81,28 @@ def main(argv=None):
     parser.add_argument("--embedding-dim", type=int, default=8, help="values per table row")
     parser.add_argument("--eval-every", type=int, default=500,
                         help="the chief logs test AUC and log loss every N steps (0: never)")
+    parser.add_argument("--dynamic-tables", action="store_true",
+                        help="tables that grow: ids are raw int64 (any value), a ps makes a "
+                             "row when an id is admitted (the flags below)")
+    add_flags(parser, Growth)
     args = parser.parse_args(argv)
     config = config_from_args(args)
+    growth = _growth(args)
     refuse_aggregation(config.training, "ctr", "its embedding rows are pushed by id")
     refuse_wire(config.training, "ctr", "its embedding rows travel on messages of their own")
     if not config.data:
         raise collective(ConfigurationError("ctr needs --data FILE (write one with `mpitf "
                                             "data synthetic-ctr --out FILE`)"))
-    server, _, code = start_replica(args, config, "ctr", _check_cluster, _check_data)
+    server, _, code = start_replica(args, config, "ctr", _check_cluster,
+                                    functools.partial(_check_data, raw_ids=growth is not None))
     if code is not None:  # a ps or another job's task has run its part
         return code
     training = config.training
     dataset = CtrDataset(config.data, server.replica_index, server.num_replicas,
-                         training.batch_size, training.seed)
-    model = CTR(dataset.table_rows, args.embedding_dim, dataset.dense_dim, (config.hidden,))
+                         training.batch_size, training.seed, raw_ids=growth is not None)
+    rows = dataset.table_rows if dataset.table_rows is not None else [None] * dataset.fields
+    model = CTR(rows, args.embedding_dim, dataset.dense_dim, (config.hidden,),
+                growth=growth)
     sess = session_from_config(server, model, config, dataset)
     while not sess.should_stop():
         sess.run()
@@ -91,6 +116,8 @@ def main(argv=None):
         test_auc, test_logloss = evaluate(sess, model, config.data, dataset.batch_size)
         summary = dict(step=sess.global_step, loss=sess.loss, test_auc=test_auc,
                        test_logloss=test_logloss, workers=server.num_replicas, mode=training.mode)
+        if growth is not None:  # rows held, admitted, evicted per ps (and table)
+            summary["tables"] = [c["tables"] for c in sess.client.ps_counters()]
         report_final(config, summary)
     sess.close()
     return sess.exit_code

@@ -27,19 +27,29 @@ class CTR(ReferenceModel):
     """Embeddings of ``len(table_rows)`` fields + ``dense_dim`` features -> MLP -> logit.
 
     Variables: ``hidden{k}/weights|biases`` and ``logit/weights|biases``; tables
-    ``field{f}`` of ``table_rows[f]`` x ``dim``.
+    ``field{f}`` of ``table_rows[f]`` x ``dim``, or, given ``growth`` (a
+    :class:`~mpitf.tables.growth.Growth`), tables that grow: any int64 id, one per field
+    (``table_rows`` then only counts the fields; its entries may be None).
     """
 
     def __init__(self, table_rows, dim=8, dense_dim=0, hidden=(32,), dtype=numpy.float32,
-                 placement="mod", scale=0.05):
+                 placement="mod", scale=0.05, growth=None):
         super().__init__(dtype)
-        self.table_rows = tuple(check_int("table_rows", r, 1) for r in table_rows)
+        # tables that grow have no row count: None (a file of raw ids has none either)
+        self.table_rows = tuple(None if growth is not None and r is None else
+                                check_int("table_rows", r, 1) for r in table_rows)
         self.dim = check_int("embedding dim", dim, 1)
         self.dense_dim = check_int("dense_dim", dense_dim, 0)
         self.hidden = tuple(check_int("hidden units", h, 1) for h in hidden)
-        self._tables = tuple(EmbeddingTable(f"field{f}", r, self.dim, self.dtype.name,
-                                            scale=scale, placement=placement)
-                             for f, r in enumerate(self.table_rows))
+        self.growth = growth
+        if growth is not None:
+            self._tables = tuple(EmbeddingTable(f"field{f}", None, self.dim, self.dtype.name,
+                                                scale=scale, dynamic=growth)
+                                 for f in range(len(self.table_rows)))
+        else:
+            self._tables = tuple(EmbeddingTable(f"field{f}", r, self.dim, self.dtype.name,
+                                                scale=scale, placement=placement)
+                                 for f, r in enumerate(self.table_rows))
         self._layers = [f"hidden{i + 1}" for i in range(len(self.hidden))] + ["logit"]
         widths = (len(self.table_rows) * self.dim + self.dense_dim, *self.hidden, 1)
         for name, fan_in, fan_out in zip(self._layers, widths[:-1], widths[1:]):

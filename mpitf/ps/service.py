@@ -263,7 +263,7 @@ class Service:
                        self.assignment.num_ps, self.global_step, shard.slices, self.backend,
                        shard.params, shard.saved_slots(), average, self.positions,
                        self.paused, self.counters,
-                       self.tables.saved() if self.tables else None)
+                       self.tables.saved(self.global_step) if self.tables else None)
 
     def _check_quiescent(self):
         if self.pausing and all(w in self.done or w in self.paused
@@ -384,7 +384,8 @@ class Service:
 
     def _on_counters(self, worker, request, frame, index, now):
         self.last_push[worker] = None
-        self.comm.send(dict(self.counters, ps_task=self.ps_task),
+        tables = self.tables.stats() if self.tables else {}
+        self.comm.send(dict(self.counters, ps_task=self.ps_task, tables=tables),
                        dest=self.worker_ranks[worker], tag=P.TAG_CONTROL)
         return True
 
@@ -407,6 +408,10 @@ class Service:
         self._finish_replies()
         if self.sparse:
             self.sparse.close()
+            for name, stats in self.tables.stats().items():  # the tables that grow
+                if "admitted" in stats:
+                    _log.info("ps task %d, table %r: %s", self.ps_task, name,
+                              ", ".join(f"{k} {v}" for k, v in stats.items()))
         self.shard.close()
         return EXIT_REQUEUE if self.requeue else 0
 

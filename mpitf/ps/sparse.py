@@ -24,7 +24,8 @@ import numpy as np
 
 from ..errors import PeerError
 from ..models.embedding import initial_rows
-from ..tables.rows import Dedup, RowPlacement, segment_sum
+from ..tables.dynamic import DynamicShard
+from ..tables.rows import Dedup, segment_sum
 from ..tables.shard import TableShard
 from ..wire import header as H
 from ..wire import protocol as P
@@ -60,9 +61,11 @@ class SparseTables:
         self.specs = tuple(sparse["tables"])
         self.ps, self.optimizer = ps, optimizer
         self.layout = message_layout(self.specs, sparse["batch_size"])
-        self.placements = [RowPlacement(t.rows, num_ps, t.placement) for t in self.specs]
+        self.placements = [t.row_placement(num_ps) for t in self.specs]
         given = sparse.pop("initial", None) or {}  # the chief's rows of a table, if sent
-        self.tables = [TableShard(t, pl, ps, optimizer, n * num_workers,
+        self.tables = [DynamicShard(t, pl, ps, optimizer, n * num_workers, seed)
+                       if t.dynamic is not None else
+                       TableShard(t, pl, ps, optimizer, n * num_workers,
                                   _initial(t, pl, ps, seed, given.get(t.name)))
                        for t, pl, n in zip(self.specs, self.placements, self.layout.max_ids)]
         self.messages = [None] * num_workers  # each worker's push, in the frame it came in
@@ -77,15 +80,17 @@ class SparseTables:
         self.cat_grads = [np.empty((n, t.dim), t.dtype) for n, t in zip(total, self.specs)]
         self.scratch = [np.empty(len(t.grad_buf) * t.spec.dim) for t in self.tables]
 
-    def saved(self):
-        """Return this ps's rows of every table as a checkpoint writes them."""
-        return [{"spec": t.spec, "ids": t.placement.global_ids(self.ps), "rows": t.params,
-                 "slots": t.slots} for t in self.tables]
+    def saved(self, step):
+        """Return this ps's rows of every table as a checkpoint writes them (at ``step``)."""
+        return [t.saved(step) for t in self.tables]
 
     def targets(self):
         """Return this ps's tables as a restore fills them."""
-        return [{"spec": t.spec, "placement": t.placement, "ps": self.ps, "rows": t.params,
-                 "slots": t.slots} for t in self.tables]
+        return [t.target() for t in self.tables]
+
+    def stats(self):
+        """Return {table: its shard's stats} (rows held; admitted, evicted for dynamic ones)."""
+        return {t.spec.name: t.stats() for t in self.tables}
 
     @property
     def capacity(self):
@@ -153,7 +158,7 @@ class SparseTables:
             cat_ids[n:n + len(ids)] = ids
             cat_grads[n:n + len(ids)] = grads
             n += len(ids)
-        uids, inverse = self.dedup[t](cat_ids[:n], table.spec.rows)
+        uids, inverse = table.unique(self.dedup[t], cat_ids[:n])
         return table.locate(uids, {}), segment_sum(cat_grads[:n], inverse,
                                                    table.grad_buf[:len(uids)], self.scratch[t])
 

@@ -90,6 +90,16 @@ class RowPlacement:
         owner = ids % self.num_ps
         return self.starts[owner] + ids // self.num_ps
 
+    def route(self, dedup, ids):
+        """Return ``(unique keys, offsets per ps, bad)`` of ``ids`` (inverse: ``dedup.finish``)."""
+        keys, bad = dedup.start(ids, self)
+        return keys, None if bad >= 0 else np.searchsorted(keys, self.starts), bad
+
+    def refusal(self, name, x):
+        """Return the message for id ``x``, outside the table."""
+        return (f"table {name!r}: id {x} is outside [0, {self.rows}) (ids are never wrapped "
+                "or clipped)")
+
     def ids_of_keys(self, keys, ps, out):
         """Write the ids of ps ``ps``'s ``keys`` into ``out``; return ``out``."""
         if self.num_ps == 1 or self.kind == "range":
@@ -205,6 +215,7 @@ class Dedup:
         bits = max(4, (2 * n - 1).bit_length())  # at least twice the ids: short probes
         self.shift, self.entries = 64 - bits, 1 << bits
         self.table = None  # the hash table, made on first use
+        self.any_table = None  # ... and the one of ids of any sign (group), grown on use
         self.bitmaps = {}  # bound -> (bits, prefix), made on first use
         self.firsts, self.where = np.empty(n, np.int64), np.empty(n, np.int64)
         self.perm, self.rank = np.empty(n, np.int64), np.empty(n, np.int64)
@@ -247,12 +258,51 @@ class Dedup:
             self.counts = np.empty(placement.num_ps + 1, np.int64)
         return self._start(ids, placement.rows, placement.num_ps, mod, placement.starts)
 
+    def group(self, ids, num_ps, negatives=True):
+        """Return ``(unique ids, offsets, bad)`` of any int64 ``ids``, grouped by hash owner.
+
+        A dynamic table's routing (:class:`~mpitf.tables.hashing.HashPlacement`): ps ``p``'s
+        ids are ``unique[offsets[p]:offsets[p + 1]]``, in first-seen order; ``bad`` is the
+        index of the first negative id when ``negatives`` is False, else -1. The inverse
+        waits for :meth:`finish`.
+        """
+        if self._todo is not None:
+            self.finish()
+        ids = np.ascontiguousarray(ids, np.int64).reshape(-1)
+        if len(ids) > self.capacity:
+            raise ValueError(f"{len(ids)} ids, but this Dedup was made for at most "
+                             f"{self.capacity}")
+        if self.any_table is None:
+            from . import dynkernels
+
+            dynkernels.warm_up()
+            self.any_table = np.full(1024, dynkernels.EMPTY, np.int32)
+            self.offsets = np.empty(num_ps + 1, np.int64)
+            self._group, self._empty = dynkernels.hash_group, dynkernels.EMPTY
+        if len(self.offsets) < num_ps + 1:
+            self.offsets = np.empty(num_ps + 1, np.int64)
+        inverse = self.inverse[:len(ids)]
+        while True:  # a table for twice the unique ids, not the ids: it stays in cache
+            table = self.any_table
+            shift = 64 - (len(table).bit_length() - 1)
+            u, bad = self._group(ids, num_ps, negatives, shift, table, len(table) // 2,
+                                 self.firsts, self.where, self.offsets, self.unique, inverse)
+            if bad != -2:
+                break
+            self.any_table = np.full(2 * len(table), self._empty, np.int32)
+        if bad >= 0:
+            return self.unique[:0], None, bad
+        self._todo = (ids, inverse, None if num_ps > 1 else ())  # (): numbered already
+        return self.unique[:u], self.offsets[:num_ps + 1], -1
+
     def finish(self):
         """Return the inverse of the ids of the last :meth:`start` (empty after a bad id)."""
         todo, self._todo = self._todo, None
         if todo is None:
             return self.inverse[:0]
         ids, inverse, args = todo
+        if args == ():
+            return inverse
         if args is None:
             self.k.renumber(inverse, self.where)
         else:

@@ -75,6 +75,24 @@ class TableShard:
                             f"does not hold", **worker_desc)
         return ids if self.same else out[:n]
 
+    def unique(self, dedup, ids):
+        """Return ``(unique ids, inverse)`` of the ids of several pushes (ps ``_sum``)."""
+        return dedup(ids, self.spec.rows)
+
+    def saved(self, step):
+        """Return this shard's rows as a checkpoint writes them (``step``: the global step)."""
+        return {"spec": self.spec, "ids": self.placement.global_ids(self.ps),
+                "rows": self.params, "slots": self.slots}
+
+    def target(self):
+        """Return this shard as a restore fills it."""
+        return {"spec": self.spec, "placement": self.placement, "ps": self.ps,
+                "rows": self.params, "slots": self.slots}
+
+    def stats(self):
+        """Return what a report says of this shard: the rows it holds."""
+        return {"rows": len(self.params)}
+
     def gather(self, ids, out, worker_desc):
         """Write the rows of ``ids`` into ``out`` (a reply's rows)."""
         take_rows(self.params, self.locate(ids, worker_desc), out)

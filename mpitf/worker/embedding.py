@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import DataError, PeerError
 from ..models.embedding import check_tables, split_rows
-from ..tables.rows import Dedup, RowPlacement, all_finite, segment_sum, take_rows
+from ..tables.rows import Dedup, all_finite, segment_sum, take_rows
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.sparse import SparseLayout
@@ -100,7 +100,7 @@ class _TableState:
 
     def __init__(self, spec, num_ps, batch_size):
         self.spec = spec
-        self.placement = RowPlacement(spec.rows, num_ps, spec.placement)
+        self.placement = spec.row_placement(num_ps)  # rows by range or mod, or ids by hash
         self.max_ids = spec.max_ids(batch_size)
         occurrences = batch_size * spec.lookups
         self.dedup = Dedup(occurrences)
@@ -118,12 +118,10 @@ class _TableState:
             raise DataError(f"table {spec.name!r}: a batch looks up {flat.size} ids, more than "
                             f"batch_size x lookups = {len(self.occ_rows)}; raise the table's "
                             "lookups")
-        self.keys, bad = self.dedup.start(flat, self.placement)
+        self.keys, self.offsets, bad = self.placement.route(self.dedup, flat)
         self.inverse = None  # numbered by number(), while the pulls travel
         if bad >= 0:
-            raise DataError(f"table {spec.name!r}: id {int(flat[bad])} is outside "
-                            f"[0, {spec.rows}) (ids are never wrapped or clipped)")
-        self.offsets = np.searchsorted(self.keys, self.placement.starts)
+            raise DataError(self.placement.refusal(spec.name, int(flat[bad])))
 
     def number(self):
         """Find each id's index among the unique ids (the inverse), once the pulls are sent."""

@@ -9,7 +9,15 @@ import h5py
 import numpy as np
 import pytest
 
-from mpitf.data.ctr import CtrDataset, auc, convert_criteo, load_ctr, synthetic_ctr, write_ctr
+from mpitf.data.ctr import (
+    DYNAMIC,
+    CtrDataset,
+    auc,
+    convert_criteo,
+    load_ctr,
+    synthetic_ctr,
+    write_ctr,
+)
 from mpitf.errors import DataError
 from mpitf.testing import run_mpi
 from tests.support import REPO
@@ -196,3 +204,47 @@ def test_the_ctr_job_refuses_an_evaluator_task_on_every_rank(tmp_path):
     assert not run.timed_out and run.returncode == 2, run.output
     assert run.output.count("ctr has no evaluator task yet") == 1
     assert not (tmp_path / "ck").exists()
+
+
+def test_raw_ids_of_any_sign_are_taken_for_tables_that_grow(tmp_path):
+    raw = [[-(2**62), 5], [2**40, -1]]
+    path = _file(tmp_path, raw, rows=DYNAMIC)
+    with pytest.raises(DataError, match="out of the range of a fixed table's rows"):
+        load_ctr(path, "train")
+    ids, _, _, rows = load_ctr(path, "train", raw_ids=True)
+    assert ids.tolist() == raw and rows is None
+    with pytest.raises(DataError, match="outside"):  # a file of table rows stays checked
+        load_ctr(_file(tmp_path, raw), "train", raw_ids=True)
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_dynamic_tables_train_the_bits_of_fixed_ones_and_report_their_rows(tmp_path):
+    # Every id admitted, none evicted: a row is made when its first gradient arrives, from
+    # the same (seed, table, id) draw a fixed table starts from, so the run is the same.
+    data = str(tmp_path / "ctr.h5")
+    synthetic_ctr(data, train=2000, test=500, fields=2, rows=300, dense=1, seed=7)
+    common = ["-m", "mpitf.jobs.ctr", "--data", data, "--num-ps", "1", "--steps", "30",
+              "--batch-size", "32", "--mode", "sync", "--eval-every", "0"]
+    finals = []
+    for extra in ([], ["--dynamic-tables"]):
+        run = run_mpi(3, common + extra, timeout=120, cwd=str(REPO))
+        assert not run.timed_out and run.returncode == 0, run.output
+        finals.append(json.loads(next(x for x in run.output.splitlines()
+                                      if x.startswith("final: "))[len("final: "):]))
+    fixed, dynamic = finals
+    assert (dynamic["loss"], dynamic["test_auc"], dynamic["test_logloss"]) == \
+        (fixed["loss"], fixed["test_auc"], fixed["test_logloss"])
+    held = [sum(ps[f"field{f}"]["rows"] for ps in dynamic["tables"]) for f in range(2)]
+    assert all(30 < h < 300 for h in held), dynamic["tables"]  # the ids trained, no more
+    assert all(ps[t]["evicted"] == 0 for ps in dynamic["tables"] for t in ps)
+
+
+def test_the_growth_flags_need_dynamic_tables():
+    from mpitf.errors import CollectiveError
+    from mpitf.jobs.ctr import main
+
+    with pytest.raises(CollectiveError, match="are for tables that grow: add --dynamic-tables"):
+        main(["--data", "x.h5", "--admit-min-count", "3"])
+    with pytest.raises(SystemExit):
+        main(["--data", "x.h5", "--dynamic-tables", "--admit-probability", "x"])

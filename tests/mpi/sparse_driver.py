@@ -10,6 +10,7 @@ to ``OUT_DIR/params.npz``. The test recomputes the same arithmetic in one proces
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -20,10 +21,12 @@ from mpi4py import MPI
 
 import mpitf.ps.service as service_module
 from mpitf.models.embedding import EmbeddingTable
+from mpitf.options import add_flags, values_from_args
 from mpitf.ps.kernels import warm_up
 from mpitf.ps.optimizers import make_optimizer
 from mpitf.runtime.exits import abort_on_error
 from mpitf.runtime.server import Server
+from mpitf.tables.growth import Growth
 from mpitf.worker.session import TrainingSession
 
 ROWS = {"users": 37, "items": 23}
@@ -33,10 +36,16 @@ LOOKUPS = {"users": 1, "items": 2}  # items: two ids per example (a shared table
 LEARNING_RATES = {"sgd": 0.5, "momentum": 0.1, "adagrad": 0.3, "adam": 0.05, "ftrl": 0.2}
 
 
-def tables(placement="mod", rows_scale=1):
-    """Return the model's tables."""
+def tables(placement="mod", rows_scale=1, growth=None):
+    """Return the model's tables (``growth``: tables that grow, with these options)."""
+    if growth is not None:
+        return [EmbeddingTable(name, None, DIM[name], lookups=LOOKUPS[name], scale=0.5,
+                               dynamic=growth) for name in ROWS]
     return [EmbeddingTable(name, ROWS[name] * rows_scale, DIM[name], lookups=LOOKUPS[name],
                            placement=placement, scale=0.5) for name in ROWS]
+
+
+RAW = 7919 * 10**9  # --raw-ids: id i becomes i * RAW - 5 * RAW (any int64, some negative)
 
 
 def batch(worker, step):
@@ -54,8 +63,8 @@ def row_gradient(rows, weights):
 class TinySparse:
     """Dense variable ``w`` (per table, dim) and two tables; loss sum((row * w)^2) / 2."""
 
-    def __init__(self, placement="mod", rows_scale=1):
-        self._tables = tables(placement, rows_scale)
+    def __init__(self, placement="mod", rows_scale=1, growth=None):
+        self._tables = tables(placement, rows_scale, growth)
 
     def variables(self):
         return [(f"w_{name}", (DIM[name],), "float32") for name in ROWS]
@@ -110,6 +119,10 @@ def main():
                         help="a ps may map this many MiB more than it has at start (RLIMIT_AS)")
     parser.add_argument("--bad-ids", choices=("high", "negative", "float"),
                         help="the last worker's batch at step 2 holds a bad id")
+    parser.add_argument("--dynamic", action="store_true", help="tables that grow")
+    parser.add_argument("--raw-ids", action="store_true", help="ids spread over int64")
+    parser.add_argument("--no-negative-ids", action="store_true")
+    add_flags(parser, Growth)
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     with abort_on_error():
@@ -130,14 +143,16 @@ def main():
                 resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
             svc = _SERVICES[-1]
             arrays = {}
-            for table in svc.tables.tables:
-                arrays[f"{table.spec.name}/ids"] = table.placement.global_ids(svc.ps_task)
-                arrays[f"{table.spec.name}/rows"] = table.params
-                for k, v in table.slots.items():
-                    arrays[f"{table.spec.name}/{k}"] = v
+            for saved in svc.tables.saved(svc.global_step):
+                name = saved["spec"].name
+                arrays[f"{name}/ids"], arrays[f"{name}/rows"] = saved["ids"], saved["rows"]
+                for k, v in saved["slots"].items():
+                    arrays[f"{name}/{k}"] = v
+                for k, v in saved.get("extra", {}).items():
+                    arrays[f"extra:{name}/{k}"] = v
             np.savez(os.path.join(args.out, f"ps{svc.ps_task}.npz"), **arrays)
             with open(os.path.join(args.out, f"ps{svc.ps_task}.json"), "w") as f:
-                json.dump(svc.counters, f)
+                json.dump(dict(svc.counters, tables=svc.tables.stats()), f)
             return
         opt = make_optimizer(args.optimizer, LEARNING_RATES[args.optimizer])
         # sync: train to global step --steps; async, ssp: --steps steps of each worker
@@ -150,7 +165,11 @@ def main():
             options["deterministic"] = args.deterministic
         if args.mode == "ssp":
             options["staleness"] = args.staleness
-        model = TinySparse(args.placement, args.rows_scale)
+        growth = None
+        if args.dynamic:
+            growth = dataclasses.replace(Growth(**values_from_args(Growth, args)),
+                                         negative_ids=not args.no_negative_ids)
+        model = TinySparse(args.placement, args.rows_scale, growth)
         session = TrainingSession(server, model, opt, **options)
         w = server.task_index
         with session:
@@ -158,6 +177,8 @@ def main():
                 if server.is_chief and session.global_step == args.kill_at:
                     os.kill(os.getpid(), signal.SIGKILL)
                 b = batch(w, session.global_step if sync else session.steps_run)
+                if args.raw_ids:
+                    b = {k: v * RAW - 5 * RAW for k, v in b.items()}
                 if args.bad_ids and w == server.cluster.num_tasks("worker") - 1 \
                         and session.steps_run == 2:
                     b = dict(b, users={"high": b["users"] + ROWS["users"],

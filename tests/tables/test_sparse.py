@@ -363,7 +363,10 @@ def _message_bytes(num_ps, workers, steps):
 @pytest.mark.parametrize("mode", ["async", "ssp"])
 def test_async_and_ssp_apply_every_push_and_send_only_the_rows_used(tmp_path, mode):
     steps, workers, num_ps = 6, 2, 2
-    run_driver(tmp_path, num_ps, workers, "--mode", mode, "--steps", steps)
+    # adagrad: its steps are bounded, where plain SGD at the driver's lr 0.5 on stale
+    # gradients sits at the edge of stability (NaN on some interleavings of the workers)
+    run_driver(tmp_path, num_ps, workers, "--mode", mode, "--steps", steps,
+               "--optimizer", "adagrad")
     sent, received = _message_bytes(num_ps, workers, steps)
     for w in range(workers):
         report = json.loads((tmp_path / f"worker{w}.json").read_text())
