@@ -7,7 +7,7 @@ from ..cluster.flags import check_claimed_role, cluster_from_args
 from ..cluster.roles import check_training_cluster
 from ..config import JobConfig
 from ..errors import ConfigurationError, MpitfError
-from ..options import add_flags
+from ..options import add_flags, values_from_args
 from ..runtime.exits import collective, setup_logging
 
 
@@ -22,6 +22,28 @@ def add_training_arguments(parser, steps=None, batch_size=None, lr=None):
     add_cluster_arguments(parser)
     return add_flags(parser, JobConfig,
                      defaults=dict(last_step=steps, batch_size=batch_size, lr=lr))
+
+
+def add_growth_arguments(parser):
+    """Add ``--dynamic-tables`` and the flags of :class:`~mpitf.tables.growth.Growth`."""
+    from ..tables.growth import Growth
+
+    parser.add_argument("--dynamic-tables", action="store_true",
+                        help="tables that grow: ids are raw int64 (any value), a ps makes a "
+                             "row when an id is admitted (the flags below)")
+    add_flags(parser, Growth)
+
+
+def growth_from_args(args):
+    """Return the tables' Growth with --dynamic-tables, else None (refusing its flags)."""
+    from ..tables.growth import Growth
+
+    growth = Growth(**values_from_args(Growth, args))
+    if not args.dynamic_tables and growth != Growth():
+        raise collective(ConfigurationError(
+            "--admit-min-count, --admit-probability, --evict-after-steps, --table-capacity "
+            "and --evict-every are for tables that grow: add --dynamic-tables"))
+    return growth if args.dynamic_tables else None
 
 
 def setup_backend(args, server):

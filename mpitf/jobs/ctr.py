@@ -15,8 +15,10 @@ import functools
 import numpy as np
 
 from mpitf.cli.flags import (
+    add_growth_arguments,
     add_training_arguments,
     config_from_args,
+    growth_from_args,
     session_from_config,
 )
 from mpitf.cli.reports import report_final
@@ -24,9 +26,7 @@ from mpitf.cli.side_tasks import start_replica
 from mpitf.data.ctr import CtrDataset, auc, load_ctr
 from mpitf.errors import ConfigurationError
 from mpitf.models.ctr import CTR, logistic_loss
-from mpitf.options import add_flags, values_from_args
 from mpitf.runtime.exits import RankParser, collective, run_job
-from mpitf.tables.growth import Growth
 from mpitf.wire.dtypes import refuse_wire
 from mpitf.worker.node import refuse_aggregation
 
@@ -43,17 +43,6 @@ def _check_cluster(cluster):
 
 def _check_data(path, batch_size, num_shards, raw_ids=False):
     load_ctr(path, "test", raw_ids=raw_ids)  # the layout, table_rows, every id, checked
-
-
-def _growth(args):
-    """Return the tables' Growth when --dynamic-tables is given, else None (refusing its flags)."""
-    growth = Growth(**values_from_args(Growth, args))
-    if not args.dynamic_tables and growth != Growth():
-        raise collective(ConfigurationError(
-            "--admit-min-count, --admit-probability, --evict-after-steps, --table-capacity "
-            "and --evict-every are for tables that grow: add --dynamic-tables"))
-    return growth if args.dynamic_tables else None
-
 
 
 def evaluate(sess, model, path, batch_size):
@@ -81,13 +70,10 @@ def main(argv=None):
     parser.add_argument("--embedding-dim", type=int, default=8, help="values per table row")
     parser.add_argument("--eval-every", type=int, default=500,
                         help="the chief logs test AUC and log loss every N steps (0: never)")
-    parser.add_argument("--dynamic-tables", action="store_true",
-                        help="tables that grow: ids are raw int64 (any value), a ps makes a "
-                             "row when an id is admitted (the flags below)")
-    add_flags(parser, Growth)
+    add_growth_arguments(parser)
     args = parser.parse_args(argv)
     config = config_from_args(args)
-    growth = _growth(args)
+    growth = growth_from_args(args)
     refuse_aggregation(config.training, "ctr", "its embedding rows are pushed by id")
     refuse_wire(config.training, "ctr", "its embedding rows travel on messages of their own")
     if not config.data:

@@ -14,9 +14,16 @@ does). The chief logs test AUC and log loss every ``--eval-every`` steps and pri
 {json}`` with ``test_auc`` and ``test_logloss`` at the end, like ``ctr``.
 """
 
+import functools
+
 import numpy as np
 
-from mpitf.cli.flags import add_training_arguments, config_from_args
+from mpitf.cli.flags import (
+    add_growth_arguments,
+    add_training_arguments,
+    config_from_args,
+    growth_from_args,
+)
 from mpitf.cli.reports import report_final
 from mpitf.cli.side_tasks import start_replica
 from mpitf.data.ctr import CtrDataset, auc, load_ctr
@@ -41,8 +48,12 @@ def mlp(widths, relu_last):
     return torch.nn.Sequential(*layers)
 
 
-def build(table_rows, dense_dim, dim, bottom, top, embedding_bag):
-    """Return the DLRM module: ``model(dense, ids) -> logits`` (ids ``(N, fields)`` int64)."""
+def build(table_rows, dense_dim, dim, bottom, top, embedding_bag, growth=None):
+    """Return the DLRM module: ``model(dense, ids) -> logits`` (ids ``(N, fields)`` int64).
+
+    ``growth`` (a :class:`~mpitf.tables.growth.Growth`): every table grows, any int64 id
+    (``table_rows`` then only counts the fields).
+    """
     import torch
 
     class DLRM(torch.nn.Module):
@@ -50,11 +61,15 @@ def build(table_rows, dense_dim, dim, bottom, top, embedding_bag):
             super().__init__()
             # No dense features: no bottom MLP, the interactions are the tables' alone.
             self.bottom = mlp([dense_dim, *bottom, dim], True) if dense_dim else None
-            self.tables = torch.nn.ModuleList(embedding_bag(rows, dim, mode="sum")
-                                              for rows in table_rows)
-            for table in self.tables:  # the reference code's: small rows, small dot products
-                bound = float(np.sqrt(1.0 / table.num_embeddings))
-                torch.nn.init.uniform_(table.weight, -bound, bound)
+            if growth is None:
+                self.tables = torch.nn.ModuleList(embedding_bag(rows, dim, mode="sum")
+                                                  for rows in table_rows)
+                for table in self.tables:  # the reference code's: small rows and dots
+                    bound = float(np.sqrt(1.0 / table.num_embeddings))
+                    torch.nn.init.uniform_(table.weight, -bound, bound)
+            else:  # rows drawn on the ps from (seed, table, id)
+                self.tables = torch.nn.ModuleList(
+                    embedding_bag(None, dim, mode="sum", dynamic=growth) for _ in table_rows)
             n = len(table_rows) + (1 if dense_dim else 0)
             # each pair (i, j) with i > j once, as the reference code's interaction
             lower = torch.tril_indices(n, n, offset=-1)
@@ -86,11 +101,11 @@ def widths(text, flag):
     return values
 
 
-def evaluate(model, path, batch_size):
+def evaluate(model, path, batch_size, raw_ids=False):
     """Return (AUC, log loss) of ``model`` on the test split, in batches."""
     import torch
 
-    ids, dense, y, _ = load_ctr(path, "test")
+    ids, dense, y, _ = load_ctr(path, "test", raw_ids=raw_ids)
     logits = []
     with torch.no_grad():
         for lo in range(0, len(y), batch_size):
@@ -111,8 +126,8 @@ def _check_cluster(cluster):
             "--eval-every steps; leave the evaluator out of the cluster")
 
 
-def _check_data(path, batch_size, num_shards):
-    load_ctr(path, "test")  # the layout, table_rows and every id of the split, checked
+def _check_data(path, batch_size, num_shards, raw_ids=False):
+    load_ctr(path, "test", raw_ids=raw_ids)  # the layout, table_rows, every id, checked
 
 
 def main(argv=None):
@@ -127,8 +142,10 @@ def main(argv=None):
                         help="hidden widths of the top MLP (interactions -> logit)")
     parser.add_argument("--eval-every", type=int, default=400,
                         help="the chief logs test AUC and log loss every N steps (0: never)")
+    add_growth_arguments(parser)
     args = parser.parse_args(argv)
     config = config_from_args(args)
+    growth = growth_from_args(args)
     bottom, top = widths(args.bottom_mlp, "--bottom-mlp"), widths(args.top_mlp, "--top-mlp")
     if args.embedding_dim < 1:
         raise collective(ConfigurationError(
@@ -143,24 +160,27 @@ def main(argv=None):
     if not config.data:
         raise collective(ConfigurationError("dlrm needs --data FILE (write one with `mpitf "
                                             "data synthetic-ctr --out FILE`)"))
-    server, _, code = start_replica(args, config, "dlrm", _check_cluster, _check_data)
+    server, _, code = start_replica(args, config, "dlrm", _check_cluster,
+                                    functools.partial(_check_data, raw_ids=growth is not None))
     if code is not None:  # a ps or another job's task has run its part
         return code
-    return train(server, config, args, bottom, top)
+    return train(server, config, args, bottom, top, growth)
 
 
-def train(server, config, args, bottom, top):
+def train(server, config, args, bottom, top, growth):
     """Train on this replica; the chief evaluates and reports. Return the exit code."""
     import torch
 
     import mpitf.torch as mt
 
     training = config.training
+    raw_ids = growth is not None
     dataset = CtrDataset(config.data, server.replica_index, server.num_replicas,
-                         training.batch_size, training.seed)
+                         training.batch_size, training.seed, raw_ids=raw_ids)
     torch.manual_seed(training.seed)
-    model = build(dataset.table_rows, dataset.dense_dim, args.embedding_dim, bottom, top,
-                  mt.EmbeddingBag)
+    model = build(dataset.table_rows if dataset.table_rows is not None else
+                  [None] * dataset.fields, dataset.dense_dim, args.embedding_dim, bottom,
+                  top, mt.EmbeddingBag, growth)
     rule = torch.optim.Adagrad if config.optimizer == "adagrad" else torch.optim.SGD
     opt = rule(model.parameters(), lr=config.lr)
     dist = mt.DistributedOptimizer(opt, model, server, config=training, dataset=dataset)
@@ -177,11 +197,11 @@ def train(server, config, args, bottom, top):
         step = dist.global_step
         if server.is_chief and args.eval_every and step % args.eval_every == 0 \
                 and not dist.should_stop():
-            test_auc, test_logloss = evaluate(model, config.data, dataset.batch_size)
+            test_auc, test_logloss = evaluate(model, config.data, dataset.batch_size, raw_ids)
             print(f"step {step}: test_auc = {test_auc:.4f}, test_logloss = "
                   f"{test_logloss:.4f}", flush=True)
     if server.is_chief and not dist.session.requeue:
-        test_auc, test_logloss = evaluate(model, config.data, dataset.batch_size)
+        test_auc, test_logloss = evaluate(model, config.data, dataset.batch_size, raw_ids)
         summary = dict(step=dist.global_step, loss=last_loss, test_auc=test_auc,
                        test_logloss=test_logloss, workers=server.num_replicas,
                        mode=training.mode)

@@ -55,12 +55,17 @@ class _TorchVariables:
     def tables(self):
         """Return the tables' descriptions (the ps holds their rows)."""
         return [EmbeddingTable(name, m.num_embeddings, m.embedding_dim,
-                               m.weight.detach().numpy().dtype.name, lookups=m.max_ids)
+                               m.weight.detach().numpy().dtype.name, lookups=m.max_ids,
+                               dynamic=m.dynamic)
                 for name, m in self.table_modules.items()]
 
     def initial_table_rows(self):
-        """Return every table's rows as the chief built them (what every ps starts from)."""
-        return {name: m.weight.detach().numpy() for name, m in self.table_modules.items()}
+        """Return every fixed table's rows as the chief built them (every ps starts from them).
+
+        A table that grows has none: its rows are drawn on the ps from (seed, table, id).
+        """
+        return {name: m.weight.detach().numpy() for name, m in self.table_modules.items()
+                if m.dynamic is None}
 
     def variables(self):
         return [(name, tuple(p.shape), p.detach().numpy().dtype) for name, p in self.named]

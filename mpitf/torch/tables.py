@@ -18,78 +18,12 @@ import torch
 from torch.nn import functional as F
 
 from ..errors import ConfigurationError
+from .ids import check_ids, growth_of
 from .rowgrad import RowGather, bag_weights
 
-__all__ = ["Embedding", "EmbeddingBag", "check_ids"]
+__all__ = ["Embedding", "EmbeddingBag"]
 
 _MODES = ("sum", "mean", "max")
-_INT = (torch.int64, torch.int32)
-
-
-def _position(shape, flat):
-    """Return index ``flat`` of an array of ``shape`` as torch would print it."""
-    where = np.unravel_index(int(flat), shape)
-    return int(where[0]) if len(where) == 1 else tuple(int(i) for i in where)
-
-
-def check_ids(name, rows, input, offsets=None, per_sample_weights=None,
-              include_last_offset=False, bag=True):
-    """Refuse ids, offsets or weights torch would reject or read wrongly, naming the value.
-
-    ``name`` is the table, ``rows`` its size. Raises ConfigurationError with the table, the
-    value and its position: an id outside ``[0, rows)``, a float id tensor, offsets that
-    do not start at 0, go down or point past the ids, per_sample_weights of another shape.
-    """
-    if not isinstance(input, torch.Tensor) or input.dtype not in _INT:
-        kind = input.dtype if isinstance(input, torch.Tensor) else type(input).__name__
-        raise ConfigurationError(f"table {name!r}: ids must be an integer tensor (torch.long "
-                                 f"or torch.int), got {kind}")
-    if bag:
-        _check_bags(name, input, offsets, per_sample_weights, include_last_offset)
-    ids = input.numpy()
-    if ids.size and (ids.min() < 0 or ids.max() >= rows):
-        bad = int(np.flatnonzero((ids.reshape(-1) < 0) | (ids.reshape(-1) >= rows))[0])
-        raise ConfigurationError(
-            f"table {name!r}: id {int(ids.reshape(-1)[bad])} at position "
-            f"{_position(ids.shape, bad)} is outside [0, {rows}) (ids are never wrapped or "
-            "clipped)")
-
-
-def _check_bags(name, input, offsets, per_sample_weights, include_last_offset):
-    if input.dim() == 2:
-        if offsets is not None:
-            raise ConfigurationError(f"table {name!r}: offsets must be None when the ids are "
-                                     f"2-D (one bag per row), got {tuple(offsets.shape)}")
-    elif input.dim() == 1:
-        if offsets is None:
-            raise ConfigurationError(f"table {name!r}: 1-D ids need offsets (where each bag "
-                                     "starts)")
-        if not isinstance(offsets, torch.Tensor) or offsets.dtype not in _INT \
-                or offsets.dim() != 1:
-            raise ConfigurationError(f"table {name!r}: offsets must be a 1-D integer tensor")
-        o, n = offsets.numpy(), input.shape[0]
-        if len(o) and o[0] != 0:
-            raise ConfigurationError(f"table {name!r}: offsets[0] is {int(o[0])}: the first "
-                                     "bag starts at position 0")
-        down = np.flatnonzero(np.diff(o) < 0)
-        if len(down):
-            i = int(down[0]) + 1
-            raise ConfigurationError(f"table {name!r}: offsets are not monotone: offsets[{i}] "
-                                     f"= {int(o[i])} < offsets[{i - 1}] = {int(o[i - 1])}")
-        if len(o) and o[-1] > n:
-            raise ConfigurationError(f"table {name!r}: offsets[{len(o) - 1}] = {int(o[-1])} "
-                                     f"is past the {n} ids")
-        if include_last_offset and (not len(o) or o[-1] != n):
-            raise ConfigurationError(
-                f"table {name!r}: with include_last_offset the last offset is the number of "
-                f"ids, {n}, got {int(o[-1]) if len(o) else 'no offsets'}")
-    else:
-        raise ConfigurationError(f"table {name!r}: ids must be 1-D (with offsets) or 2-D, "
-                                 f"got {input.dim()}-D")
-    if per_sample_weights is not None and per_sample_weights.shape != input.shape:
-        raise ConfigurationError(
-            f"table {name!r}: per_sample_weights has shape {tuple(per_sample_weights.shape)}, "
-            f"the ids {tuple(input.shape)}: one weight per id")
 
 
 class _RowTable(torch.nn.Module):
@@ -97,8 +31,9 @@ class _RowTable(torch.nn.Module):
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, max_norm=None,
                  scale_grad_by_freq=False, sparse=False, _weight=None, device=None,
-                 dtype=None, max_ids=1 << 16):
+                 dtype=None, max_ids=1 << 16, dynamic=None):
         super().__init__()
+        self.dynamic = growth_of(num_embeddings, dynamic, padding_idx, _weight)
         if max_norm is not None or scale_grad_by_freq:
             raise ConfigurationError(
                 "mpitf.torch tables do not support max_norm or scale_grad_by_freq (the rows "
@@ -106,8 +41,8 @@ class _RowTable(torch.nn.Module):
         if device is not None and torch.device(device).type != "cpu":
             raise ConfigurationError(f"mpitf.torch tables live on the CPU, got device {device}")
         sizes = []
-        for what, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim),
-                            ("max_ids", max_ids)):
+        for what, value in (("num_embeddings", 1 if self.dynamic else num_embeddings),
+                            ("embedding_dim", embedding_dim), ("max_ids", max_ids)):
             try:  # any integer, numpy's too (a size read from a file), as torch takes
                 size = operator.index(value)
             except TypeError:
@@ -116,6 +51,8 @@ class _RowTable(torch.nn.Module):
                 raise ConfigurationError(f"{what} must be a positive int, got {value!r}")
             sizes.append(size)
         num_embeddings, embedding_dim, max_ids = sizes
+        if self.dynamic is not None:
+            num_embeddings = None
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
                 raise ConfigurationError(f"padding_idx {padding_idx} is outside the "
@@ -124,8 +61,8 @@ class _RowTable(torch.nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx, self.sparse, self.max_ids = padding_idx, sparse, max_ids
         self.max_norm, self.scale_grad_by_freq = None, False
-        if _weight is None:
-            self.weight = torch.nn.Parameter(torch.empty((num_embeddings, embedding_dim),
+        if _weight is None:  # a table that grows has no rows until the ps makes them
+            self.weight = torch.nn.Parameter(torch.empty((num_embeddings or 0, embedding_dim),
                                                          dtype=dtype))
             self.reset_parameters()
         else:
@@ -138,6 +75,8 @@ class _RowTable(torch.nn.Module):
 
     def reset_parameters(self):
         """Draw the weight as torch does: N(0, 1), the padding row zero."""
+        if self.dynamic is not None:
+            return  # its rows are drawn on the ps from (seed, table, id)
         torch.nn.init.normal_(self.weight)
         if self.padding_idx is not None:
             with torch.no_grad():
@@ -153,6 +92,13 @@ class _RowTable(torch.nn.Module):
         """
         self.table_name, self._front = name, front
         self.weight.data = torch.empty((0, self.embedding_dim), dtype=self.weight.dtype)
+
+    def _local(self):
+        """Refuse a forward of a table that grows before a DistributedOptimizer binds it."""
+        if self.dynamic is not None:
+            raise ConfigurationError(
+                "a table that grows (num_embeddings=None) has its rows on the ps only: wrap "
+                "the model in mpitf.torch.DistributedOptimizer before its first forward")
 
     def _rows(self, input, pull, accumulate=False):
         """Pull ``input``'s rows: (unique rows as a leaf, inverse indices, padding, lookup).
@@ -184,11 +130,12 @@ class _RowTable(torch.nn.Module):
     def _scratch(self):
         """Return the float64 scratch of the backward's sums (made once, on first use)."""
         if self._acc is None:
-            self._acc = np.empty(min(self.max_ids, self.num_embeddings) * self.embedding_dim)
+            n = self.max_ids if self.dynamic else min(self.max_ids, self.num_embeddings)
+            self._acc = np.empty(n * self.embedding_dim)
         return self._acc
 
     def extra_repr(self):
-        text = f"{self.num_embeddings}, {self.embedding_dim}"
+        text = f"{self.num_embeddings or 'dynamic'}, {self.embedding_dim}"
         if self.padding_idx is not None:
             text += f", padding_idx={self.padding_idx}"
         return text + (f", table={self.table_name!r}" if self.table_name else "")
@@ -201,22 +148,26 @@ class EmbeddingBag(_RowTable):
     ``include_last_offset``, ``_weight``, ``dtype``; ``sparse`` is accepted and ignored,
     the rows are always updated sparsely; ``max_norm`` and ``scale_grad_by_freq`` are
     refused), and ``max_ids``: the most ids one step looks up in this table (the size
-    of the buffers, made once on every worker and ps).
+    of the buffers, made once on every worker and ps). ``num_embeddings=None`` (or
+    ``dynamic=True``, or a :class:`~mpitf.tables.growth.Growth` for admission and
+    eviction): a table that grows, any int64 id, its rows made on the ps when an id is
+    admitted and drawn from (seed, table, id) (U(-0.05, 0.05)).
     """
 
     def __init__(self, num_embeddings, embedding_dim, max_norm=None, norm_type=2.0,
                  scale_grad_by_freq=False, mode="mean", sparse=False, _weight=None,
                  include_last_offset=False, padding_idx=None, device=None, dtype=None,
-                 max_ids=1 << 16):
+                 max_ids=1 << 16, dynamic=None):
         if mode not in _MODES:
             raise ConfigurationError(f"mode must be one of {_MODES}, got {mode!r}")
         super().__init__(num_embeddings, embedding_dim, padding_idx, max_norm,
-                         scale_grad_by_freq, sparse, _weight, device, dtype, max_ids)
+                         scale_grad_by_freq, sparse, _weight, device, dtype, max_ids, dynamic)
         self.mode, self.include_last_offset, self.norm_type = mode, include_last_offset, norm_type
 
     def forward(self, input, offsets=None, per_sample_weights=None):
         """Return each bag's sum, mean or max of its rows (torch's ``embedding_bag``)."""
         if self._front is None:
+            self._local()
             return F.embedding_bag(input, self.weight, offsets, mode=self.mode,
                                    per_sample_weights=per_sample_weights,
                                    include_last_offset=self.include_last_offset,
@@ -253,6 +204,7 @@ class Embedding(_RowTable):
     def forward(self, input):
         """Return each id's row (``input.shape + (embedding_dim,)``)."""
         if self._front is None:
+            self._local()
             return F.embedding(input, self.weight, self.padding_idx)
         return self._front.table_forward(self, input)
 

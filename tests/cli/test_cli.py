@@ -118,7 +118,7 @@ def test_run_missing_script_exits_2(capsys):
     assert "no such script: no/such/job.py" in capsys.readouterr().err
 
 
-BUILTIN = ["ctr", "hello", "in_graph", "jax_mnist", "mnist_mlp", "towers"]
+BUILTIN = ["ctr", "dlrm", "hello", "in_graph", "jax_mnist", "mnist_mlp", "towers"]
 
 
 def test_builtin_jobs_are_the_modules_of_mpitf_jobs():

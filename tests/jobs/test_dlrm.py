@@ -81,3 +81,23 @@ def test_build_sizes_each_table_from_the_file():
     model = build(np.array([11, 13]), dense_dim=1, dim=2, bottom=(), top=(),
                   embedding_bag=torch.nn.EmbeddingBag)
     assert [t.num_embeddings for t in model.tables] == [11, 13]
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_the_dlrm_job_trains_tables_that_grow_on_raw_ids(tmp_path):
+    data = str(tmp_path / "raw.h5")
+    ceiling = synthetic_ctr(data, train=20000, test=2000, fields=3, rows=50, dense=2, seed=3,
+                            raw_ids=True)
+    run = run_mpi(4, ["-m", "mpitf.jobs.dlrm", "--data", data, "--num-ps", "2", "--steps",
+                      "200", "--eval-every", "0", "--dynamic-tables", "--lr", "0.05"],
+                  timeout=120, cwd=str(REPO))
+    assert not run.timed_out and run.returncode == 0, run.output
+    final = _final(run)
+    assert final["step"] == 200 and final["test_auc"] > 0.5 + (ceiling - 0.5) * 0.5, \
+        (final, ceiling)
+    # the first ps reports its rows of each table at the end: made as ids came
+    held = {t: int(n) for t, n in re.findall(
+        r"ps task 0, table 'tables\.(\d)\.weight': rows (\d+), admitted \2, evicted 0",
+        run.output)}
+    assert sorted(held) == ["0", "1", "2"] and all(n > 20 for n in held.values()), run.output

@@ -16,8 +16,8 @@ import torch
 import mpitf.torch as mt
 from mpitf.errors import ConfigurationError
 from mpitf.testing import run_mpi
+from mpitf.torch.ids import check_ids
 from mpitf.torch.optimizer import _tables, _trainable
-from mpitf.torch.tables import check_ids
 from mpitf.torch.translate import check_table_rule
 from tests.support import REPO
 
@@ -200,3 +200,22 @@ def test_the_backward_over_pulled_rows_is_torch_s(mode, last, pad, weighted):
     assert np.allclose(lookup.unique_grad, want[0].numpy()[unique], rtol=1e-12, atol=1e-12)
     if weighted:
         assert torch.allclose(got[1], want[1])
+
+
+def test_a_table_that_grows_has_no_local_rows_and_refuses_what_it_cannot_take():
+    from mpitf import Growth
+    from mpitf.errors import ConfigurationError
+    from mpitf.torch import EmbeddingBag
+
+    bag = EmbeddingBag(None, 4, mode="sum", dynamic=Growth(admit_min_count=2))
+    assert bag.dynamic == Growth(admit_min_count=2) and tuple(bag.weight.shape) == (0, 4)
+    assert EmbeddingBag(None, 4).dynamic == Growth()  # None alone: it grows
+    assert "dynamic, 4" in repr(bag)
+    with pytest.raises(ConfigurationError, match="wrap the model"):
+        bag(torch.tensor([[2**40]]))
+    with pytest.raises(ConfigurationError, match="give num_embeddings=None, not 10"):
+        EmbeddingBag(10, 4, dynamic=True)
+    with pytest.raises(ConfigurationError, match="no padding_idx"):
+        EmbeddingBag(None, 4, padding_idx=0)
+    with pytest.raises(ConfigurationError, match="dynamic must be True or a mpitf.Growth"):
+        EmbeddingBag(None, 4, dynamic="yes")
