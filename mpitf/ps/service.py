@@ -11,10 +11,12 @@ import logging
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 from ..ckpt import cut
 from ..errors import ConfigurationError, DeadlineError, PeerError
 from ..models.clipping import clip_by_global_norm
+from ..runtime import ulfm
 from ..runtime.backend import get_backend
 from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
 from ..runtime.stall import StepClock
@@ -75,6 +77,7 @@ class Service:
         self.initialized = False
         self.pending_pulls = []
         self.done, self.paused = set(), set()
+        self.lost = set()  # workers that died (ULFM): done, and their pushes never come
         self.requeue = False
         self.pausing = False
         self.positions = {}
@@ -392,12 +395,45 @@ class Service:
         average = kind == P.PULL_AVERAGE and self.shard.average_frame is not None
         self.reply(worker, self.shard.average_frame if average else None)
 
+    def lose_failed(self, exc):
+        """Go on without the workers that died (ULFM), or re-raise ``exc``.
+
+        Under ULFM a receive from any worker fails once a worker has died; the failure is
+        acknowledged, the dead workers count as done, and the policy says what their loss
+        costs (async: their future pushes; sync: fewer gradients per step; deterministic:
+        the job). A dead rank that is no worker (another ps, an evaluator) ends the job.
+        """
+        if not (self.server.ulfm and ulfm.is_failure(exc)):
+            raise exc
+        for rank in ulfm.failed_ranks(self.comm):
+            worker = self.worker_of.get(rank)
+            if worker is None:
+                raise PeerError("died; only a worker's loss is survived",
+                                **self.server.peer(rank, "the job")) from exc
+            if worker in self.lost:
+                continue
+            step = self.global_step
+            cost = self.policy.on_worker_lost(self, worker)  # may raise (deterministic)
+            self.lost.add(worker)
+            self.done.add(worker)
+            self.paused.discard(worker)
+            peer = self.server.peer(rank, "")
+            _log.warning("lost rank %d (/job:%s/task:%d on %s) at step %d: %s; %d of %d "
+                         "workers go on", rank, peer["job"], peer["task"], peer["host"], step,
+                         cost, self.num_active, self.num_workers)
+            self.policy.on_worker_gone(self, worker)
+            self._check_quiescent()
+
     def run(self):
         """Serve until every worker is done; return the process exit code."""
         pool = self.pool
         while len(self.done) < self.num_workers:
-            index = pool.wait_next(self.check_every, self._timeout, self.deadline,
-                                   self._describe_sender)
+            try:
+                index = pool.wait_next(self.check_every, self._timeout, self.deadline,
+                                       self._describe_sender)
+            except MPI.Exception as exc:
+                self.lose_failed(exc)
+                continue
             if self._serve(index, pool.source):
                 pool.release(index)
             if self.sparse is not None:

@@ -17,6 +17,7 @@ from ..cluster.device import device_name, local_rank
 from ..cluster.roles import assign_roles, describe_roles, training_replicas
 from ..config import DEFAULT_DEADLINE, check_deadline
 from ..errors import CollectiveError, ConfigurationError
+from . import ulfm
 from .lifeline import Lifeline
 
 _log = logging.getLogger("mpitf")
@@ -68,6 +69,11 @@ class Server:
         self.job_name, self.task_index = self.roles[self.rank]
         # A private duplicate keeps mpitf's messages apart from the user's own MPI traffic.
         self.comm = world.Dup()
+        # Under ULFM a lost training replica is survived (the ps acknowledges it and goes
+        # on, see mpitf.ps.service): errors must come back as exceptions, not end the job.
+        self.ulfm = ulfm.enabled()
+        if self.ulfm:
+            self.comm.Set_errhandler(MPI.ERRORS_RETURN)
         job_ids = {job: i for i, job in enumerate(sorted({j for j, _ in self.roles}))}
         self.job_comm = self.comm.Split(job_ids[self.job_name], self.task_index)
         replicas = training_replicas(self.cluster)
@@ -85,7 +91,8 @@ class Server:
         # Names a same-node rank that dies, and ends this one if its launcher's proxy does.
         self.lifeline = Lifeline(self.rank, peers, token, self._describe_rank,
                                  lambda: world.Abort(1),
-                                 parent=os.getppid() if world.Get_size() > 1 else None)
+                                 parent=os.getppid() if world.Get_size() > 1 else None,
+                                 survivable=self.replica_ranks if self.ulfm else ())
         self.lifeline.watch()
         atexit.register(self.lifeline.mark_exit)
 
