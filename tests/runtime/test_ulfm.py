@@ -9,15 +9,29 @@ kill under MPICH ends the job (tests/ckpt/test_recovery.py::test_sigkill_of_a_ra
 import json
 import os
 import re
+import shlex
 import signal
+import subprocess
+import sys
 
 import pytest
 
-from tests.support import FINAL, Background, final_summary, openmpi_mpiexec, run_job
+from mpitf.testing import run_mpi
+from tests.support import (
+    FINAL,
+    OPENMPI_PREFIX,
+    REPO,
+    Background,
+    cli_verify,
+    final_summary,
+    latest_step,
+    openmpi_mpiexec,
+    run_job,
+)
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
-STEPS = 400
+STEPS, KILL_AT = 300, 60
 LOST = re.compile(r"lost rank 2 \(/job:worker/task:1 on \S+\) at step (\d+): (.*); "
                   r"1 of 2 workers go on")
 
@@ -33,21 +47,42 @@ def tmp(tmp_path):
 ])
 def test_a_killed_worker_is_survived_and_named_with_its_cost(tmp, mode, cost):
     mpiexec = openmpi_mpiexec()
+    # the uninterrupted run is also this mode's and the checkpoint's test under Open MPI
     whole = run_job(tmp, mode=mode, steps=STEPS, mpiexec=mpiexec, run_dir="whole",
-                    deterministic=False, timeout=120)
+                    deterministic=False, ckpt=tmp / "ckpt", timeout=120)
     assert whole.returncode == 0, whole.output
     expected = final_summary(whole)["test_accuracy"]
+    assert latest_step(tmp / "ckpt") >= STEPS, whole.output  # async: one push may land late
+    assert cli_verify(tmp / "ckpt").returncode == 0, whole.output
 
     job = Background(tmp, mode=mode, steps=STEPS, mpiexec=mpiexec, step_sleep=0.005,
                      deterministic=False)
-    job.wait_for_step(100)
+    job.wait_for_step(KILL_AT)
     os.kill(job.rank_pid("rank2-worker-1"), signal.SIGKILL)
     code, _ = job.finish(timeout=120)
     out = job.output
     assert code == 0, out
     lost = LOST.search(out)
     assert lost, out
-    assert int(lost.group(1)) >= 100 and lost.group(2) == cost, out
+    assert int(lost.group(1)) >= KILL_AT and lost.group(2) == cost, out
     summary = json.loads(FINAL.findall(out)[-1])
     assert summary["step"] == STEPS, out
     assert abs(summary["test_accuracy"] - expected) <= 0.02, (summary, expected)
+
+
+def test_the_launch_line_under_open_mpi_and_the_library_mpi4py_loads(tmp):
+    """`mpitf run` with Open MPI's mpiexec asks for ULFM; its ranks load Open MPI's libmpi
+    (MPI4PY_LIBMPI, beside the launcher), not the MPICH wheel's in the venv."""
+    mpiexec = openmpi_mpiexec()
+    line = subprocess.run([sys.executable, "-m", "mpitf.cli.main", "run", "--dry-run",
+                           "--mpiexec", mpiexec, "-n", "3", "hello"], capture_output=True,
+                          text=True, timeout=60, cwd=str(REPO))
+    assert line.returncode == 0, line.stderr
+    argv = shlex.split(line.stdout)
+    assert argv[:4] == [mpiexec, "--oversubscribe", "--with-ft", "ulfm"], argv
+    assert argv[4:6] == ["-x", f"MPI4PY_LIBMPI={OPENMPI_PREFIX.resolve()}/lib/libmpi.so.40"]
+    run = run_mpi(2, ["-c", "import os; from mpi4py import MPI; print(MPI.COMM_WORLD.rank, "
+                      "MPI.Get_library_version().split(',')[0], os.environ.get("
+                      "'OMPI_MCA_mpi_ft_enable'))"], mpiexec=mpiexec, timeout=60)
+    assert not run.timed_out and run.returncode == 0, run.output
+    assert sorted(run.stdout.splitlines()) == [f"{r} Open MPI v5.0.11 1" for r in range(2)]
