@@ -155,10 +155,14 @@ class SyncReplicas:
         A gradient it pushed for this step still counts; from now on each step waits for
         the survivors only (``needed`` counts the active workers).
         """
+        if self.weights is not None:
+            raise PeerError(f"a node's leader died at step {svc.global_step}: its node's "
+                            "replicas wait on it, so the job ends",
+                            **svc.describe_worker(worker, "training"))
         if self.deterministic:
-            raise PeerError("died; deterministic sync needs every worker's gradient in "
-                            "every step, so the job ends",
-                            **svc.describe_worker(worker, f"step {svc.global_step}"))
+            raise PeerError(f"a worker died at step {svc.global_step}: deterministic sync "
+                            "needs every worker's gradient in every step, so the job ends",
+                            **svc.describe_worker(worker, "training"))
         before = self.needed(svc)
         after = min(self.replicas_to_aggregate, svc.num_active - 1)
         return (f"sync steps now aggregate {after} gradient{'s' if after != 1 else ''} "

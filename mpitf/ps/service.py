@@ -407,13 +407,19 @@ class Service:
             raise exc
         for rank in ulfm.failed_ranks(self.comm):
             worker = self.worker_of.get(rank)
-            if worker is None:
+            if worker is None or rank == self.chief:  # the chief's duties are not handed on
+                _log.error("rank %d died: only the loss of a worker that is not the chief "
+                           "is survived; ending the job", rank)
                 raise PeerError("died; only a worker's loss is survived",
-                                **self.server.peer(rank, "the job")) from exc
+                                **self.server.peer(rank, "training")) from exc
             if worker in self.lost:
                 continue
             step = self.global_step
-            cost = self.policy.on_worker_lost(self, worker)  # may raise (deterministic)
+            try:
+                cost = self.policy.on_worker_lost(self, worker)
+            except PeerError as why:  # deterministic: said here, as the abort names the rank
+                _log.error("%s", why)
+                raise
             self.lost.add(worker)
             self.done.add(worker)
             self.paused.discard(worker)

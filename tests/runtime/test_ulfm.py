@@ -86,3 +86,17 @@ def test_the_launch_line_under_open_mpi_and_the_library_mpi4py_loads(tmp):
                       "'OMPI_MCA_mpi_ft_enable'))"], mpiexec=mpiexec, timeout=60)
     assert not run.timed_out and run.returncode == 0, run.output
     assert sorted(run.stdout.splitlines()) == [f"{r} Open MPI v5.0.11 1" for r in range(2)]
+
+
+def test_a_killed_worker_ends_a_deterministic_job_under_ulfm_too(tmp):
+    job = Background(tmp, mode="sync", steps=5000, mpiexec=openmpi_mpiexec(), step_sleep=0.005)
+    job.wait_for_step(10)
+    pid = job.rank_pid("rank2-worker-1")
+    os.kill(pid, signal.SIGKILL)
+    code, _ = job.finish(timeout=60)
+    out = job.output
+    assert code != 0, out
+    assert re.search(r"ERROR a worker died at step \d+: deterministic sync needs every "
+                     r"worker's gradient in every step, so the job ends \(rank 2, "
+                     r"/job:worker/task:1, on \S+, during training\)", out), out
+    assert f"(pid {pid}) died without finishing (killed?); ending the job" in out, out
