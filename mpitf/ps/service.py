@@ -78,6 +78,7 @@ class Service:
         self.pending_pulls = []
         self.done, self.paused = set(), set()
         self.lost = set()  # workers that died (ULFM): done, and their pushes never come
+        self.chief_flags = 0  # replies' flags naming the chief's successor (P.CHIEF_SHIFT)
         self.requeue = False
         self.pausing = False
         self.positions = {}
@@ -193,7 +194,7 @@ class Service:
         c, reply, average = self.counters, self.shard.reply, self.shard.average_frame
         c["global_step"] = self.global_step
         H.pack_reply(reply.header, self.global_step, self.ps_task,
-                     P.FLAG_PAUSE if self.pausing else 0, c["pushes_applied"],
+                     (P.FLAG_PAUSE if self.pausing else 0) | self.chief_flags, c["pushes_applied"],
                      c["stale_dropped"], c["max_staleness"], c["max_lead"])
         reply.publish(0, hi)
         if average is not None:
@@ -407,10 +408,11 @@ class Service:
             raise exc
         for rank in ulfm.failed_ranks(self.comm):
             worker = self.worker_of.get(rank)
-            if worker is None or rank == self.chief:  # the chief's duties are not handed on
-                _log.error("rank %d died: only the loss of a worker that is not the chief "
-                           "is survived; ending the job", rank)
-                raise PeerError("died; only a worker's loss is survived",
+            if worker is None or (rank == self.chief and (self.config.clients or
+                                                          self.senders.nodes)):
+                _log.error("rank %d died: only a training replica's loss is survived; "
+                           "ending the job", rank)
+                raise PeerError("died; only a training replica's loss is survived",
                                 **self.server.peer(rank, "training")) from exc
             if worker in self.lost:
                 continue
@@ -423,12 +425,31 @@ class Service:
             self.lost.add(worker)
             self.done.add(worker)
             self.paused.discard(worker)
+            if rank == self.chief:
+                cost += self._hand_on_chief()
             peer = self.server.peer(rank, "")
             _log.warning("lost rank %d (/job:%s/task:%d on %s) at step %d: %s; %d of %d "
                          "workers go on", rank, peer["job"], peer["task"], peer["host"], step,
                          cost, self.num_active, self.num_workers)
             self.policy.on_worker_gone(self, worker)
             self._check_quiescent()
+
+    def _hand_on_chief(self):
+        """The chief died: its duties go to the lowest surviving replica; say which.
+
+        Every reply from now on names it (``P.CHIEF_SHIFT``), and its checkpoint cuts are
+        reported to it. Each ps decides alike: the replicas are the workers, in order.
+        """
+        alive = [w for w in range(self.num_workers) if w not in self.lost]
+        if not alive:
+            return ""
+        self.chief = self.worker_ranks[alive[0]]
+        self.chief_flags = (alive[0] + 1) << P.CHIEF_SHIFT
+        self._finish_replies()  # the header is rewritten: none may be in flight
+        self.write_header()
+        peer = self.server.peer(self.chief, "")
+        return (f"; the chief's duties (logging, checkpoints, the summary) go to rank "
+                f"{self.chief} (/job:{peer['job']}/task:{peer['task']})")
 
     def run(self):
         """Serve until every worker is done; return the process exit code."""

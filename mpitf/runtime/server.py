@@ -84,6 +84,7 @@ class Server:
         comm = self.comm.Split(MPI.UNDEFINED if self.replica_index is None else 0,
                                self.replica_index or 0)
         self.replica_comm = None if comm == MPI.COMM_NULL else comm
+        self.chief_index = 0  # the replica with the chief's duties (another after a loss)
         self.local_rank, self.local_size = local_rank(self.comm)
         self.exit_code = 0
         me = self.hosts[self.rank]
@@ -109,9 +110,10 @@ class Server:
     def is_chief(self):
         """Return True on the chief replica, which initialises, logs and checkpoints.
 
-        It is the chief task if the cluster has one, else the lowest worker task.
+        It is the chief task if the cluster has one, else the lowest worker task; under ULFM,
+        once that one died, the lowest surviving replica (``chief_index``).
         """
-        return self.replica_index == 0
+        return self.replica_index == self.chief_index
 
     @property
     def device(self):
