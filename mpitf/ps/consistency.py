@@ -280,6 +280,10 @@ class BoundedStaleness(Async):
                 still.append(w)
         self.held = still
 
+    def on_worker_lost(self, svc, worker):
+        """Say what losing ``worker`` (it died, under ULFM) costs: its future pushes."""
+        return "its future pushes are lost (ssp no longer waits for it)"
+
     def on_worker_gone(self, svc, worker):
         """The slowest may have left: release whoever it held back (never a dead one)."""
         if worker in svc.lost:
