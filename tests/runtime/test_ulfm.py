@@ -64,14 +64,18 @@ def whole_run_accuracy(tmp_path_factory, mode, mpiexec):
 @pytest.mark.parametrize("mode,victim,cost", [
     ("async", "rank2-worker-1", ASYNC),
     ("sync", "rank2-worker-1", SYNC),
-    ("async", "rank1-worker-0", ASYNC + CHIEF),  # the chief: rank 2 takes over its duties
+    # the chief: rank 2 takes over its duties, its checkpoints among them
+    ("async", "rank1-worker-0", ASYNC + CHIEF),
+    ("sync", "rank1-worker-0", SYNC + CHIEF),
 ])
 def test_a_killed_worker_is_survived_and_named_with_its_cost(tmp, tmp_path_factory, mode,
                                                              victim, cost):
     mpiexec = openmpi_mpiexec()
     expected = whole_run_accuracy(tmp_path_factory, mode, mpiexec)
+    chief = cost.endswith(CHIEF)
     job = Background(tmp, mode=mode, steps=STEPS, mpiexec=mpiexec, step_sleep=0.005,
-                     deterministic=False)
+                     deterministic=False, ckpt=tmp / "ckpt" if chief else None,
+                     extra=["--checkpoint-every", "100"] if chief else ())
     job.wait_for_step(KILL_AT)
     os.kill(job.rank_pid(victim), signal.SIGKILL)
     code, _ = job.finish(timeout=120)
@@ -82,9 +86,12 @@ def test_a_killed_worker_is_survived_and_named_with_its_cost(tmp, tmp_path_facto
                      rf"(\d+): (.*); 1 of 2 workers go on", out)
     assert lost, out
     assert int(lost.group(1)) >= KILL_AT and lost.group(2) == cost, out
-    if cost.endswith(CHIEF):
+    if chief:
         assert re.search(r"^step \d+: the chief was lost; /job:worker/task:1 takes over its "
                          r"duties$", out, re.MULTILINE), out
+        assert re.search(r"^checkpoint \S+ckpt-00000200 at step 200$", out, re.MULTILINE), out
+        assert latest_step(tmp / "ckpt") >= STEPS, out
+        assert cli_verify(tmp / "ckpt").returncode == 0, out
     summary = json.loads(FINAL.findall(out)[-1])  # the chief's, or its successor's
     assert summary["step"] == STEPS, out
     assert abs(summary["test_accuracy"] - expected) <= 0.02, (summary, expected)
