@@ -74,6 +74,7 @@ class Server:
         self.ulfm = ulfm.enabled()
         if self.ulfm:
             self.comm.Set_errhandler(MPI.ERRORS_RETURN)
+            ulfm.watch(self.comm)
         job_ids = {job: i for i, job in enumerate(sorted({j for j, _ in self.roles}))}
         self.job_comm = self.comm.Split(job_ids[self.job_name], self.task_index)
         replicas = training_replicas(self.cluster)

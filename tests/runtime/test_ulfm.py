@@ -31,7 +31,10 @@ from tests.support import (
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
-STEPS, KILL_AT = 300, 60
+STEPS, KILL_AT = 600, 300  # killed mid-run
+# a decaying rate settles the last steps: uninterrupted async runs then end within 0.006 of
+# each other (0.017 with a constant rate, measured over 5 runs each)
+DECAY = ["--lr-decay", "0.5", "--lr-decay-steps", "150"]
 ASYNC = "its future pushes are lost (async mode waits for no one)"
 SYNC = "sync steps now aggregate 1 gradient (replicas_to_aggregate was 2)"
 CHIEF = "; the chief's duties (logging, checkpoints, the summary) go to rank 2 (/job:worker/task:1)"
@@ -53,7 +56,7 @@ def whole_run_accuracy(tmp_path_factory, mode, mpiexec):
     if mode not in _WHOLE:
         tmp = tmp_path_factory.mktemp(f"whole-{mode}")
         whole = run_job(tmp, mode=mode, steps=STEPS, mpiexec=mpiexec, deterministic=False,
-                        ckpt=tmp / "ckpt", timeout=120)
+                        ckpt=tmp / "ckpt", extra=DECAY, timeout=120)
         assert whole.returncode == 0, whole.output
         assert latest_step(tmp / "ckpt") >= STEPS, whole.output  # async: a push may land late
         assert cli_verify(tmp / "ckpt").returncode == 0, whole.output
@@ -75,7 +78,7 @@ def test_a_killed_worker_is_survived_and_named_with_its_cost(tmp, tmp_path_facto
     chief = cost.endswith(CHIEF)
     job = Background(tmp, mode=mode, steps=STEPS, mpiexec=mpiexec, step_sleep=0.005,
                      deterministic=False, ckpt=tmp / "ckpt" if chief else None,
-                     extra=["--checkpoint-every", "100"] if chief else ())
+                     extra=DECAY + (["--checkpoint-every", "100"] if chief else []))
     job.wait_for_step(KILL_AT)
     os.kill(job.rank_pid(victim), signal.SIGKILL)
     code, _ = job.finish(timeout=120)
@@ -89,7 +92,8 @@ def test_a_killed_worker_is_survived_and_named_with_its_cost(tmp, tmp_path_facto
     if chief:
         assert re.search(r"^step \d+: the chief was lost; /job:worker/task:1 takes over its "
                          r"duties$", out, re.MULTILINE), out
-        assert re.search(r"^checkpoint \S+ckpt-00000200 at step 200$", out, re.MULTILINE), out
+        after = out[out.index("takes over its duties"):]  # the successor's checkpoints
+        assert re.search(r"^checkpoint \S+ at step \d+$", after, re.MULTILINE), out
         assert latest_step(tmp / "ckpt") >= STEPS, out
         assert cli_verify(tmp / "ckpt").returncode == 0, out
     summary = json.loads(FINAL.findall(out)[-1])  # the chief's, or its successor's
