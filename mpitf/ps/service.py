@@ -410,18 +410,12 @@ class Service:
             worker = self.worker_of.get(rank)
             if worker is None or (rank == self.chief and (self.config.clients or
                                                           self.senders.nodes)):
-                _log.error("rank %d died: only a training replica's loss is survived; "
-                           "ending the job", rank)
                 raise PeerError("died; only a training replica's loss is survived",
                                 **self.server.peer(rank, "training")) from exc
             if worker in self.lost:
                 continue
             step = self.global_step
-            try:
-                cost = self.policy.on_worker_lost(self, worker)
-            except PeerError as why:  # deterministic: said here, as the abort names the rank
-                _log.error("%s", why)
-                raise
+            cost = self.policy.on_worker_lost(self, worker)  # deterministic: raises
             self.lost.add(worker)
             self.done.add(worker)
             self.paused.discard(worker)

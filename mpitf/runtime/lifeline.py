@@ -114,6 +114,8 @@ class Lifeline:
         the rank instead.
         """
         for r, pid in sorted(self.peers.items()):
+            if r in self.survivable:  # its death is no error: what failed after it is
+                continue
             if not _alive(pid) and self._read_marker(r) is None:
                 return self._dead(r, pid)
         return None
