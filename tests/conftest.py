@@ -56,10 +56,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def mpirun():
-    """Return ``mpirun(n, script, *args, timeout=60, env=None)``: an MPIRun, from the repo root."""
-    def run(n, script, *args, timeout=60, env=None, tag_output=False):
+    """Return ``mpirun(n, script, *args, timeout=60, env=None, mpiexec=None)``: an MPIRun, from
+    the repo root (``mpiexec``: another launcher, e.g. tests.support.openmpi_mpiexec())."""
+    def run(n, script, *args, timeout=60, env=None, tag_output=False, mpiexec=None):
         return run_mpi(n, [str(script), *map(str, args)], timeout=timeout, env=env,
-                       cwd=str(REPO), tag_output=tag_output)
+                       cwd=str(REPO), tag_output=tag_output, mpiexec=mpiexec)
 
     return run
 

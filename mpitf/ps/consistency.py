@@ -149,6 +149,25 @@ class SyncReplicas:
         for bucket in range(svc.pipeline.count):
             self.maybe_step(svc, bucket)
 
+    def on_worker_lost(self, svc, worker):
+        """Say what losing ``worker`` (it died, under ULFM) costs; deterministic: raise.
+
+        A gradient it pushed for this step still counts; from now on each step waits for
+        the survivors only (``needed`` counts the active workers).
+        """
+        if self.weights is not None:
+            raise PeerError(f"a node's leader died at step {svc.global_step}: its node's "
+                            "replicas wait on it, so the job ends",
+                            **svc.describe_worker(worker, "training"))
+        if self.deterministic:
+            raise PeerError(f"a worker died at step {svc.global_step}: deterministic sync "
+                            "needs every worker's gradient in every step, so the job ends",
+                            **svc.describe_worker(worker, "training"))
+        before = self.needed(svc)
+        after = min(self.replicas_to_aggregate, svc.num_active - 1)
+        return (f"sync steps now aggregate {after} gradient{'s' if after != 1 else ''} "
+                f"(replicas_to_aggregate was {before})")
+
     def is_waiting(self, worker):
         """Return True if ``worker`` waits for this ps to finish a step."""
         return any(worker in w for w in self.waiting.values())
@@ -202,6 +221,10 @@ class Async:
 
     def on_worker_gone(self, svc, worker):
         """Nothing waits on other workers in async mode."""
+
+    def on_worker_lost(self, svc, worker):
+        """Say what losing ``worker`` (it died, under ULFM) costs: its future pushes."""
+        return f"its future pushes are lost ({self.name} mode waits for no one)"
 
     def is_waiting(self, worker):
         """Return False: no worker ever waits for others here."""
@@ -257,8 +280,14 @@ class BoundedStaleness(Async):
                 still.append(w)
         self.held = still
 
+    def on_worker_lost(self, svc, worker):
+        """Say what losing ``worker`` (it died, under ULFM) costs: its future pushes."""
+        return "its future pushes are lost (ssp no longer waits for it)"
+
     def on_worker_gone(self, svc, worker):
-        """The slowest may have left: release whoever it held back."""
+        """The slowest may have left: release whoever it held back (never a dead one)."""
+        if worker in svc.lost:
+            self.held = [w for w in self.held if w != worker]
         self.release(svc)
 
     def is_waiting(self, worker):

@@ -9,6 +9,9 @@ while the next bucket is received and applied. The last bucket of a push starts 
 and travels behind the reply header, so a step's header goes out with its last bucket.
 """
 
+from mpi4py import MPI
+
+from ..runtime import ulfm
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.layout import bucket_ranges
@@ -94,4 +97,15 @@ class Pipeline:
         self.whole = []
         if pending:
             requests = [r for r, _ in pending]
-            P.wait_all(requests, deadline, lambda i: describe(pending[i][1]))
+            try:
+                P.wait_all(requests, deadline, lambda i: describe(pending[i][1]))
+            except MPI.Exception as exc:
+                if not ulfm.is_failure(exc):
+                    raise
+                # a reply to a worker that died (ULFM): wait for the others' one by one
+                for i, request in enumerate(requests):
+                    try:
+                        P.wait_all([request], deadline, lambda _, i=i: describe(pending[i][1]))
+                    except MPI.Exception as each:
+                        if not ulfm.is_failure(each):
+                            raise

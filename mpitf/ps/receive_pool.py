@@ -56,8 +56,12 @@ class ReceivePool:
                                "than it asked for")
         message = P.wait_message(self.comm, self.tag, poll_every, on_quiet, self.status)
         index = self.free.pop()
-        request = message.Irecv([self.frames[index].bytes, MPI.BYTE])
-        P.wait_all([request], deadline, lambda _: describe(self.source))
+        try:
+            request = message.Irecv([self.frames[index].bytes, MPI.BYTE])
+            P.wait_all([request], deadline, lambda _: describe(self.source))
+        except MPI.Exception:
+            self.free.append(index)  # its sender died (ULFM): the frame is free again
+            raise
         return index
 
     def release(self, index):

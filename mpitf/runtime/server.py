@@ -17,6 +17,7 @@ from ..cluster.device import device_name, local_rank
 from ..cluster.roles import assign_roles, describe_roles, training_replicas
 from ..config import DEFAULT_DEADLINE, check_deadline
 from ..errors import CollectiveError, ConfigurationError
+from . import ulfm
 from .lifeline import Lifeline
 
 _log = logging.getLogger("mpitf")
@@ -68,6 +69,12 @@ class Server:
         self.job_name, self.task_index = self.roles[self.rank]
         # A private duplicate keeps mpitf's messages apart from the user's own MPI traffic.
         self.comm = world.Dup()
+        # Under ULFM a lost training replica is survived (the ps acknowledges it and goes
+        # on, see mpitf.ps.service): errors must come back as exceptions, not end the job.
+        self.ulfm = ulfm.enabled()
+        if self.ulfm:
+            self.comm.Set_errhandler(MPI.ERRORS_RETURN)
+            ulfm.watch(self.comm)
         job_ids = {job: i for i, job in enumerate(sorted({j for j, _ in self.roles}))}
         self.job_comm = self.comm.Split(job_ids[self.job_name], self.task_index)
         replicas = training_replicas(self.cluster)
@@ -78,6 +85,7 @@ class Server:
         comm = self.comm.Split(MPI.UNDEFINED if self.replica_index is None else 0,
                                self.replica_index or 0)
         self.replica_comm = None if comm == MPI.COMM_NULL else comm
+        self.chief_index = 0  # the replica with the chief's duties (another after a loss)
         self.local_rank, self.local_size = local_rank(self.comm)
         self.exit_code = 0
         me = self.hosts[self.rank]
@@ -85,7 +93,8 @@ class Server:
         # Names a same-node rank that dies, and ends this one if its launcher's proxy does.
         self.lifeline = Lifeline(self.rank, peers, token, self._describe_rank,
                                  lambda: world.Abort(1),
-                                 parent=os.getppid() if world.Get_size() > 1 else None)
+                                 parent=os.getppid() if world.Get_size() > 1 else None,
+                                 survivable=self.replica_ranks if self.ulfm else ())
         self.lifeline.watch()
         atexit.register(self.lifeline.mark_exit)
 
@@ -102,9 +111,10 @@ class Server:
     def is_chief(self):
         """Return True on the chief replica, which initialises, logs and checkpoints.
 
-        It is the chief task if the cluster has one, else the lowest worker task.
+        It is the chief task if the cluster has one, else the lowest worker task; under ULFM,
+        once that one died, the lowest surviving replica (``chief_index``).
         """
-        return self.replica_index == 0
+        return self.replica_index == self.chief_index
 
     @property
     def device(self):

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from mpitf.runtime.launch import mpiexec_command
 
-_RANK_PREFIX = re.compile(r"^\[(\d+)\] ?(.*)$")
+# Hydra's -prepend-rank "[R] line"; Open MPI's --output tag "[J,R]<stdout>: line"
+_RANK_PREFIX = re.compile(r"^\[(?:\d+,)?(\d+)\](?:<std(?:out|err)>:)? ?(.*)$")
 
 
 @dataclass
@@ -38,14 +39,16 @@ class MPIRun:
         return self.ranks.get(rank, [])
 
 
-def run_mpi(n, argv, timeout=60, env=None, cwd=None, tag_output=False, python=True):
+def run_mpi(n, argv, timeout=60, env=None, cwd=None, tag_output=False, python=True,
+            mpiexec=None):
     """Run ``argv`` (a Python script and its args when ``python``) on ``n`` ranks with a deadline.
 
     Returns an :class:`MPIRun`; on timeout the whole process group is killed and
-    ``timed_out`` is set, so callers can assert on it instead of hanging.
+    ``timed_out`` is set, so callers can assert on it instead of hanging. ``mpiexec``: the
+    launcher (None: :func:`~mpitf.runtime.launch.find_mpiexec`'s), e.g. Open MPI's.
     """
     argv = [sys.executable, *argv] if python else list(argv)
-    cmd = mpiexec_command(n, argv, tag_output=tag_output)
+    cmd = mpiexec_command(n, argv, mpiexec=mpiexec, tag_output=tag_output)
     full_env = dict(os.environ)
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     if env:

@@ -16,7 +16,8 @@ word  request (push, pull, init, done, ...)        reply
       replicas, one data position word each;
       rates: optimizer groups, one float64
       learning rate each)
-4     flags (``FLAG_CHUNKED``, ``FLAG_REQUEUE``)   flags (``FLAG_PAUSE``)
+4     flags (``FLAG_CHUNKED``, ``FLAG_REQUEUE``)   flags (``FLAG_PAUSE``; above bit 32,
+                                                   the chief after a lost one)
 5     position: the worker's data position after   stale_dropped: stale gradients dropped
       this batch (push): epoch << 40 | cursor
       within the epoch

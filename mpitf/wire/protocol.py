@@ -57,6 +57,8 @@ FLAG_PAUSE = 1  # stop after this step and wait for the chief (a checkpoint is b
 FLAG_REQUEUE = 8  # (in done) the job ends on a signal: exit with the requeue code
 FLAG_CHUNKED = 16  # (in requests) this worker stages through host memory: frames in chunks
 FLAG_LEARNING_RATE = 32  # (in push) the header's last word is the learning rate to apply
+CHIEF_SHIFT = 32  # (in replies) flags >> 32, once the chief died (ULFM): 1 + the replica
+#   index that has its duties now (0: the chief lives)
 
 KIND_NAMES = {PUSH: "push", PULL: "pull", PULL_AVERAGE: "pull of the average", INIT: "init",
               DONE: "done", PAUSED: "paused", SAVE: "save", COUNTERS: "counters", SKIP: "skip",

