@@ -101,6 +101,20 @@ def test_torch_tables_json(mpirun, tmp_path):
 
 
 @pytest.mark.mpi
+def test_recsys_json(mpirun, tmp_path):
+    # the dlrm model through mpitf.torch against plain torch plus a raw round trip (quick)
+    pytest.importorskip("torch")
+    out = tmp_path / "rs.json"
+    run = mpirun(2, REPO / "benchmarks" / "recsys.py", "--quick", "--json", out, timeout=120)
+    assert run.returncode == 0, run.output
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["mpitf_ms"] > 0 and row["torch_ms"] > 0 and row["raw_ms"] > 0, row
+    assert row["ratio"] == pytest.approx(row["mpitf_ms"] / (row["torch_ms"] + row["raw_ms"]))
+    # 4 tables' unique ids of 256 examples: ids (pull, push) and a 16-float row each way
+    assert row["fields"] == 4 and row["bytes_to_ps"] - row["bytes_back"] <= 4 * 256 * 16
+
+
+@pytest.mark.mpi
 def test_timeline_covers_every_rank_and_step(mpirun, tmp_path):
     trace, steps = tmp_path / "tl.json", 6
     run = mpirun(3, REPO / "jobs" / "mnist_mlp.py", "--num-ps", 1, "--steps", steps,
