@@ -1,7 +1,8 @@
 """mpitf.jax tables: rows on the ps, looked up by id, trained from jax.grad, equal to plain jax.
 
 The multi-rank runs are 1 ps + 1 worker (tests/mpi/jax_tables_driver.py): one table (each
-example's 3 rows, summed) and a dense layer, 40 steps in deterministic sync mode, against
+example's 3 rows, summed; fixed, or one that grows) and a dense layer, 40 steps in
+deterministic sync mode, against
 the same model in plain jax whose looked-up rows are updated by the ps's rule in numpy;
 the refusals made before any rank talks are tested in this process.
 """
@@ -34,9 +35,11 @@ def drive(*args):
 @pytest.mark.mpi
 @pytest.mark.slow
 @pytest.mark.parametrize("args", [("--optimizer", "sgd", "--initial"),
-                                  ("--optimizer", "adagrad")], ids=["sgd-chief", "adagrad-drawn"])
+                                  ("--optimizer", "adagrad", "--grows")],
+                         ids=["sgd-chief", "adagrad-grows"])
 def test_a_table_and_a_dense_layer_equal_plain_jax_with_the_sparse_rule(args):
-    # sgd: the chief's rows; adagrad: rows drawn on the ps, read back before the first step
+    # sgd: the chief's rows; adagrad: a table that grows (ids around 1e12), its rows drawn
+    # on the ps from (seed, table, id), read back before the first step
     run = drive(*args)
     assert run.returncode == 0, run.output
     ((step, maxrel, moved, untouched),) = RESULT.findall(run.stdout)

@@ -3,7 +3,8 @@ summed) and a dense layer from a plain ``jax.grad`` loop; the worker also trains
 model in plain jax with the whole table, updating the rows a step looks up by the ps's
 rule (written here in numpy), and prints how far the two are apart (``maxrel``: the dense
 parameters and every row, read back from the ps). ``--bad id`` looks up an id outside the
-table at step 3."""
+table at step 3; ``--grows``: the table grows (``num_embeddings=None``), its ids large
+int64 values (``KEY``), its rows drawn on the ps and read back before the first step."""
 
 import argparse
 import sys
@@ -18,6 +19,11 @@ from mpitf import ClusterSpec, Server, abort_on_error
 ROWS, DIM, BATCH, PER = 40, 4, 8, 3
 UNUSED = 5  # the last rows: no step looks them up
 LR = {"sgd": 0.5, "adagrad": 0.2}
+
+
+def key(ids, grows):
+    """Return the ids the worker looks up: a growing table's are large int64 values."""
+    return ids * 7919 + 10**12 if grows else ids
 
 
 def say(line):
@@ -79,6 +85,7 @@ def main():
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--initial", action="store_true", help="the chief gives the table's rows")
     p.add_argument("--bad", default=None)
+    p.add_argument("--grows", action="store_true", help="a table that grows")
     args = p.parse_args()
     with abort_on_error():
         server = Server(ClusterSpec({"ps": 1, "worker": 1}), deadline=30)
@@ -89,11 +96,13 @@ def main():
         params = {"w": jnp.asarray(rng.normal(0, 0.5, (DIM, 3)).astype(np.float32)),
                   "b": jnp.zeros(3)}
         initial = rng.normal(0, 0.3, (ROWS, DIM)).astype(np.float32) if args.initial else None
-        table = mj.Table("user", ROWS, DIM, initial=initial, max_ids=BATCH * PER)
+        table = mj.Table("user", None if args.grows else ROWS, DIM, initial=initial,
+                         max_ids=BATCH * PER)
         opt = mj.DistributedOptimizer(params, server, args.optimizer, LR[args.optimizer],
                                       tables=[table], deterministic=True,
                                       last_step=args.steps)
-        start = np.asarray(opt.table_rows("user", np.arange(ROWS)))
+        everyone = key(np.arange(ROWS), args.grows)
+        start = np.asarray(opt.table_rows("user", everyone))
         if initial is not None:
             assert np.array_equal(start, initial)
         ref = Reference(args.optimizer, opt.params, start)
@@ -101,11 +110,11 @@ def main():
         while not opt.should_stop():
             s = opt.global_step
             ids, y = batch(s, args.bad if s == 3 else None)
-            rows, inverse = opt.lookup("user", ids)
+            rows, inverse = opt.lookup("user", key(ids, args.grows))
             loss, (g, g_rows) = grad_fn(params, rows, inverse, jnp.asarray(y))
             params = opt.step(g, loss, table_grads={"user": g_rows})
             ref.step(s)
-        rows = np.asarray(opt.table_rows("user", np.arange(ROWS)))
+        rows = np.asarray(opt.table_rows("user", everyone))
         opt.close()
         pairs = [(np.asarray(params[k]), ref.params[k]) for k in ref.params]
         pairs.append((rows, ref.table))
