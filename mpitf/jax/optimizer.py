@@ -204,6 +204,7 @@ class DistributedOptimizer(SessionFrontEnd):
             emb.forget(name)
         return to_jax(found.unique_rows), to_jax(found.inverse.astype(np.int32))
 
+    @ends_the_job
     def table_rows(self, name, ids):
         """Return rows ``ids`` (1-D) of table ``name`` as the ps holds them now (a jax array).
 
@@ -211,12 +212,11 @@ class DistributedOptimizer(SessionFrontEnd):
         """
         import jax.numpy as jnp
 
-        ids = np.asarray(ids).reshape(-1)
-        n = self._variables.steps.tables[name].max_ids if name in self._variables.steps.tables \
-            else max(len(ids), 1)
+        table = self._variables.steps.table(name)
+        ids, n = np.asarray(ids).reshape(-1), table.max_ids
         parts = [self.lookup(name, ids[i:i + n], train=False) for i in range(0, len(ids), n)]
         return jnp.concatenate([rows[inverse] for rows, inverse in parts]) if parts else \
-            jnp.zeros((0, 0), jnp.float32)
+            jnp.zeros((0, table.dim), jnp.float32)
 
     @ends_the_job
     def step(self, grads, loss=None, table_grads=None):

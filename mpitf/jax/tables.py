@@ -55,8 +55,10 @@ class Table:
                                      "(they are drawn on the ps from (seed, table, id))")
         dynamic = (self.dynamic if isinstance(self.dynamic, Growth) else True) if grows \
             else None
-        return EmbeddingTable(self.name, self.num_embeddings, self.dim, "float32",
-                              lookups=self.max_ids, dynamic=dynamic)
+        rows, dim, most = (int(v) if isinstance(v, np.integer) else v  # a size read from
+                           for v in (self.num_embeddings, self.dim, self.max_ids))  # a file
+        return EmbeddingTable(self.name, None if grows else rows, dim, "float32",
+                              lookups=most, dynamic=dynamic)
 
     def rows(self):
         """Return the chief's initial rows as float32 numpy, checked (None: drawn)."""
@@ -117,11 +119,16 @@ class TableSteps:
         rows = {name: t.rows() for name, t in self.tables.items()}
         return {name: r for name, r in rows.items() if r is not None}
 
-    def ids(self, name, ids):
-        """Return ``ids`` of table ``name`` as checked int64 numpy (named refusals)."""
+    def table(self, name):
+        """Return the :class:`Table` named ``name``, or refuse naming the tables."""
         table = self.tables.get(name)
         if table is None:
             raise ConfigurationError(f"no table {name!r}: the tables are {sorted(self.tables)}")
+        return table
+
+    def ids(self, name, ids):
+        """Return ``ids`` of table ``name`` as checked int64 numpy (named refusals)."""
+        table = self.table(name)
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":
             raise ConfigurationError(f"table {name!r}: ids must be integers, got "

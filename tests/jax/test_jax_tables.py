@@ -76,6 +76,7 @@ def test_tables_are_declared_checked_and_their_ids_refused_by_name():
     (spec,) = steps.specs()
     assert (spec.name, spec.rows, spec.dim, spec.lookups) == ("user", 10, 3, 1 << 16)
     assert steps.ids("user", jnp.array([[1, 9]])).dtype == np.int64  # jax's int32 ids
+    assert type(mj.Table("t", np.int64(5), np.int32(2)).spec().rows) is int  # numpy sizes
     grows = mj.Table("item", None, 4).spec()
     assert grows.rows is None and grows.dynamic is not None
     cases = [
