@@ -1,10 +1,11 @@
-"""mpitf.jax tables under mpiexec: 1 ps + 1 worker train one table (each example's 3 rows,
-summed) and a dense layer from a plain ``jax.grad`` loop; the worker also trains the same
-model in plain jax with the whole table, updating the rows a step looks up by the ps's
-rule (written here in numpy), and prints how far the two are apart (``maxrel``: the dense
-parameters and every row, read back from the ps). ``--bad id`` looks up an id outside the
-table at step 3; ``--grows``: the table grows (``num_embeddings=None``), its ids large
-int64 values (``KEY``), its rows drawn on the ps and read back before the first step."""
+"""mpitf.jax tables under mpiexec: 1 ps + W workers train one table (each example's 3 rows,
+summed) and a dense layer from a plain ``jax.grad`` loop; each worker also trains the same
+model in plain jax with the whole table on the W batches' mean gradient, updating the
+rows a step looks up by the ps's rule (written here in numpy), and prints how far the two
+are apart (``maxrel``: the dense parameters and every row, read back from the ps).
+``--bad id`` looks up an id outside the table at step 3; ``--grows``: the table grows
+(``num_embeddings=None``), its ids large int64 values (:func:`key`), its rows drawn on the
+ps and read back before the first step."""
 
 import argparse
 import sys
@@ -41,8 +42,8 @@ def loss_fn(params, rows, inverse, y):
 grad_fn = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))
 
 
-def batch(step, bad=None):
-    rng = np.random.default_rng(100 + step)
+def batch(step, worker=0, bad=None):
+    rng = np.random.default_rng(100 + step + 1000 * worker)
     ids = np.minimum(rng.zipf(1.3, (BATCH, PER)) - 1, ROWS - 1 - UNUSED)
     if bad == "id":
         ids[1, 2] = ROWS + 3
@@ -52,8 +53,8 @@ def batch(step, bad=None):
 class Reference:
     """The model in plain jax: the whole table's gradient, the ps's rule on its rows."""
 
-    def __init__(self, name, params, table):
-        self.name = name
+    def __init__(self, name, params, table, workers):
+        self.name, self.workers = name, workers
         self.params = {k: np.array(v) for k, v in params.items()}
         self.table = np.array(table, dtype=np.float32)
         self.accum = {k: np.full_like(v, 0.1) for k, v in self.params.items()}
@@ -68,12 +69,16 @@ class Reference:
             p -= lr * g / np.sqrt(accum)
 
     def step(self, s):
-        ids, y = batch(s)
-        _, (g, gt) = grad_fn({k: jnp.asarray(v) for k, v in self.params.items()},
-                             jnp.asarray(self.table), jnp.asarray(ids), jnp.asarray(y))
+        g, gt, seen = {k: 0.0 for k in self.params}, 0.0, []
+        for w in range(self.workers):  # the mean gradient, as the ps applies it
+            ids, y = batch(s, w)
+            _, (gw, gtw) = grad_fn({k: jnp.asarray(v) for k, v in self.params.items()},
+                                   jnp.asarray(self.table), jnp.asarray(ids), jnp.asarray(y))
+            g = {k: g[k] + np.asarray(gw[k]) / self.workers for k in g}
+            gt, seen = gt + np.asarray(gtw) / self.workers, seen + [ids]
         for k, p in self.params.items():
-            self.update(p, np.asarray(g[k]), self.accum[k])
-        present = np.unique(ids)  # the sparse rule: the rows looked up, and their slots
+            self.update(p, g[k], self.accum[k])
+        present = np.unique(np.concatenate(seen))  # the sparse rule: the rows looked up
         rows, accum = self.table[present], self.accum["table"][present]
         self.update(rows, np.asarray(gt)[present], accum)
         self.table[present], self.accum["table"][present] = rows, accum
@@ -88,7 +93,10 @@ def main():
     p.add_argument("--grows", action="store_true", help="a table that grows")
     args = p.parse_args()
     with abort_on_error():
-        server = Server(ClusterSpec({"ps": 1, "worker": 1}), deadline=30)
+        import mpi4py.MPI as MPI
+
+        workers = MPI.COMM_WORLD.Get_size() - 1
+        server = Server(ClusterSpec({"ps": 1, "worker": workers}), deadline=30)
         if server.job_name == "ps":
             server.join()
             sys.exit(server.exit_code)
@@ -105,11 +113,12 @@ def main():
         start = np.asarray(opt.table_rows("user", everyone))
         if initial is not None:
             assert np.array_equal(start, initial)
-        ref = Reference(args.optimizer, opt.params, start)
+        ref = Reference(args.optimizer, opt.params, start, workers)
+        k = server.replica_index
         params = opt.params
         while not opt.should_stop():
             s = opt.global_step
-            ids, y = batch(s, args.bad if s == 3 else None)
+            ids, y = batch(s, k, args.bad if s == 3 else None)
             rows, inverse = opt.lookup("user", key(ids, args.grows))
             loss, (g, g_rows) = grad_fn(params, rows, inverse, jnp.asarray(y))
             params = opt.step(g, loss, table_grads={"user": g_rows})
@@ -121,7 +130,7 @@ def main():
         worst = max(float(np.linalg.norm(a - b) / np.linalg.norm(b)) for a, b in pairs)
         moved = float(np.abs(rows - start).max())
         untouched = int((rows == start).all(1).sum())
-        say(f"worker 0: step {opt.global_step} maxrel: {worst:.3g} moved: {moved:.3g} "
+        say(f"worker {k}: step {opt.global_step} maxrel: {worst:.3g} moved: {moved:.3g} "
             f"untouched: {untouched}")
 
 
