@@ -1,5 +1,8 @@
 """JAX on mpitf: ``DistributedOptimizer`` takes a pytree of parameters and of gradients.
 
+Embedding tables (:class:`Table`) live on the ps by rows: ``opt.lookup(name, ids)`` pulls
+a step's rows, ``jax.grad`` takes their gradient, ``step(..., table_grads=...)`` pushes it.
+
 The only package that imports jax (install the ``jax`` extra). Importing it selects jax's
 CPU platform and gives XLA this rank's share of its node's cores (``NPROC``; see
 :mod:`.threads`) unless set, so import it before jax first computes.
@@ -19,5 +22,6 @@ from .threads import share_threads
 share_threads()
 
 from .optimizer import DistributedOptimizer  # noqa: E402 - after the threads are set
+from .tables import Table  # noqa: E402
 
-__all__ = ["DistributedOptimizer", "share_threads"]
+__all__ = ["DistributedOptimizer", "Table", "share_threads"]

@@ -4,7 +4,9 @@ The update runs on the ps (one of the ps optimizers, by name); this rank only co
 gradients. ``step(grads)`` copies each gradient leaf into the push buffer of the
 :class:`~mpitf.worker.client.Client` inside a :class:`~mpitf.worker.session.TrainingSession`,
 pushes and pulls, and returns the new parameters as new jax arrays: one copy each way (jax
-arrays are immutable, so the pulled buffer cannot be handed out as they are).
+arrays are immutable, so the pulled buffer cannot be handed out as they are). Embedding
+tables on the ps (``tables=``, :mod:`.tables`) are looked up by id with :meth:`lookup`
+and their row gradients pushed by ``step(grads, table_grads=...)``.
 """
 
 import dataclasses
@@ -18,6 +20,7 @@ from ..ps.optimizers import make_optimizer
 from ..worker.frontend import SessionFrontEnd, ends_the_job
 from ..worker.session import TrainingSession
 from . import threads
+from .tables import TableSteps, as_tables, check_table_rule
 from .tree import TreeLayout, leaf_name, to_jax
 
 __all__ = ["DistributedOptimizer"]
@@ -32,13 +35,28 @@ SESSION_OPTIONS = frozenset(
 
 
 class _JaxVariables:
-    """The pytree as the session sees it: names, shapes, dtype, and the chief's values."""
+    """The pytree as the session sees it: names, shapes, dtype, and the chief's values.
 
-    def __init__(self, layout, leaves):
-        self.layout = layout
+    Its tables (``steps``, a :class:`.tables.TableSteps`) are looked up by
+    :meth:`DistributedOptimizer.lookup`, one call per table and step: one step's buffers
+    hold ``max_ids`` ids of each (``table_batch_size`` 1).
+    """
+
+    table_batch_size = 1
+
+    def __init__(self, layout, leaves, steps):
+        self.layout, self.steps = layout, steps
         self.values = {n: np.array(leaf, dtype=np.float32)
                        for n, leaf in zip(layout.names, leaves)}
         self.loss = None
+
+    def tables(self):
+        """Return the tables' descriptions (the ps holds their rows)."""
+        return self.steps.specs()
+
+    def initial_table_rows(self):
+        """Return the chief's rows of the tables given ``initial`` (the others are drawn)."""
+        return self.steps.initial()
 
     def variables(self):
         return [(n, s, np.float32) for n, s in zip(self.layout.names, self.layout.shapes)]
@@ -103,11 +121,15 @@ class DistributedOptimizer(SessionFrontEnd):
             :class:`~mpitf.worker.session.TrainingSession`'s options (mode, dataset,
             checkpoint_dir, save_checkpoint_steps, last_step, ...; the deadline is the
             Server's); a name neither takes is refused, naming both lists.
+        tables: embedding tables on the ps (:class:`~mpitf.jax.Table` objects, or
+            ``{name: (num_embeddings, dim)}``), looked up with :meth:`lookup`; their rows
+            are updated sparsely, so the optimizer must be "sgd" or "adagrad" (or torch's
+            without weight decay or momentum), with no groups or mask.
     """
 
     @ends_the_job
     def __init__(self, params, server, optimizer="sgd", learning_rate=0.01, *, mask=None,
-                 groups=None, **options):
+                 groups=None, tables=(), **options):
         self._server = server
         ps_options, session_options = _split(options)
         if "deadline" in ps_options:
@@ -127,7 +149,14 @@ class DistributedOptimizer(SessionFrontEnd):
                 raise ConfigurationError(
                     f"{exc}; session options: {sorted(SESSION_OPTIONS)}") from None
             raise
-        self._variables = _JaxVariables(self.layout, self.layout.leaves(params, "parameter"))
+        steps = TableSteps(as_tables(tables))
+        if steps.tables:
+            if groups:
+                raise ConfigurationError("groups and mask are not supported with tables: the "
+                                         "tables take the optimizer's one set of options")
+            check_table_rule(self.ps_optimizer, list(steps.tables))
+        self._variables = _JaxVariables(self.layout, self.layout.leaves(params, "parameter"),
+                                        steps)
         self._say_threads(server)
         self.session = TrainingSession(server, self._variables, self.ps_optimizer,
                                        **session_options)
@@ -153,17 +182,61 @@ class DistributedOptimizer(SessionFrontEnd):
         return self.layout.unflatten([to_jax(p) for _, p in self._views])
 
     @ends_the_job
-    def step(self, grads, loss=None):
+    def lookup(self, name, ids, train=True):
+        """Pull the rows of table ``name``'s ``ids`` now: return ``(rows, inverse)``.
+
+        ``rows`` (u x dim) are the rows of the unique ids, ``inverse`` (ids' shape) each
+        id's index among them, both jax arrays: ``rows[inverse]`` gathers each id's row.
+        Give the loss ``rows`` as an argument and pass ``jax.grad``'s gradient for them to
+        ``step(..., table_grads={name: g})``. Each table is looked up once per step;
+        ``train=False`` (evaluation) pushes nothing. An id outside the table is refused,
+        naming the table, the id and its position.
+        """
+        steps, emb = self._variables.steps, self.session.embeddings
+        ids = steps.ids(name, ids)
+        if name in emb.lookups:
+            raise ConfigurationError(
+                f"table {name!r} was looked up twice before step() at step "
+                f"{self.global_step}: look each table up once per step (all its ids in one "
+                "call), and evaluate with train=False")
+        found = self.session.lookup({name: ids})[name]
+        if not train:
+            emb.forget(name)
+        return to_jax(found.unique_rows), to_jax(found.inverse.astype(np.int32))
+
+    @ends_the_job
+    def table_rows(self, name, ids):
+        """Return rows ``ids`` (1-D) of table ``name`` as the ps holds them now (a jax array).
+
+        Pulled ``max_ids`` at a time, pushing nothing: any number of rows (the whole table).
+        """
+        import jax.numpy as jnp
+
+        table = self._variables.steps.table(name)
+        ids, n = np.asarray(ids).reshape(-1), table.max_ids
+        parts = [self.lookup(name, ids[i:i + n], train=False) for i in range(0, len(ids), n)]
+        return jnp.concatenate([rows[inverse] for rows, inverse in parts]) if parts else \
+            jnp.zeros((0, table.dim), jnp.float32)
+
+    @ends_the_job
+    def step(self, grads, loss=None, table_grads=None):
         """Push ``grads`` (the parameters' pytree structure), update on the ps, pull.
 
         Returns the new parameters (also :attr:`params`). ``loss`` (a number or a scalar
         array) is only reported (log lines, metrics). A gradient pytree that differs from
         the parameters (a missing leaf, a shape, a dtype) is refused, naming the leaf.
+        ``table_grads``: ``{table: d(loss)/d(rows)}`` of each table looked up (for
+        training) since the last step, pushed sparsely before the dense push.
         """
         try:
             leaves = self.layout.leaves(grads, "gradient")
         except ConfigurationError as exc:
             raise ConfigurationError(f"step {self.global_step}: {exc}") from None
+        if self.session.embeddings is not None:
+            TableSteps.copy_grads(self.session.embeddings.lookups, table_grads,
+                                  self.global_step)
+        elif table_grads:
+            raise ConfigurationError("step() got table_grads, but the optimizer has no tables")
         for (grad, _), leaf in zip(self._views, leaves):
             np.copyto(grad, np.asarray(leaf))  # a CPU jax array reads without a copy
         self._variables.loss = float("nan") if loss is None else float(loss)

@@ -9,16 +9,11 @@ import torch
 
 from ..errors import ConfigurationError
 from ..tables.growth import Growth
+from ..worker.ids import check_range
 
 __all__ = ["check_ids", "growth_of"]
 
 _INT = (torch.int64, torch.int32)
-
-
-def _position(shape, flat):
-    """Return index ``flat`` of an array of ``shape`` as torch would print it."""
-    where = np.unravel_index(int(flat), shape)
-    return int(where[0]) if len(where) == 1 else tuple(int(i) for i in where)
 
 
 def check_ids(name, rows, input, offsets=None, per_sample_weights=None,
@@ -36,13 +31,7 @@ def check_ids(name, rows, input, offsets=None, per_sample_weights=None,
                                  f"or torch.int), got {kind}")
     if bag:
         _check_bags(name, input, offsets, per_sample_weights, include_last_offset)
-    ids = input.numpy()
-    if rows is not None and ids.size and (ids.min() < 0 or ids.max() >= rows):
-        bad = int(np.flatnonzero((ids.reshape(-1) < 0) | (ids.reshape(-1) >= rows))[0])
-        raise ConfigurationError(
-            f"table {name!r}: id {int(ids.reshape(-1)[bad])} at position "
-            f"{_position(ids.shape, bad)} is outside [0, {rows}) (ids are never wrapped or "
-            "clipped)")
+    check_range(name, rows, input.numpy())
 
 
 def growth_of(num_embeddings, dynamic, padding_idx, weight):
