@@ -4,6 +4,7 @@ Tests marked ``gpu`` skip without CuPy and a CUDA device, unless ``MPITF_TEST_GP
 set: then they run, and fail where CUDA is missing.
 """
 
+import compileall
 import os
 import sys
 from pathlib import Path
@@ -18,6 +19,11 @@ _MPIEXEC_PROBLEM = []  # filled at session start when no mpiexec is found
 
 
 def pytest_sessionstart(session):
+    # Every test starts Python processes that import mpitf; where PYTHONDONTWRITEBYTECODE
+    # is set (as here) each would compile the package from source again (about 0.13 s of
+    # CPU a process). Byte-compile it once: imports read a .pyc whatever that variable says.
+    compileall.compile_dir(str(REPO / "mpitf"), quiet=1)
+    compileall.compile_dir(str(REPO / "tests"), quiet=1)
     venv_mpiexec = Path(sys.executable).parent / "mpiexec"
     if venv_mpiexec.exists():
         return

@@ -95,7 +95,8 @@ def parse_args(argv=None):
     p.add_argument("--global-batch", type=int, default=96,
                    help="strong scaling: examples per global step, split over the workers")
     p.add_argument("--steps", type=int, default=None,
-                   help="steps per run (default 1000, --quick too: 200-step runs spread 2-3x here)")
+                   help="steps per run (default 1000; quick 400, a smoke test: runs this short "
+                        "spread 2-3x here)")
     p.add_argument("--repeats", type=int, default=None,
                    help="runs per point, the best taken (default 3; quick 1)")
     p.add_argument("--launcher", default=None,
@@ -107,7 +108,7 @@ def parse_args(argv=None):
     args.workers = [int(x) for x in (args.workers or ("1,2" if args.quick else "1,2,3"))
                     .split(",")]
     args.ps = [int(x) for x in (args.ps or ("1" if args.quick else "1,2")).split(",")]
-    args.steps = args.steps or 1000
+    args.steps = args.steps or (400 if args.quick else 1000)
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.launcher = shlex.split(args.launcher) if args.launcher else default_launcher()
     return args

@@ -22,11 +22,22 @@ import math
 from mpitf.config import check_learning_rate, check_number
 from mpitf.errors import ConfigurationError
 from mpitf.runtime.backend import array_module
-from mpitf.wire.convert import narrow_into, widen_into
 
 from .average import ExponentialMovingAverage
-from .kernels import fused_apply
 from .schedules import SCHEDULES
+
+
+def _fused_apply(*args):
+    """Load the fused kernels (numba) on the first apply, then call them.
+
+    Only a ps applies: a worker builds optimizers (to send their config) without paying for
+    numba's import and start (about 0.3 s of CPU a process).
+    """
+    global _fused_apply
+    from .kernels import fused_apply
+
+    _fused_apply = fused_apply
+    return fused_apply(*args)
 
 __all__ = [
     "Adagrad", "Adam", "ExponentialDecay", "ExponentialMovingAverage", "GradientDescent",
@@ -167,7 +178,9 @@ class Optimizer(abc.ABC):
             raise ValueError(
                 f"expecting grad of shape {params.shape}, got {grad.shape} ({self.name})"
             )
-        if not fused_apply(self, params, grad, slots, int(step), pool, reply):
+        if not _fused_apply(self, params, grad, slots, int(step), pool, reply):
+            from mpitf.wire.convert import narrow_into, widen_into  # not the host path
+
             g = grad
             if grad.dtype != params.dtype:
                 g = widened if widened is not None else array_module(params).empty_like(params)

@@ -14,7 +14,7 @@ from tests.support import REPO
 def test_pushpull_json(mpirun, tmp_path):
     out = tmp_path / "pp.json"
     run = mpirun(2, REPO / "benchmarks" / "pushpull.py", "--num-ps", 1, "--quick", "--sizes",
-                 "4096,1048576", "--json", out, timeout=60)
+                 "4096,1048576", "--rounds", 1, "--reps", 20, "--json", out, timeout=60)
     assert run.returncode == 0, run.output
     data = json.loads(out.read_text())
     rows = data["results"]

@@ -270,12 +270,12 @@ def test_sigkill_of_a_rank_ends_the_job(tmp, victim):
 
 
 @pytest.mark.parametrize("victim,operation,deadline_s", [
-    ("rank2-worker-1", "during push", 10),
-    ("rank0-ps-0", "during push_pull", 15),  # workers wait 1.5 x the deadline on a ps
+    ("rank2-worker-1", "during push", 6),
+    ("rank0-ps-0", "during push_pull", 9),  # workers wait 1.5 x the deadline on a ps
 ])
 def test_a_stopped_rank_is_named_when_the_deadline_ends_the_job(tmp, victim, operation,
                                                                 deadline_s):
-    job = Background(tmp, steps=5000, extra=["--deadline", "10"])
+    job = Background(tmp, steps=5000, extra=["--deadline", "6"])
     # the deadline: a job still running 30 s after the stop fails (stop_and_wait's timeout)
     code, seconds, out = stop_and_wait(job, victim, after_step=20, timeout=30)
     assert code != 0, out
