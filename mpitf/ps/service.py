@@ -28,6 +28,7 @@ from .at_once import AtOnce
 from .consistency import Senders, make_policy
 from .pipeline import Pipeline
 from .receive_pool import ReceivePool
+from .replica import Replication
 from .shard import Shard
 from .sparse import SparseTables
 from .sparse_inbox import SparseInbox
@@ -93,6 +94,8 @@ class Service:
         self.counters = dict(global_step=0, pushes_applied=0, stale_dropped=0,
                              nonfinite_skipped=0, staleness_histogram={}, max_staleness=0,
                              max_lead=0, bytes_in=0, bytes_out=0, **senders.counters())
+        self.replica = None  # the buddy ring (ps/replica.py), with --ps-replication-steps
+        self.is_ward = False  # True: this serves a lost ps's shard from its buddy's copy
         self.at_once = AtOnce.for_service(self)  # one-frame pushes applied as they land
         self._handlers = {P.PUSH: self._on_push, P.RATES: self._on_rates,
                           P.SPARSE_PULL: self._on_sparse, P.SPARSE_PUSH: self._on_sparse,
@@ -282,6 +285,8 @@ class Service:
         """Serve the request in pool frame ``index``; return True when the frame is free."""
         frame = self.pool[index]
         request = H.unpack_request(frame.fetch_header())
+        if request.flags & P.FLAG_WARD and not self.is_ward:  # a lost ps's shard: its copy
+            return self._serve_ward(index, source, request)
         worker = self.worker_of.get(source)
         if worker is None:
             raise PeerError(f"request from rank {source}, which is not a worker")
@@ -296,6 +301,16 @@ class Service:
             raise PeerError(f"unknown request kind {request.kind}",
                             **self.describe_worker(worker, "?"))
         return handler(worker, request, frame, index, now)
+
+    def _serve_ward(self, index, source, request):
+        replica = self.replica
+        if replica is not None and not replica.adopted:  # a worker saw the loss first
+            self._take_failures(None)
+        if replica is None or not replica.adopted:
+            raise PeerError("a request for a lost ps's shard, which this ps does not hold",
+                            **self._describe_sender(source))
+        replica.note_rerouted(request.step)
+        return replica.ward._serve(index, source)
 
     def _chunked(self, worker, source, request, frame):
         """Note a worker that stages; receive the rest of its push or init (chunk 0 came)."""
@@ -407,14 +422,27 @@ class Service:
         """
         if not (self.server.ulfm and ulfm.is_failure(exc)):
             raise exc
+        self._take_failures(exc)
+
+    def _take_failures(self, exc):
+        """Acknowledge the failed ranks and go on without each (see :meth:`lose_failed`)."""
+        replica = self.replica
         for rank in ulfm.failed_ranks(self.comm):
+            if replica is not None and rank in replica.ps_ranks:
+                replica.on_lost(rank)  # the ward's: its copy is served from now on
+                continue
             worker = self.worker_of.get(rank)
             if worker is None or (rank == self.chief and (self.config.clients or
                                                           self.senders.nodes)):
                 raise PeerError("died; only a training replica's loss is survived",
                                 **self.server.peer(rank, "training")) from exc
-            if worker in self.lost:
-                continue
+            if replica is not None and replica.adopted:
+                replica.ward.lose_worker(rank, worker)
+            self.lose_worker(rank, worker)
+
+    def lose_worker(self, rank, worker):
+        """Count the dead ``worker`` (at ``rank``) as done; say what its loss costs."""
+        if worker not in self.lost:
             step = self.global_step
             cost = self.policy.on_worker_lost(self, worker)  # deterministic: raises
             self.lost.add(worker)
@@ -448,8 +476,10 @@ class Service:
 
     def run(self):
         """Serve until every worker is done; return the process exit code."""
-        pool = self.pool
-        while len(self.done) < self.num_workers:
+        pool, replica = self.pool, self.replica
+        while len(self.done) < self.num_workers or (
+                replica is not None and replica.adopted and
+                len(replica.ward.done) < self.num_workers):
             try:
                 index = pool.wait_next(self.check_every, self._timeout, self.deadline,
                                        self._describe_sender)
@@ -460,9 +490,16 @@ class Service:
                 pool.release(index)
             if self.sparse is not None:
                 self.sparse.flush()  # the step's replies have left: now its sparse apply
+            if replica is not None:
+                replica.after_step()  # a copy to the buddy every K steps
+                replica.poll()  # the ward's copies
             if self.check_every is not None and self.last_message > self.next_check:
                 self._timeout()  # busy: without this, one silent worker would go unseen
         self._finish_replies()
+        if replica is not None:
+            replica.close()
+            replica.ward._finish_replies()
+            replica.ward.shard.close()
         if self.sparse:
             self.sparse.close()
             for name, stats in self.tables.stats().items():  # the tables that grow
@@ -471,6 +508,20 @@ class Service:
                               ", ".join(f"{k} {v}" for k, v in stats.items()))
         self.shard.close()
         return EXIT_REQUEUE if self.requeue else 0
+
+
+def _replication(service, config, assignment):
+    """Return the buddy ring's end on this ps (ps/replica.py): the ward's service, idle."""
+    server = service.server
+    config.check_replication(assignment.num_ps, server.ulfm, bool(service.pipeline.bucketed),
+                             bool(assignment.sparse), bool(assignment.nodes))
+    ps_ranks = server.ranks_of("ps")
+    server.survive(ps_ranks)  # a ps's death is no error now (its buddy serves its shard)
+    ward = Service(server, config, assignment.ward)
+    ward.ps_task = (service.ps_task - 1) % assignment.num_ps
+    ward.is_ward = True
+    ward.pipeline.reply_tag = P.TAG_REPLY_WARD
+    return Replication(service, ward, config.ps_replication_steps, ps_ranks)
 
 
 def serve(server):
@@ -490,6 +541,8 @@ def serve(server):
         server.comm, chief, P.TAG_CONTROL, server.deadline,
         lambda: server.peer(chief, "configuration of the ps"))
     service = Service(server, config, assignment)
+    if config.ps_replication_steps and assignment.ward is not None:
+        service.replica = _replication(service, config, assignment)
     code = service.run()
     if config.timeline:  # collective with the workers' end of training
         service.timeline.gather_and_write(server.comm, config.timeline)
