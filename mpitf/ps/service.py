@@ -16,7 +16,6 @@ from mpi4py import MPI
 from ..ckpt import cut
 from ..errors import ConfigurationError, DeadlineError, PeerError
 from ..models.clipping import clip_by_global_norm
-from ..runtime import ulfm
 from ..runtime.backend import get_backend
 from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
 from ..runtime.stall import StepClock
@@ -26,6 +25,7 @@ from ..wire import protocol as P
 from ..wire.frame import Frame
 from .at_once import AtOnce
 from .consistency import Senders, make_policy
+from .losses import Losses
 from .pipeline import Pipeline
 from .receive_pool import ReceivePool
 from .replica import Replication
@@ -36,7 +36,7 @@ from .sparse_inbox import SparseInbox
 _log = logging.getLogger("mpitf")
 
 
-class Service:
+class Service(Losses):
     """One ps task serving the workers of a cluster under a consistency policy."""
 
     def __init__(self, server, config, assignment, backend=None):
@@ -411,68 +411,6 @@ class Service:
     def _answer_pull(self, worker, kind):
         average = kind == P.PULL_AVERAGE and self.shard.average_frame is not None
         self.reply(worker, self.shard.average_frame if average else None)
-
-    def lose_failed(self, exc):
-        """Go on without the workers that died (ULFM), or re-raise ``exc``.
-
-        Under ULFM a receive from any worker fails once a worker has died; the failure is
-        acknowledged, the dead workers count as done, and the policy says what their loss
-        costs (async: their future pushes; sync: fewer gradients per step; deterministic:
-        the job). A dead rank that is no worker (another ps, an evaluator) ends the job.
-        """
-        if not (self.server.ulfm and ulfm.is_failure(exc)):
-            raise exc
-        self._take_failures(exc)
-
-    def _take_failures(self, exc):
-        """Acknowledge the failed ranks and go on without each (see :meth:`lose_failed`)."""
-        replica = self.replica
-        for rank in ulfm.failed_ranks(self.comm):
-            if replica is not None and rank in replica.ps_ranks:
-                replica.on_lost(rank)  # the ward's: its copy is served from now on
-                continue
-            worker = self.worker_of.get(rank)
-            if worker is None or (rank == self.chief and (self.config.clients or
-                                                          self.senders.nodes)):
-                raise PeerError("died; only a training replica's loss is survived",
-                                **self.server.peer(rank, "training")) from exc
-            if replica is not None and replica.adopted:
-                replica.ward.lose_worker(rank, worker)
-            self.lose_worker(rank, worker)
-
-    def lose_worker(self, rank, worker):
-        """Count the dead ``worker`` (at ``rank``) as done; say what its loss costs."""
-        if worker not in self.lost:
-            step = self.global_step
-            cost = self.policy.on_worker_lost(self, worker)  # deterministic: raises
-            self.lost.add(worker)
-            self.done.add(worker)
-            self.paused.discard(worker)
-            if rank == self.chief:
-                cost += self._hand_on_chief()
-            peer = self.server.peer(rank, "")
-            _log.warning("lost rank %d (/job:%s/task:%d on %s) at step %d: %s; %d of %d "
-                         "workers go on", rank, peer["job"], peer["task"], peer["host"], step,
-                         cost, self.num_active, self.num_workers)
-            self.policy.on_worker_gone(self, worker)
-            self._check_quiescent()
-
-    def _hand_on_chief(self):
-        """The chief died: its duties go to the lowest surviving replica; say which.
-
-        Every reply from now on names it (``P.CHIEF_SHIFT``), and its checkpoint cuts are
-        reported to it. Each ps decides alike: the replicas are the workers, in order.
-        """
-        alive = [w for w in range(self.num_workers) if w not in self.lost]
-        if not alive:
-            return ""
-        self.chief = self.worker_ranks[alive[0]]
-        self.chief_flags = (alive[0] + 1) << P.CHIEF_SHIFT
-        self._finish_replies()  # the header is rewritten: none may be in flight
-        self.write_header()
-        peer = self.server.peer(self.chief, "")
-        return (f"; the chief's duties (logging, checkpoints, the summary) go to rank "
-                f"{self.chief} (/job:{peer['job']}/task:{peer['task']})")
 
     def run(self):
         """Serve until every worker is done; return the process exit code."""

@@ -304,22 +304,8 @@ class Client:
         if config.ps_replication_steps:
             self._replicate(config, sparse)
         if self.server.is_chief:
-            assignments = []
-            for p in range(len(self.ps_ranks)):
-                assignments.append(PsAssignment(
-                    slices=self.placement.slices_for_ps(p),
-                    shard_size=self.placement.shard_sizes[p],
-                    dtype=self.placement.dtype.str, num_ps=len(self.ps_ranks),
-                    optimizer=optimizer, chief_rank=self.server.rank, restore=restore,
-                    deadline=self.deadline, adaptive=self.adaptive,
-                    chunk_bytes=self.chunk_bytes,
-                    total_num_replicas=total_num_replicas,
-                    sparse=sparse[p] if isinstance(sparse, list) else sparse,
-                    nodes=self.transport.nodes))
-            if config.ps_replication_steps:  # each ps keeps a copy of the one before it
-                n = len(assignments)
-                assignments = [dataclasses.replace(a, ward=assignments[(p - 1) % n])
-                               for p, a in enumerate(assignments)]
+            assignments = self._assignments(config, optimizer, restore, total_num_replicas,
+                                            sparse)
             for assignment, rank in zip(assignments, self.ps_ranks):
                 self.comm.send((config, assignment), dest=rank, tag=P.TAG_CONTROL)
             if restore is None:
@@ -328,6 +314,26 @@ class Client:
                 self.set_params(initial_values)
                 self.send_initial_values()
         return self.transport.started(self.pull)
+
+    def _assignments(self, config, optimizer, restore, total_num_replicas, sparse):
+        """Return each ps's :class:`~mpitf.config.PsAssignment` (the chief sends them)."""
+        assignments = []
+        for p in range(len(self.ps_ranks)):
+            assignments.append(PsAssignment(
+                slices=self.placement.slices_for_ps(p),
+                shard_size=self.placement.shard_sizes[p],
+                dtype=self.placement.dtype.str, num_ps=len(self.ps_ranks),
+                optimizer=optimizer, chief_rank=self.server.rank, restore=restore,
+                deadline=self.deadline, adaptive=self.adaptive,
+                chunk_bytes=self.chunk_bytes,
+                total_num_replicas=total_num_replicas,
+                sparse=sparse[p] if isinstance(sparse, list) else sparse,
+                nodes=self.transport.nodes))
+        if config.ps_replication_steps:  # each ps keeps a copy of the one before it
+            n = len(assignments)
+            assignments = [dataclasses.replace(a, ward=assignments[(p - 1) % n])
+                           for p, a in enumerate(assignments)]
+        return assignments
 
     def _replicate(self, config, sparse):
         """Refuse what a buddy replica cannot do; else survive a ps and re-route its frame."""
