@@ -155,9 +155,11 @@ class Replication:
                             **svc.server.peer(rank, "training"))
         ward = self.ward
         self.copy_step = self.images[self.current].give(self.theirs)
-        ward.global_step = ward.counters["global_step"] = self.copy_step
+        # the shard goes on at the survivors' step (the steps since its copy are lost):
+        # sync steps and checkpoint cuts stay aligned across the ps
+        ward.global_step = ward.counters["global_step"] = svc.global_step
         ward.shard.restored()
-        ward.pipeline.at_step(self.copy_step)
+        ward.pipeline.at_step(svc.global_step)
         ward.initialized = True
         ward.pool = svc.pool  # one pool: the ward's requests carry FLAG_WARD
         ward.done |= svc.done

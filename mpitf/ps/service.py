@@ -96,6 +96,7 @@ class Service(Losses):
                              max_lead=0, bytes_in=0, bytes_out=0, **senders.counters())
         self.replica = None  # the buddy ring (ps/replica.py), with --ps-replication-steps
         self.is_ward = False  # True: this serves a lost ps's shard from its buddy's copy
+        self.buddy = None  # (a ward) the Service of the ps that serves it
         self.at_once = AtOnce.for_service(self)  # one-frame pushes applied as they land
         self._handlers = {P.PUSH: self._on_push, P.RATES: self._on_rates,
                           P.SPARSE_PULL: self._on_sparse, P.SPARSE_PUSH: self._on_sparse,
@@ -195,8 +196,8 @@ class Service(Losses):
     def write_header(self, hi=None):
         """Refresh the reply header (none in flight) and publish the payload (up to ``hi``)."""
         c, reply, average = self.counters, self.shard.reply, self.shard.average_frame
-        c["global_step"] = self.global_step
-        H.pack_reply(reply.header, self.global_step, self.ps_task,
+        c["global_step"] = step = self.cut_step()
+        H.pack_reply(reply.header, step, self.ps_task,
                      (P.FLAG_PAUSE if self.pausing else 0) | self.chief_flags, c["pushes_applied"],
                      c["stale_dropped"], c["max_staleness"], c["max_lead"])
         reply.publish(0, hi)
@@ -267,10 +268,21 @@ class Service(Losses):
         shard = self.shard
         average = shard.average_frame.payload if shard.average is not None else None
         cut.save_shard(self.comm, self.chief, self.config.checkpoint_dir, self.ps_task,
-                       self.assignment.num_ps, self.global_step, shard.slices, self.backend,
+                       self.assignment.num_ps, self.cut_step(), shard.slices, self.backend,
                        shard.params, shard.saved_slots(), average, self.positions,
                        self.paused, self.counters,
                        self.tables.saved(self.global_step) if self.tables else None)
+
+    def cut_step(self):
+        """Return the step replies and checkpoint cuts name: a served copy's is its buddy's.
+
+        Async: the pushes in flight when the ps died count on the buddy's own shard or on
+        the copy, not always on both, so the two counts drift by a step or two; the cut,
+        and the step the workers see, is the buddy's. Sync steps stay together.
+        """
+        if self.buddy is None or self.config.mode == "sync":
+            return self.global_step
+        return self.buddy.global_step
 
     def _check_quiescent(self):
         if self.pausing and all(w in self.done or w in self.paused
@@ -457,7 +469,7 @@ def _replication(service, config, assignment):
     server.survive(ps_ranks)  # a ps's death is no error now (its buddy serves its shard)
     ward = Service(server, config, assignment.ward)
     ward.ps_task = (service.ps_task - 1) % assignment.num_ps
-    ward.is_ward = True
+    ward.is_ward, ward.buddy = True, service
     ward.pipeline.reply_tag = P.TAG_REPLY_WARD
     return Replication(service, ward, config.ps_replication_steps, ps_ranks)
 

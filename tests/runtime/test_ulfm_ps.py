@@ -13,7 +13,16 @@ import signal
 
 import pytest
 
-from tests.support import FINAL, Background, final_summary, openmpi_mpiexec, run_job
+from tests.support import (
+    FINAL,
+    RESTORED,
+    Background,
+    cli_verify,
+    final_summary,
+    latest_step,
+    openmpi_mpiexec,
+    run_job,
+)
 
 pytestmark = [pytest.mark.mpi]
 
@@ -36,9 +45,10 @@ def test_a_killed_ps_is_served_by_its_buddy_and_named_with_its_cost(tmp_path, mo
     assert whole.returncode == 0, whole.output
     expected = final_summary(whole)["test_accuracy"]
     (tmp_path / "killed").mkdir()
+    ckpt = tmp_path / "ckpt" if mode == "async" else None  # cuts after the loss
     job = Background(tmp_path / "killed", n=4, num_ps=2, mode=mode, steps=STEPS,
-                     mpiexec=mpiexec, step_sleep=0.005, deterministic=False,
-                     extra=DECAY + REPLICATE)
+                     mpiexec=mpiexec, step_sleep=0.005, deterministic=False, ckpt=ckpt,
+                     extra=DECAY + REPLICATE + (["--checkpoint-every", "100"] if ckpt else []))
     job.wait_for_step(KILL_AT)
     os.kill(job.rank_pid("rank1-ps-1"), signal.SIGKILL)
     code, _ = job.finish(timeout=120)
@@ -54,6 +64,13 @@ def test_a_killed_ps_is_served_by_its_buddy_and_named_with_its_cost(tmp_path, mo
     summary = json.loads(FINAL.findall(out)[-1])
     assert summary["step"] >= STEPS, out
     assert abs(summary["test_accuracy"] - expected) <= 0.02, (summary, expected)
+    if ckpt is not None:  # ps 0 wrote both shards of the cuts after the loss: whole
+        assert latest_step(ckpt) >= STEPS, out
+        assert cli_verify(ckpt).returncode == 0, out
+        resumed = run_job(tmp_path / "resumed", n=3, num_ps=1, mode=mode, steps=STEPS + 20,
+                          ckpt=ckpt, deterministic=False, extra=DECAY, mpiexec=mpiexec)
+        assert resumed.returncode == 0, resumed.output  # under another ps count
+        assert int(RESTORED.search(resumed.output).group(2)) >= STEPS, resumed.output
 
 
 @pytest.mark.parametrize("ulfm,num_ps,message", [
