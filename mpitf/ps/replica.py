@@ -122,17 +122,20 @@ class Replication:
         """Take the ward's copies that have arrived (the newest wins)."""
         if self.adopted or self.ward_task in self.lost_ps:
             return
-        comm = self.svc.comm
         try:
-            while True:
-                message = comm.Improbe(self.ward_rank, P.TAG_REPLICA, self.status)
-                if message is None:
-                    return
-                slot = 0 if self.current is None else 1 - self.current
-                message.Recv([self.images[slot].buffer, MPI.BYTE])
-                self.current = slot
+            self._take_copies()
         except MPI.Exception as exc:
             self.svc.lose_failed(exc)
+
+    def _take_copies(self):
+        comm = self.svc.comm
+        while True:
+            message = comm.Improbe(self.ward_rank, P.TAG_REPLICA, self.status)
+            if message is None:
+                return
+            slot = 0 if self.current is None else 1 - self.current
+            message.Recv([self.images[slot].buffer, MPI.BYTE])
+            self.current = slot
 
     # -- a lost ps ---------------------------------------------------------------------------
 
@@ -149,6 +152,11 @@ class Replication:
             if rank == self.buddy_rank and self.adopted:
                 return
             return
+        try:
+            self._take_copies()  # a last whole copy may wait in MPI's queue
+        except MPI.Exception as exc:
+            if not ulfm.is_failure(exc):
+                raise
         if self.current is None:
             raise PeerError(f"died before its first copy reached its buddy "
                             f"/job:ps/task:{svc.ps_task}: its shard is lost",
@@ -169,6 +177,23 @@ class Replication:
         self.adopted = True
         peer = svc.server.peer(rank, "")
         self.pending_log = (rank, peer["host"])  # said once a re-routed request names the cost
+
+    def await_loss(self, take_failures):
+        """Wait until MPI reports the ward's death here, and adopt its copy.
+
+        A request for the ward's shard may come before this ps learnt that the ward died;
+        the wait lasts up to the deadline (else 60 s).
+        """
+        limit = time.monotonic() + (self.svc.deadline or 60.0)
+        while not self.adopted and time.monotonic() < limit:
+            try:  # a probe of the ward drives MPI's progress; it fails once the death is known
+                self.svc.comm.Iprobe(self.ward_rank, P.TAG_REPLICA_END)
+            except MPI.Exception as exc:
+                if not ulfm.is_failure(exc):
+                    raise
+            take_failures(None)
+            if not self.adopted:
+                time.sleep(0.001)
 
     def note_rerouted(self, step):
         """Log the loss, with its cost: a re-routed request carries the dead ps's last step."""

@@ -316,8 +316,8 @@ class Service(Losses):
 
     def _serve_ward(self, index, source, request):
         replica = self.replica
-        if replica is not None and not replica.adopted:  # a worker saw the loss first
-            self._take_failures(None)
+        if replica is not None and not replica.adopted:  # a worker saw the loss first:
+            replica.await_loss(self._take_failures)  # this ps learns of it in a moment
         if replica is None or not replica.adopted:
             raise PeerError("a request for a lost ps's shard, which this ps does not hold",
                             **self._describe_sender(source))
