@@ -19,7 +19,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import ConfigurationError, PeerError
+from ..errors import ConfigurationError, DeadlineError, PeerError
 from ..runtime import ulfm
 from ..wire import protocol as P
 
@@ -91,6 +91,8 @@ class Replication:
         self.pending_log = None  # the loss's log line, once a re-routed request says its cost
         self.lost_ps = set()
         self.status = MPI.Status()
+        self.next_watch = 0.0
+        self.known_failed = 0  # the failed ranks MPI reported, all taken
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -126,6 +128,28 @@ class Replication:
             self._take_copies()
         except MPI.Exception as exc:
             self.svc.lose_failed(exc)
+
+    def watch(self):
+        """Between the pool's probes: take the ward's copies; a death MPI knows of (5 ms).
+
+        The ward may wait for its last copy to leave before it answers anyone, so copies
+        are taken while this ps is idle too.
+
+        Open MPI's ``ANY_SOURCE`` probe neither fails nor matches while a death is not
+        acknowledged, and a probe of the dead rank need not fail either (seen when ps 0
+        died: ps 1 never saw the re-routed requests), so the failed group is read.
+        """
+        self.poll()
+        now = time.monotonic()
+        if now < self.next_watch:
+            return
+        self.next_watch = now + 0.005
+        group = self.svc.comm.Get_failed()
+        known = group.Get_size()
+        group.Free()
+        if known > self.known_failed:
+            self.known_failed = known
+            self.svc._take_failures(None)
 
     def _take_copies(self):
         comm = self.svc.comm
@@ -215,8 +239,20 @@ class Replication:
         their receiver.
         """
         svc = self.svc
-        P.wait_all([request], svc.deadline,
-                   lambda _: svc.server.peer(self.buddy_rank, "replica"), self.poll)
+        start = time.monotonic()
+        while not request.Test():
+            self.poll()
+            try:  # fails once the buddy's death is known (a send to it may never end)
+                svc.comm.Iprobe(self.buddy_rank, P.TAG_REPLICA_END)
+            except MPI.Exception as exc:
+                svc.lose_failed(exc)
+            if not self.buddy_alive:  # the buddy died (the poll heard of it): give it up
+                return
+            if svc.deadline is not None and time.monotonic() - start > svc.deadline:
+                raise DeadlineError(f"a copy of the shard not received within "
+                                    f"{svc.deadline:g} s",
+                                    **svc.server.peer(self.buddy_rank, "replica"))
+            time.sleep(0.0002)
 
     # -- the end -----------------------------------------------------------------------------
 

@@ -432,7 +432,8 @@ class Service(Losses):
                 len(replica.ward.done) < self.num_workers):
             try:
                 index = pool.wait_next(self.check_every, self._timeout, self.deadline,
-                                       self._describe_sender)
+                                       self._describe_sender,
+                                       None if replica is None else replica.watch)
             except MPI.Exception as exc:
                 self.lose_failed(exc)
                 continue

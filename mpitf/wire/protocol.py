@@ -129,10 +129,11 @@ def wait_all(requests, deadline, describe, between=None):
     poll.ended()
 
 
-def wait_message(comm, tag, poll_every, on_quiet, status):
+def wait_message(comm, tag, poll_every, on_quiet, status, between=None):
     """Return the next message on ``tag`` from any rank, matched (``MPI_Improbe``).
 
-    Every ``poll_every`` seconds (None: never) without one, ``on_quiet()`` is called.
+    Every ``poll_every`` seconds (None: never) without one, ``on_quiet()`` is called;
+    ``between()``, if given, between two probes.
     """
     poll = _Poll(poll_every)
     while True:
@@ -140,6 +141,8 @@ def wait_message(comm, tag, poll_every, on_quiet, status):
         if message is not None:
             poll.ended()
             return message
+        if between is not None:
+            between()
         if poll.pause():
             on_quiet()
             poll.restart()
