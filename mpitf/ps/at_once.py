@@ -72,7 +72,7 @@ class AtOnce:
         svc.write_header()
         reply = svc.shard.reply
         chunk_bytes = svc.chunk_bytes if worker in svc.chunked_workers else None
-        pipe.add(reply.isend_published(svc.comm, svc.worker_ranks[worker], P.TAG_REPLY,
+        pipe.add(reply.isend_published(svc.comm, svc.worker_ranks[worker], pipe.reply_tag,
                                        chunk_bytes), worker, pipe.WHOLE)
         counters["bytes_out"] += reply.bytes.nbytes
         return True

@@ -28,6 +28,7 @@ class Pipeline:
     """
 
     WHOLE = (-1, None)  # a reply that reads the header and every element
+    reply_tag = P.TAG_REPLY  # whole replies' tag (a buddy's adopted shard: TAG_REPLY_WARD)
 
     def __init__(self, slices, size, bucket_bytes, itemsize):
         self.ranges = bucket_ranges(slices, size, bucket_bytes, itemsize)
@@ -61,7 +62,7 @@ class Pipeline:
         None (a pull, or no buckets): the whole frame on ``TAG_REPLY``, reading everything.
         """
         if bucket is None or not self.bucketed:
-            return P.TAG_REPLY, None, self.WHOLE
+            return self.reply_tag, None, self.WHOLE
         tag = P.TAG_REPLY if bucket == self.last else P.TAG_REPLY_BUCKET
         return tag, self.spans[bucket], self.reads_of(bucket)
 

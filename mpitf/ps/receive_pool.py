@@ -45,16 +45,18 @@ class ReceivePool:
         """Return the rank that sent the message :meth:`wait_next` returned last."""
         return self.status.Get_source()
 
-    def wait_next(self, poll_every, on_quiet, deadline, describe):
+    def wait_next(self, poll_every, on_quiet, deadline, describe, between=None):
         """Receive the next message into a free frame; return the frame's index.
 
         Every ``poll_every`` seconds without a message ``on_quiet()`` is called (it may
-        raise); ``deadline``/``describe`` bound the transfer of a message once it started.
+        raise), and ``between()`` between two probes; ``deadline``/``describe`` bound the
+        transfer of a message once it started.
         """
         if not self.free:
             raise RuntimeError("every receive frame is held: a policy kept more frames "
                                "than it asked for")
-        message = P.wait_message(self.comm, self.tag, poll_every, on_quiet, self.status)
+        message = P.wait_message(self.comm, self.tag, poll_every, on_quiet, self.status,
+                                 between)
         index = self.free.pop()
         try:
             request = message.Irecv([self.frames[index].bytes, MPI.BYTE])

@@ -16,7 +16,6 @@ from mpi4py import MPI
 from ..ckpt import cut
 from ..errors import ConfigurationError, DeadlineError, PeerError
 from ..models.clipping import clip_by_global_norm
-from ..runtime import ulfm
 from ..runtime.backend import get_backend
 from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
 from ..runtime.stall import StepClock
@@ -26,8 +25,10 @@ from ..wire import protocol as P
 from ..wire.frame import Frame
 from .at_once import AtOnce
 from .consistency import Senders, make_policy
+from .losses import Losses
 from .pipeline import Pipeline
 from .receive_pool import ReceivePool
+from .replica import Replication
 from .shard import Shard
 from .sparse import SparseTables
 from .sparse_inbox import SparseInbox
@@ -35,7 +36,7 @@ from .sparse_inbox import SparseInbox
 _log = logging.getLogger("mpitf")
 
 
-class Service:
+class Service(Losses):
     """One ps task serving the workers of a cluster under a consistency policy."""
 
     def __init__(self, server, config, assignment, backend=None):
@@ -93,6 +94,9 @@ class Service:
         self.counters = dict(global_step=0, pushes_applied=0, stale_dropped=0,
                              nonfinite_skipped=0, staleness_histogram={}, max_staleness=0,
                              max_lead=0, bytes_in=0, bytes_out=0, **senders.counters())
+        self.replica = None  # the buddy ring (ps/replica.py), with --ps-replication-steps
+        self.is_ward = False  # True: this serves a lost ps's shard from its buddy's copy
+        self.buddy = None  # (a ward) the Service of the ps that serves it
         self.at_once = AtOnce.for_service(self)  # one-frame pushes applied as they land
         self._handlers = {P.PUSH: self._on_push, P.RATES: self._on_rates,
                           P.SPARSE_PULL: self._on_sparse, P.SPARSE_PUSH: self._on_sparse,
@@ -192,8 +196,8 @@ class Service:
     def write_header(self, hi=None):
         """Refresh the reply header (none in flight) and publish the payload (up to ``hi``)."""
         c, reply, average = self.counters, self.shard.reply, self.shard.average_frame
-        c["global_step"] = self.global_step
-        H.pack_reply(reply.header, self.global_step, self.ps_task,
+        c["global_step"] = step = self.cut_step()
+        H.pack_reply(reply.header, step, self.ps_task,
                      (P.FLAG_PAUSE if self.pausing else 0) | self.chief_flags, c["pushes_applied"],
                      c["stale_dropped"], c["max_staleness"], c["max_lead"])
         reply.publish(0, hi)
@@ -264,10 +268,21 @@ class Service:
         shard = self.shard
         average = shard.average_frame.payload if shard.average is not None else None
         cut.save_shard(self.comm, self.chief, self.config.checkpoint_dir, self.ps_task,
-                       self.assignment.num_ps, self.global_step, shard.slices, self.backend,
+                       self.assignment.num_ps, self.cut_step(), shard.slices, self.backend,
                        shard.params, shard.saved_slots(), average, self.positions,
                        self.paused, self.counters,
                        self.tables.saved(self.global_step) if self.tables else None)
+
+    def cut_step(self):
+        """Return the step replies and checkpoint cuts name: a served copy's is its buddy's.
+
+        Async: the pushes in flight when the ps died count on the buddy's own shard or on
+        the copy, not always on both, so the two counts drift by a step or two; the cut,
+        and the step the workers see, is the buddy's. Sync steps stay together.
+        """
+        if self.buddy is None or self.config.mode == "sync":
+            return self.global_step
+        return self.buddy.global_step
 
     def _check_quiescent(self):
         if self.pausing and all(w in self.done or w in self.paused
@@ -282,6 +297,8 @@ class Service:
         """Serve the request in pool frame ``index``; return True when the frame is free."""
         frame = self.pool[index]
         request = H.unpack_request(frame.fetch_header())
+        if request.flags & P.FLAG_WARD and not self.is_ward:  # a lost ps's shard: its copy
+            return self._serve_ward(index, source, request)
         worker = self.worker_of.get(source)
         if worker is None:
             raise PeerError(f"request from rank {source}, which is not a worker")
@@ -296,6 +313,16 @@ class Service:
             raise PeerError(f"unknown request kind {request.kind}",
                             **self.describe_worker(worker, "?"))
         return handler(worker, request, frame, index, now)
+
+    def _serve_ward(self, index, source, request):
+        replica = self.replica
+        if replica is not None and not replica.adopted:  # a worker saw the loss first:
+            replica.await_loss(self._take_failures)  # this ps learns of it in a moment
+        if replica is None or not replica.adopted:
+            raise PeerError("a request for a lost ps's shard, which this ps does not hold",
+                            **self._describe_sender(source))
+        replica.note_rerouted(request.step)
+        return replica.ward._serve(index, source)
 
     def _chunked(self, worker, source, request, frame):
         """Note a worker that stages; receive the rest of its push or init (chunk 0 came)."""
@@ -397,62 +424,16 @@ class Service:
         average = kind == P.PULL_AVERAGE and self.shard.average_frame is not None
         self.reply(worker, self.shard.average_frame if average else None)
 
-    def lose_failed(self, exc):
-        """Go on without the workers that died (ULFM), or re-raise ``exc``.
-
-        Under ULFM a receive from any worker fails once a worker has died; the failure is
-        acknowledged, the dead workers count as done, and the policy says what their loss
-        costs (async: their future pushes; sync: fewer gradients per step; deterministic:
-        the job). A dead rank that is no worker (another ps, an evaluator) ends the job.
-        """
-        if not (self.server.ulfm and ulfm.is_failure(exc)):
-            raise exc
-        for rank in ulfm.failed_ranks(self.comm):
-            worker = self.worker_of.get(rank)
-            if worker is None or (rank == self.chief and (self.config.clients or
-                                                          self.senders.nodes)):
-                raise PeerError("died; only a training replica's loss is survived",
-                                **self.server.peer(rank, "training")) from exc
-            if worker in self.lost:
-                continue
-            step = self.global_step
-            cost = self.policy.on_worker_lost(self, worker)  # deterministic: raises
-            self.lost.add(worker)
-            self.done.add(worker)
-            self.paused.discard(worker)
-            if rank == self.chief:
-                cost += self._hand_on_chief()
-            peer = self.server.peer(rank, "")
-            _log.warning("lost rank %d (/job:%s/task:%d on %s) at step %d: %s; %d of %d "
-                         "workers go on", rank, peer["job"], peer["task"], peer["host"], step,
-                         cost, self.num_active, self.num_workers)
-            self.policy.on_worker_gone(self, worker)
-            self._check_quiescent()
-
-    def _hand_on_chief(self):
-        """The chief died: its duties go to the lowest surviving replica; say which.
-
-        Every reply from now on names it (``P.CHIEF_SHIFT``), and its checkpoint cuts are
-        reported to it. Each ps decides alike: the replicas are the workers, in order.
-        """
-        alive = [w for w in range(self.num_workers) if w not in self.lost]
-        if not alive:
-            return ""
-        self.chief = self.worker_ranks[alive[0]]
-        self.chief_flags = (alive[0] + 1) << P.CHIEF_SHIFT
-        self._finish_replies()  # the header is rewritten: none may be in flight
-        self.write_header()
-        peer = self.server.peer(self.chief, "")
-        return (f"; the chief's duties (logging, checkpoints, the summary) go to rank "
-                f"{self.chief} (/job:{peer['job']}/task:{peer['task']})")
-
     def run(self):
         """Serve until every worker is done; return the process exit code."""
-        pool = self.pool
-        while len(self.done) < self.num_workers:
+        pool, replica = self.pool, self.replica
+        while len(self.done) < self.num_workers or (
+                replica is not None and replica.adopted and
+                len(replica.ward.done) < self.num_workers):
             try:
                 index = pool.wait_next(self.check_every, self._timeout, self.deadline,
-                                       self._describe_sender)
+                                       self._describe_sender,
+                                       None if replica is None else replica.watch)
             except MPI.Exception as exc:
                 self.lose_failed(exc)
                 continue
@@ -460,9 +441,16 @@ class Service:
                 pool.release(index)
             if self.sparse is not None:
                 self.sparse.flush()  # the step's replies have left: now its sparse apply
+            if replica is not None:
+                replica.after_step()  # a copy to the buddy every K steps
+                replica.poll()  # the ward's copies
             if self.check_every is not None and self.last_message > self.next_check:
                 self._timeout()  # busy: without this, one silent worker would go unseen
         self._finish_replies()
+        if replica is not None:
+            replica.close()
+            replica.ward._finish_replies()
+            replica.ward.shard.close()
         if self.sparse:
             self.sparse.close()
             for name, stats in self.tables.stats().items():  # the tables that grow
@@ -471,6 +459,20 @@ class Service:
                               ", ".join(f"{k} {v}" for k, v in stats.items()))
         self.shard.close()
         return EXIT_REQUEUE if self.requeue else 0
+
+
+def _replication(service, config, assignment):
+    """Return the buddy ring's end on this ps (ps/replica.py): the ward's service, idle."""
+    server = service.server
+    config.check_replication(assignment.num_ps, server.ulfm, bool(service.pipeline.bucketed),
+                             bool(assignment.sparse), bool(assignment.nodes))
+    ps_ranks = server.ranks_of("ps")
+    server.survive(ps_ranks)  # a ps's death is no error now (its buddy serves its shard)
+    ward = Service(server, config, assignment.ward)
+    ward.ps_task = (service.ps_task - 1) % assignment.num_ps
+    ward.is_ward, ward.buddy = True, service
+    ward.pipeline.reply_tag = P.TAG_REPLY_WARD
+    return Replication(service, ward, config.ps_replication_steps, ps_ranks)
 
 
 def serve(server):
@@ -490,6 +492,8 @@ def serve(server):
         server.comm, chief, P.TAG_CONTROL, server.deadline,
         lambda: server.peer(chief, "configuration of the ps"))
     service = Service(server, config, assignment)
+    if config.ps_replication_steps and assignment.ward is not None:
+        service.replica = _replication(service, config, assignment)
     code = service.run()
     if config.timeline:  # collective with the workers' end of training
         service.timeline.gather_and_write(server.comm, config.timeline)

@@ -98,6 +98,10 @@ class Server:
         self.lifeline.watch()
         atexit.register(self.lifeline.mark_exit)
 
+    def survive(self, ranks):
+        """Count ``ranks``' deaths as survivable too (ps tasks with a buddy replica)."""
+        self.lifeline.survivable = self.lifeline.survivable | frozenset(ranks)
+
     def _describe_rank(self, rank):
         job, task = self.roles[rank]
         return f"rank {rank} (/job:{job}/task:{task} on {self.hosts[rank]})"

@@ -30,6 +30,9 @@ TAG_CONTROL = 13  # pickled control objects (config, save, counters): rare, so o
 TAG_SPARSE_REPLY = 14  # ps -> worker rows of an embedding table (answers SPARSE_PULL)
 TAG_TRAINING_END = 15  # chief -> evaluator: training ended; the last committed checkpoint
 TAG_PROGRESS = 17  # never sent: a worker probes it to drive MPI while backward computes
+TAG_REPLY_WARD = 18  # ps -> worker: a reply for the shard a buddy serves for a lost ps
+TAG_REPLICA = 19  # ps -> its buddy ps: a copy of its shard (--ps-replication-steps)
+TAG_REPLICA_END = 20  # ps -> its buddy ps: no copy follows (the end of training)
 TAG_REPLY_BUCKET = 16  # ps -> worker: a bucket's parameters without a header (buckets in
 #   push order; the last one, which starts the shard, comes as a frame on TAG_REPLY)
 CHUNK_TAG_OFFSET = 100  # continuation chunks of a staged frame: TAG_REQUEST/TAG_REPLY + 100
@@ -57,6 +60,7 @@ FLAG_PAUSE = 1  # stop after this step and wait for the chief (a checkpoint is b
 FLAG_REQUEUE = 8  # (in done) the job ends on a signal: exit with the requeue code
 FLAG_CHUNKED = 16  # (in requests) this worker stages through host memory: frames in chunks
 FLAG_LEARNING_RATE = 32  # (in push) the header's last word is the learning rate to apply
+FLAG_WARD = 64  # (in requests) for the shard of a lost ps, which its buddy now serves
 CHIEF_SHIFT = 32  # (in replies) flags >> 32, once the chief died (ULFM): 1 + the replica
 #   index that has its duties now (0: the chief lives)
 
@@ -107,12 +111,17 @@ class _Poll:
         POLICY.ended(time.monotonic() - self.start)
 
 
-def wait_all(requests, deadline, describe):
-    """Wait for all requests with a deadline in seconds (None: none)."""
+def wait_all(requests, deadline, describe, between=None):
+    """Wait for all requests with a deadline in seconds (None: none).
+
+    ``between()``, if given, is called between two polls (work that must go on meanwhile).
+    """
     if MPI.Request.Testall(requests):
         return
     poll = _Poll(deadline)  # even with no deadline: MPI's Waitall would spin in MPI
     while not MPI.Request.Testall(requests):
+        if between is not None:
+            between()
         if poll.pause():
             pending = [i for i, r in enumerate(requests) if r != MPI.REQUEST_NULL]
             info = describe(pending[0]) if pending else {}
@@ -120,10 +129,11 @@ def wait_all(requests, deadline, describe):
     poll.ended()
 
 
-def wait_message(comm, tag, poll_every, on_quiet, status):
+def wait_message(comm, tag, poll_every, on_quiet, status, between=None):
     """Return the next message on ``tag`` from any rank, matched (``MPI_Improbe``).
 
-    Every ``poll_every`` seconds (None: never) without one, ``on_quiet()`` is called.
+    Every ``poll_every`` seconds (None: never) without one, ``on_quiet()`` is called;
+    ``between()``, if given, between two probes.
     """
     poll = _Poll(poll_every)
     while True:
@@ -131,6 +141,8 @@ def wait_message(comm, tag, poll_every, on_quiet, status):
         if message is not None:
             poll.ended()
             return message
+        if between is not None:
+            between()
         if poll.pause():
             on_quiet()
             poll.restart()

@@ -8,6 +8,8 @@ Only a variable partitioned over several ps needs a gather after each pull and a
 before each push, since its slices are not adjacent.
 """
 
+import dataclasses
+
 import numpy as np
 
 from ..config import DEFAULT_DEADLINE, PsAssignment, check_multiple
@@ -299,18 +301,12 @@ class Client:
             raise ConfigurationError(
                 f"the client cuts buckets of {self.bucket_bytes} bytes but the config says "
                 f"{config.bucket_bytes}: give both the same bucket_bytes")
+        if config.ps_replication_steps:
+            self._replicate(config, sparse)
         if self.server.is_chief:
-            for p, rank in enumerate(self.ps_ranks):
-                assignment = PsAssignment(
-                    slices=self.placement.slices_for_ps(p),
-                    shard_size=self.placement.shard_sizes[p],
-                    dtype=self.placement.dtype.str, num_ps=len(self.ps_ranks),
-                    optimizer=optimizer, chief_rank=self.server.rank, restore=restore,
-                    deadline=self.deadline, adaptive=self.adaptive,
-                    chunk_bytes=self.chunk_bytes,
-                    total_num_replicas=total_num_replicas,
-                    sparse=sparse[p] if isinstance(sparse, list) else sparse,
-                    nodes=self.transport.nodes)
+            assignments = self._assignments(config, optimizer, restore, total_num_replicas,
+                                            sparse)
+            for assignment, rank in zip(assignments, self.ps_ranks):
                 self.comm.send((config, assignment), dest=rank, tag=P.TAG_CONTROL)
             if restore is None:
                 if initial_values is None:
@@ -318,6 +314,34 @@ class Client:
                 self.set_params(initial_values)
                 self.send_initial_values()
         return self.transport.started(self.pull)
+
+    def _assignments(self, config, optimizer, restore, total_num_replicas, sparse):
+        """Return each ps's :class:`~mpitf.config.PsAssignment` (the chief sends them)."""
+        assignments = []
+        for p in range(len(self.ps_ranks)):
+            assignments.append(PsAssignment(
+                slices=self.placement.slices_for_ps(p),
+                shard_size=self.placement.shard_sizes[p],
+                dtype=self.placement.dtype.str, num_ps=len(self.ps_ranks),
+                optimizer=optimizer, chief_rank=self.server.rank, restore=restore,
+                deadline=self.deadline, adaptive=self.adaptive,
+                chunk_bytes=self.chunk_bytes,
+                total_num_replicas=total_num_replicas,
+                sparse=sparse[p] if isinstance(sparse, list) else sparse,
+                nodes=self.transport.nodes))
+        if config.ps_replication_steps:  # each ps keeps a copy of the one before it
+            n = len(assignments)
+            assignments = [dataclasses.replace(a, ward=assignments[(p - 1) % n])
+                           for p, a in enumerate(assignments)]
+        return assignments
+
+    def _replicate(self, config, sparse):
+        """Refuse what a buddy replica cannot do; else survive a ps and re-route its frame."""
+        config.check_replication(len(self.ps_ranks), self.server.ulfm,
+                                 self.transport.bucketed or self.chunked, bool(sparse),
+                                 self.transport.nodes is not None)
+        self.server.survive(self.ps_ranks)
+        self.link.replicated = True
 
     @property
     def num_elements(self):

@@ -89,13 +89,14 @@ class PushPullHandle:
     silent ps.
     """
 
-    def __init__(self, link, receives, sends, operation, replies=None):
+    def __init__(self, link, receives, sends, operation, replies=None, resend=None):
         self.link = link
         self.receives = receives  # per ps: the requests of its reply frame
         self.sends = sends
         self.operation = operation
         self.replies = replies
         self.reply = None
+        self.resend = resend  # resend(p): post ps p's receive and send again (re-routed)
 
     def _describe(self, p):
         return self.link.describe(p, self.operation)
@@ -109,6 +110,8 @@ class PushPullHandle:
 
     def wait_sends(self):
         """Wait until every request has left this rank."""
+        if self.link.replicated:
+            return self._wait_rerouting()
         n = max(1, len(self.sends) // max(1, len(self.link.ranks)))
         P.wait_all(self.sends, self.link.deadline, lambda i: self._describe(i // n))
 
@@ -116,7 +119,9 @@ class PushPullHandle:
         """Block until every ps answered; raise on a deadline or a refused gradient."""
         if self.reply is None:
             link = self.link
-            if not link.chunked:  # one wait for everything: replies land in place
+            if link.replicated:  # ps by ps: a lost one's frame goes to its buddy
+                self._wait_rerouting()
+            elif not link.chunked:  # one wait for everything: replies land in place
                 # One receive and one send per ps, in ps order: request i is ps i % P's.
                 requests = [r for rs in self.receives for r in rs] + self.sends
                 nps = len(link.ranks)
@@ -129,6 +134,27 @@ class PushPullHandle:
                 self.wait_sends()
             self.reply = self.replies.finish()
         return self.reply
+
+
+    def _wait_rerouting(self):
+        """Wait ps by ps (one frame each); a ps lost under ULFM is asked again at its buddy.
+
+        The request in flight to the lost ps is sent again, whole, to its buddy, which
+        holds the copy of its shard (ps/replica.py).
+        """
+        link, receives, sends = self.link, self.receives, self.sends
+        for p in range(len(link.ranks)):
+            while True:
+                try:
+                    mine = (list(receives[p]) if receives else []) + [sends[p]]
+                    P.wait_all(mine, link.deadline, lambda i, p=p: self._describe(p))
+                    break
+                except MPI.Exception as exc:
+                    if self.resend is None or not link.reroute(p, exc):
+                        raise
+                    receive, sends[p] = self.resend(p, bool(receives))
+                    if receives:
+                        receives[p] = receive
 
 
 class NodeHandle:

@@ -349,7 +349,8 @@ class TrainingSession:
             self.requeue = True
 
     def _collect_checkpoint(self):
-        reports = cut.collect(self.server.comm, self.client.ps_ranks, self.server.deadline,
+        # the ranks that serve each shard now: a lost ps's buddy reports its shard too
+        reports = cut.collect(self.server.comm, self.client.link.ranks, self.server.deadline,
                               self.server.host_of)
         layout = dict(num_ps=len(reports), num_workers=self.num_workers, mode=self.mode,
                       cluster=repr(self.server.cluster), optimizer=self.optimizer.config())

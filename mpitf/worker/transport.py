@@ -104,7 +104,7 @@ class FlatTransport:
         for p, frame in enumerate(self.frames.grads):
             count = segments[p][2] - segments[p][1]
             H.pack_request(frame.header, P.PUSH, link.steps[p], link.worker, count,
-                           link.flags, epoch, cursor, rate)
+                           link.flags | link.ward_flags[p], epoch, cursor, rate)
             frame.commit()
         self.backend.synchronize()  # MPI must see the finished gradient
 
@@ -114,9 +114,10 @@ class FlatTransport:
         self.rates.send(link)
         receives, sends = [], []
         for p, rank in enumerate(link.ranks):
-            receives.append(params[p].irecv(link.comm, rank, P.TAG_REPLY))
+            receives.append(params[p].irecv(link.comm, rank, link.reply_tags[p]))
             sends.extend(grads[p].isend(link.comm, rank, P.TAG_REQUEST))
-        return PushPullHandle(link, receives, sends, "push_pull", self.replies)
+        return PushPullHandle(link, receives, sends, "push_pull", self.replies,
+                              self._resend_push if link.replicated else None)
 
     def request(self, kind, want_reply, flags=0, operation="pull", payload=None):
         """Send a header-only request (or one with int64 ``payload`` words) to every ps.
@@ -133,14 +134,34 @@ class FlatTransport:
         receives, sends = [], []
         for p, rank in enumerate(link.ranks):
             H.pack_request(frames[p].header, kind, link.steps[p], link.worker,
-                           0 if payload is None else len(payload), flags | link.flags)
+                           0 if payload is None else len(payload),
+                           flags | link.flags | link.ward_flags[p])
             if payload is not None:
                 frames[p].payload[...] = payload
             if want_reply:
-                receives.append(self.replies.frames[p].irecv(link.comm, rank, P.TAG_REPLY))
+                receives.append(self.replies.frames[p].irecv(link.comm, rank,
+                                                             link.reply_tags[p]))
             sends.extend(frames[p].isend(link.comm, rank, P.TAG_REQUEST))
-        handle = PushPullHandle(link, receives, sends, operation, self.replies)
+        resend = None
+        if link.replicated:
+            def resend(p, reply):
+                return self._resend(frames[p], p, reply)
+        handle = PushPullHandle(link, receives, sends, operation, self.replies, resend)
         return handle.wait() if want_reply else handle.wait_sends()
+
+    def _resend_push(self, p, reply):
+        """Send ps ``p``'s push again, to the buddy it was re-routed to (a lost ps)."""
+        return self._resend(self.frames.grads[p], p, reply)
+
+    def _resend(self, frame, p, reply):
+        """Send ``frame`` again to ps ``p``'s (new) rank, marked for it; post its reply."""
+        link = self.link
+        frame.header[4] |= link.ward_flags[p]  # the flags word (wire/header.py)
+        frame.commit()
+        receive = self.replies.frames[p].irecv(link.comm, link.ranks[p],
+                                               link.reply_tags[p]) if reply else None
+        send, = frame.isend(link.comm, link.ranks[p], P.TAG_REQUEST)
+        return receive, send
 
     # -- control -------------------------------------------------------------------------
 
