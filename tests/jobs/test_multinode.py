@@ -96,11 +96,14 @@ def test_requests_that_wait_in_mpi_reach_the_ps_from_other_nodes(box):
 
 
 def test_sync_and_async_train_across_three_nodes(box, digits_file):
-    for mode, floor in (("sync", 0.95), ("async", 0.93)):
+    # Async runs 600 steps: across the box a worker that starts late pushes gradients of
+    # the first parameters up to ~280 steps stale (max_staleness 4-279 in five runs), which
+    # at 300 steps left 0.914-0.975; at 600 five runs gave 0.967-0.983.
+    for mode, steps, floor in (("sync", 300, 0.95), ("async", 600, 0.93)):
         summary = final(*on_box(box, 3, [JOB, "--data", digits_file, "--num-ps", "1",
-                                         "--mode", mode, "--steps", "300",
+                                         "--mode", mode, "--steps", steps,
                                          "--deadline", "60"]))
-        assert summary["step"] >= 300 and summary["mode"] == mode  # async may pass it
+        assert summary["step"] >= steps and summary["mode"] == mode  # async may pass it
         assert summary["test_accuracy"] >= floor, summary
 
 
