@@ -232,7 +232,7 @@ def test_the_readme_launcher_line_names_a_killed_rank(tmp):
     cmd = [find_mpiexec(), *argv[1:4], sys.executable, JOB, "--steps", "100000",
            "--log-every", "10", "--run-dir", str(tmp / "run")]
     outputs = []
-    for attempt in range(3):  # Hydra can drop a rank's last line when the job is torn down
+    for attempt in range(5):  # Hydra's proxy can kill the survivors before they name it
         pid_dir = tmp / f"pids{attempt}"
         pid_dir.mkdir()
         log = tmp / f"out{attempt}.log"
