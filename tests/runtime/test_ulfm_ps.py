@@ -57,7 +57,11 @@ def test_a_killed_ps_is_served_by_its_buddy_and_named_with_its_cost(tmp_path, mo
     buddy, chief = BUDDY.search(out), CHIEF.search(out)
     assert buddy and chief, out
     at, copy, lost = map(int, buddy.groups())
-    assert at >= KILL_AT and int(chief.group(1)) >= KILL_AT, out
+    # the buddy names the step it had applied itself; in async each ps counts its own
+    # applies, so it may trail the chief's logged step by the 2 workers' pushes in flight
+    # (a fresh-clone run: the chief logged step 300, the buddy said 299)
+    assert at >= KILL_AT - (2 if mode == "async" else 0), out
+    assert int(chief.group(1)) >= KILL_AT, out
     # the copy follows every apply; a kill between an apply's reply and its copy's
     # arrival costs that one step (see docs/reliability.md)
     assert lost == max(0, at - copy) <= 1, out
