@@ -55,13 +55,15 @@ def parse_args(argv=None):
     p.add_argument("--model", default="mlp")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--steps", type=int, default=None,
-                   help="global steps per run (default 3000; quick 400)")
+                   help="global steps per run (default 3000; quick 1000)")
     p.add_argument("--wall", type=float, default=None,
                    help="compare losses at this many seconds (default: the shortest run)")
     p.add_argument("--launcher", default=None, help='launcher command, e.g. "srun"')
     args = p.parse_args(argv)
     args.workers = args.workers or (2 if args.quick else 3)
-    args.steps = args.steps or (400 if args.quick else 3000)
+    # quick: 1000, not fewer: in async a 2-worker run of 400 steps can leave the chief's
+    # metrics one record past the warm-up (a fresh-clone run), too few for a rate
+    args.steps = args.steps or (1000 if args.quick else 3000)
     args.modes = args.modes.split(",")
     args.launcher = shlex.split(args.launcher) if args.launcher else default_launcher()
     return args
