@@ -28,6 +28,7 @@ from mpitf.cli.reports import report_final
 from mpitf.cli.side_tasks import start_replica
 from mpitf.data.ctr import CtrDataset, auc, load_ctr
 from mpitf.errors import ConfigurationError
+from mpitf.models.ctr import logistic_loss
 from mpitf.runtime.exits import RankParser, collective, run_job
 from mpitf.wire.dtypes import refuse_wire
 from mpitf.worker.node import refuse_aggregation
@@ -111,9 +112,8 @@ def evaluate(model, path, batch_size, raw_ids=False):
         for lo in range(0, len(y), batch_size):
             logits.append(model(torch.from_numpy(dense[lo:lo + batch_size]),
                                 torch.from_numpy(ids[lo:lo + batch_size])).numpy())
-    z = np.concatenate(logits).astype(np.float64)
-    logloss = float(np.mean(np.logaddexp(0.0, z) - y * z))
-    return auc(y, z), logloss
+    z = np.concatenate(logits)
+    return auc(y, z), logistic_loss(z, y)[0]
 
 
 def _check_cluster(cluster):
