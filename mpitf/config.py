@@ -31,6 +31,7 @@ from .options import check_fields, integer, number, option, values_from_args
 
 __all__ = [
     "DEFAULT_DEADLINE", "DEFAULT_MAX_NONFINITE_SKIPS", "DEFAULT_BUCKET_BYTES",
+    "LINK_BUCKET_BYTES", "default_bucket_bytes",
     "DEFAULT_SUMMARY_EVERY", "MODES", "SERVER_FIRST", "STALL_FACTOR", "STALL_FLOOR",
     "STALL_WARMUP_STEPS", "JobConfig", "PsAssignment", "TrainingConfig",
     "check_batch_size", "check_choice", "check_deadline", "check_int", "check_learning_rate",
@@ -57,6 +58,10 @@ DEFAULT_MAX_NONFINITE_SKIPS = 100
 # Buckets by default: a push leaves in parts of about this many bytes per ps, applied while
 # the next arrives (benchmarks/README.md, "Push/pull against raw MPI", "Why 2 MiB buckets").
 DEFAULT_BUCKET_BYTES = 2 << 20
+# Where ps and workers span nodes: over a link the last bucket's reply overlaps nothing, so
+# a push costs the link's ideal plus one bucket (16 MiB over 1 Gbit/s: 1.05 x the ideal in
+# 1 MiB buckets, 1.13 in 2 MiB; benchmarks/README.md, "Across nodes").
+LINK_BUCKET_BYTES = 1 << 20
 MODES = ("sync", "async", "ssp")
 WIRE_DTYPES = ("float32", "bfloat16", "float16")  # --wire-dtype
 # Global steps between TensorBoard histograms (--summary-every); see docs/design.md for the cost.
@@ -108,10 +113,15 @@ def _clients(name, value):
     return tuple(check_int(name, c, 0) for c in value)
 
 
+def default_bucket_bytes(across_nodes):
+    """Return the default bucket size: smaller where pushes cross a link between nodes."""
+    return LINK_BUCKET_BYTES if across_nodes else DEFAULT_BUCKET_BYTES
+
+
 def _one_frame_or_buckets(config):
     """The default bucket size: one frame where an option needs the whole push at once."""
     one = config.clip_norm is not None or config.clients is not None or config.aggregate_per_node
-    return 0 if one else DEFAULT_BUCKET_BYTES
+    return 0 if one else default_bucket_bytes(config.across_nodes)
 
 
 @dataclass(frozen=True)
@@ -195,7 +205,12 @@ class TrainingConfig:
         label="bucket_bytes (--bucket-bytes; 0 for one frame per ps)",
         help="push gradients per ps in buckets of about this many bytes, last layers first, "
              "pipelined on the ps (0: one frame per ps; default: "
-             f"{DEFAULT_BUCKET_BYTES >> 20} MiB; with --aggregate-per-node: 0)")
+             f"{DEFAULT_BUCKET_BYTES >> 20} MiB, {LINK_BUCKET_BYTES >> 20} MiB where ps and "
+             "workers span nodes; with --aggregate-per-node: 0)")
+    across_nodes: bool = option(
+        False, help="the ps tasks and training replicas run on more than one node (the "
+                    "session sets it from the cluster's hosts): buckets default to "
+                    f"{LINK_BUCKET_BYTES >> 20} MiB")
     clients: tuple = option(
         None, check=_clients,
         help="in-graph replication: the worker tasks that talk to the ps (None: all)")

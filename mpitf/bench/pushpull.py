@@ -16,7 +16,8 @@ rest workers. For each size B, interleaved in rounds so drift affects every figu
   task 0 on private buffers;
 * per bucket size of ``--bucket-bytes K1,K2,...``: mpitf per optimizer with the push cut
   in buckets of about K bytes per ps (0: one bucket); by default the bucket size training
-  uses (``DEFAULT_BUCKET_BYTES``, 2 MiB) first, then one bucket beside it. With buckets the
+  uses first (``DEFAULT_BUCKET_BYTES``, 2 MiB; ``LINK_BUCKET_BYTES``, 1 MiB, where the ranks
+  span nodes), then one bucket beside it. With buckets the
   model is made of ``--variable-bytes`` variables (buckets are cut between variables),
   the one-bucket figures on the same ones.
 
@@ -41,7 +42,12 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpitf.config import DEFAULT_BUCKET_BYTES, TrainingConfig
+from mpitf.config import (
+    DEFAULT_BUCKET_BYTES,
+    LINK_BUCKET_BYTES,
+    TrainingConfig,
+    default_bucket_bytes,
+)
 from mpitf.placement import Placement
 from mpitf.ps.kernels import fused_apply
 from mpitf.ps.optimizers import make_optimizer
@@ -75,15 +81,20 @@ def parse_args(argv=None):
     p.add_argument("--deadline", type=float, default=300.0, help="seconds before giving up")
     p.add_argument("--ps-threads", type=int, default=None,
                    help="kernel threads of each ps (default: the ps's own default)")
-    p.add_argument("--bucket-bytes", default=f"{DEFAULT_BUCKET_BYTES},0",
+    p.add_argument("--bucket-bytes", default=None,
                    help="comma-separated bucket sizes per ps to measure, in this order (0: "
-                        "one bucket; default: training's default size, then one bucket)")
+                        "one bucket; default: training's default size, then one bucket: "
+                        f"{DEFAULT_BUCKET_BYTES},0, or {LINK_BUCKET_BYTES},0 where the ranks "
+                        "span nodes)")
     p.add_argument("--variable-bytes", type=int, default=64 << 10,
                    help="with buckets: the model's variables are this big (default 64 KiB)")
     p.add_argument("--wire-dtype", default="float32",
                    help="comma-separated dtypes gradients and parameters travel in "
                         "(float32, bfloat16, float16), each measured in the same rounds")
     args = p.parse_args(argv)
+    if args.bucket_bytes is None:  # training's default, which depends on the nodes
+        hosts = MPI.COMM_WORLD.allgather(MPI.Get_processor_name())
+        args.bucket_bytes = f"{default_bucket_bytes(across_nodes=len(set(hosts)) > 1)},0"
     args.bucket_bytes = [int(b) for b in args.bucket_bytes.split(",")]
     args.wire_dtypes = args.wire_dtype.split(",")
     if args.sizes:

@@ -40,7 +40,8 @@ def evaluate_session(sess, config, path, **extra):
                    max_staleness=max((c["max_staleness"] for c in counters), default=0),
                    max_lead=max((c["max_lead"] for c in counters), default=0),
                    fan_in=max(c["fan_in"] for c in counters),  # ranks pushing to a ps
-                   pushes_received=max(c["pushes_received"] for c in counters))
+                   pushes_received=max(c["pushes_received"] for c in counters),
+                   bucket_bytes=sess.config.bucket_bytes)  # the default depends on the nodes
     summary.update(extra)
     if config.export:
         sess.client.pull()  # evaluation may have pulled the average

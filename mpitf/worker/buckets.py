@@ -41,6 +41,19 @@ def progress_seconds(link, environ=os.environ):
     return REMOTE_PROGRESS_US / 1e6 if remote else 0.0
 
 
+def buckets_for_links(config, server):
+    """Return ``config`` knowing whether its ps tasks and workers span nodes.
+
+    Where they do, every worker pushes to some ps over a link, and a default bucket size
+    (``--bucket-bytes`` not given) becomes the link's (:func:`mpitf.config.
+    default_bucket_bytes`). Every rank decides from the same gathered host names, so ps and
+    workers cut their buckets alike.
+    """
+    hosts = {server.host_of(rank) for rank in server.ranks_of("ps") + server.replica_ranks}
+    across = len(hosts) > 1
+    return config if across == config.across_nodes else config.replace(across_nodes=across)
+
+
 class BucketedPush:
     """One step's bucketed push and per-bucket pull, reused step after step.
 

@@ -22,6 +22,7 @@ from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
 from ..runtime.stall import StepClock
 from ..runtime.timeline import Timeline
 from ..wire import protocol as P
+from .buckets import buckets_for_links
 from .buffers import model_buffers
 from .client import Client
 from .embedding import Embeddings
@@ -54,8 +55,8 @@ class TrainingSession:
                  partitioner=None, config=None, **options):
         if mode is not None:
             options["mode"] = mode
-        self.config = config = TrainingConfig(**options) if config is None \
-            else config.replace(**options)
+        config = TrainingConfig(**options) if config is None else config.replace(**options)
+        self.config = config = buckets_for_links(config, server)
         if server.replica_index is None:
             raise ConfigurationError(
                 f"TrainingSession runs on the chief and worker tasks, not on "

@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+from mpitf.config import LINK_BUCKET_BYTES
 from mpitf.testing import kill_group, run_mpi
 from tests.support import REPO
 
@@ -99,12 +100,16 @@ def test_sync_and_async_train_across_three_nodes(box, digits_file):
     # Async runs 600 steps: across the box a worker that starts late pushes gradients of
     # the first parameters up to ~280 steps stale (max_staleness 4-279 in five runs), which
     # at 300 steps left 0.914-0.975; at 600 five runs gave 0.967-0.983.
-    for mode, steps, floor in (("sync", 300, 0.95), ("async", 600, 0.93)):
+    # The ps and the workers span nodes: buckets default to the link's size, unless given.
+    for mode, steps, floor, buckets, given in (("sync", 300, 0.95, LINK_BUCKET_BYTES, []),
+                                               ("async", 600, 0.93, 2 << 20,
+                                                ["--bucket-bytes", 2 << 20])):
         summary = final(*on_box(box, 3, [JOB, "--data", digits_file, "--num-ps", "1",
                                          "--mode", mode, "--steps", steps,
-                                         "--deadline", "60"]))
+                                         "--deadline", "60", *given]))
         assert summary["step"] >= steps and summary["mode"] == mode  # async may pass it
         assert summary["test_accuracy"] >= floor, summary
+        assert summary["bucket_bytes"] == buckets, summary
 
 
 def test_deterministic_sync_across_nodes_has_the_bits_of_one_node(box, digits_file, tmp_path):

@@ -10,6 +10,7 @@ import re
 import numpy as np
 import pytest
 
+from mpitf.config import DEFAULT_BUCKET_BYTES
 from mpitf.data.datasets import ensure_digits
 from mpitf.data.sharded import ShardedDataset
 from mpitf.models import build_model
@@ -52,6 +53,7 @@ def test_sync_reaches_95_percent_and_writes_run_files(data, tmp_path):
     assert summary["ps"] == 1 and summary["workers"] == 2 and summary["mode"] == "sync"
     assert summary["stale_dropped"] == 0 and summary["max_staleness"] == 0
     assert summary["examples_per_sec"] > 0
+    assert summary["bucket_bytes"] == DEFAULT_BUCKET_BYTES  # one node: shared memory's size
     assert json.loads((run_dir / "summary.json").read_text()) == summary
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(20, 301, 20))  # --log-every 20

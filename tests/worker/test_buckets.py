@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 
 from mpitf.cluster import ClusterSpec
-from mpitf.config import TrainingConfig
+from mpitf.config import DEFAULT_BUCKET_BYTES, LINK_BUCKET_BYTES, TrainingConfig
 from mpitf.errors import ConfigurationError
 from mpitf.models import build_model
 from mpitf.placement import replica_device_setter
 from mpitf.testing import run_mpi
 from mpitf.wire import header as H
 from mpitf.wire.layout import FlatLayout, bucket_ranges
+from mpitf.worker.buckets import buckets_for_links
 from tests.support import REPO
 
 JOB = "jobs/mnist_mlp.py"
@@ -69,6 +70,36 @@ def test_the_bucket_word_travels_in_the_request_header():
 def test_bad_bucket_bytes_are_refused(value):
     with pytest.raises(ConfigurationError, match="bucket_bytes"):
         TrainingConfig(bucket_bytes=value)
+
+
+class _Hosts:
+    """The two things buckets_for_links reads of a Server: its ranks' jobs and hosts."""
+
+    def __init__(self, ps_hosts, worker_hosts):
+        self.hosts = ps_hosts + worker_hosts
+        self.replica_ranks = list(range(len(ps_hosts), len(self.hosts)))
+        self._ps = list(range(len(ps_hosts)))
+
+    def ranks_of(self, job):
+        return self._ps if job == "ps" else []
+
+    def host_of(self, rank):
+        return self.hosts[rank]
+
+
+@pytest.mark.parametrize("ps_hosts,worker_hosts,given,expected", [
+    (["a"], ["a", "a"], None, DEFAULT_BUCKET_BYTES),       # one node: shared memory
+    (["a"], ["a", "b"], None, LINK_BUCKET_BYTES),          # a worker on another node
+    (["a", "b"], ["a"], None, LINK_BUCKET_BYTES),          # a ps on another node
+    (["a"], ["b"], 4 << 20, 4 << 20),                      # --bucket-bytes given: kept
+    (["a"], ["b"], 0, 0),                                  # one frame asked for: kept
+])
+def test_the_default_bucket_size_follows_the_nodes(ps_hosts, worker_hosts, given, expected):
+    config = buckets_for_links(TrainingConfig(bucket_bytes=given), _Hosts(ps_hosts, worker_hosts))
+    assert config.bucket_bytes == expected
+    # still a default: an option that needs one frame resolves it to 0 again
+    if given is None:
+        assert config.replace(clip_norm=1.0).bucket_bytes == 0
 
 
 def _train(tmp_path, n, mode, buckets, *extra, name=None, timeout=90):
