@@ -66,7 +66,7 @@ LONG_MODULES = {
     "mpitf/config.py": "every option of a job, declared once with its flag, help and check",
     "mpitf/models/layers.py": "the layers with hand-written gradients",
     "mpitf/placement.py": "which ps holds which variable or slice (TensorFlow's partitioners)",
-    "mpitf/ps/consistency.py": "the consistency policies and who pushes (Senders)",
+    "mpitf/ps/consistency.py": "the consistency policies: sync, deterministic sync, async, ssp",
     "mpitf/ps/optimizers.py": "the ps's update rules",
     "mpitf/ps/service.py": "the ps's event loop: one handler per request kind",
     "mpitf/runtime/backend.py": "numpy or CuPy behind one handle (the only CuPy import)",

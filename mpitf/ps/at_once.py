@@ -31,7 +31,7 @@ class AtOnce:
         """
         policy = svc.policy
         sync = type(policy) is SyncReplicas and policy.replicas_to_aggregate == 1 and \
-            not policy.deterministic and policy.weights is None
+            policy.weights is None  # not DeterministicSync, which holds what it receives
         if (sync or type(policy) is Async) and not svc.pipeline.bucketed and \
                 svc.tables is None and not svc.timeline.enabled and \
                 (svc.config.clip_norm is None or svc.config.mode != "sync"):

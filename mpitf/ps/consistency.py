@@ -1,19 +1,14 @@
 """Consistency modes: small policies that decide what the ps does with each pushed gradient.
 
 The service loop is the same for every mode; a policy only answers "a push arrived" and
-"a worker left", calling back into the service to apply, reply, drop or hold. Who pushes
-(:class:`Senders`) is every replica, the in-graph clients, or one leader per node: with
-node-local aggregation (``PsAssignment.nodes``, see mpitf/worker/node.py) a leader pushes
-its node's summed gradients, so each push counts as that many replicas (``weights``), and
-the leader's paused and done requests carry each replica's data position.
+"a worker left", calling back into the service to apply, reply, drop or release a frame.
+With node-local aggregation a push stands for several replicas (``weights``, from
+:class:`~mpitf.ps.senders.Senders`); sync divides by their total.
 """
 
-import numpy as np
 
 from ..config import check_int
 from ..errors import ConfigurationError, PeerError
-from ..wire import header as H
-from ..wire import protocol as P
 from ..wire.convert import add_widened, widen_into
 
 
@@ -23,45 +18,26 @@ class SyncReplicas:
     The counterpart of ``tf.train.SyncReplicasOptimizer``: a gradient computed on an older
     step is dropped (its sender still gets fresh parameters), and with
     ``total_num_replicas > replicas_to_aggregate`` the slowest workers are not waited for.
-    ``deterministic`` sums in worker order, so runs are bit-for-bit equal; it holds one
-    receive buffer per worker to do so and needs every worker in every step. ``weights``
-    (node-local aggregation) is the replicas each worker's push sums: the mean divides by
-    their total, not by the pushes.
+    Gradients are summed as they arrive. ``weights`` (node-local aggregation) is the
+    replicas each worker's push sums: the mean divides by their total, not by the pushes.
     """
 
     name = "sync"
+    deterministic = False
 
-    def __init__(self, replicas_to_aggregate, total_num_replicas, deterministic=False,
-                 weights=None):
+    def __init__(self, replicas_to_aggregate, total_num_replicas, weights=None):
         if not 1 <= replicas_to_aggregate <= total_num_replicas:
             raise ConfigurationError(
                 f"replicas_to_aggregate must be between 1 and total_num_replicas "
                 f"({total_num_replicas}), got {replicas_to_aggregate}")
-        if deterministic and replicas_to_aggregate != total_num_replicas:
-            raise ConfigurationError(
-                "deterministic sync needs replicas_to_aggregate == total_num_replicas: with "
-                "backup workers, which gradients make a step depends on timing")
         self.replicas_to_aggregate = replicas_to_aggregate
         self.total_num_replicas = total_num_replicas
-        self.deterministic = deterministic
         self.weights = weights
-        # per bucket (one without buckets): the workers whose gradient is in the
-        # accumulator, in arrival order; deterministic: worker -> (gradient, pool index or
-        # None), summed in worker order
-        self.waiting = {}
-        self.held = {}
+        self.waiting = {}  # per bucket (one without buckets): its workers, in arrival order
         self.accum = None
-        self.copies = {}  # deterministic with buckets: worker -> its gradient, bucket by bucket
 
     def receive_buffers(self, num_workers, bucketed=False):
-        """Return how many receive frames the ps needs (see :meth:`Async.receive_buffers`).
-
-        Deterministic mode holds early gradients until their turn: one frame per worker,
-        and one more for the messages that keep coming meanwhile. With buckets it copies
-        them aside instead (a worker may be many buckets ahead) and receives into two.
-        """
-        if self.deterministic and not bucketed:
-            return num_workers + 1
+        """Return how many receive frames the ps needs (see :meth:`Async.receive_buffers`)."""
         return 2 if bucketed else 1
 
     def needed(self, svc):
@@ -85,28 +61,20 @@ class SyncReplicas:
         if bucket == pipe.last:
             svc.note_staleness(0)
         lo, hi = pipe.ranges[bucket]
-        grad = frame.payload[:hi - lo]
+        return self.gather(svc, worker, frame.payload[:hi - lo], index, bucket)
+
+    def gather(self, svc, worker, grad, index, bucket):
+        """Count ``worker``'s gradient (in pool frame ``index``) into the bucket's step.
+
+        Returns True when the frame may be reused now: here always, as the gradient is
+        summed (or applied) at once.
+        """
         waiting = self.waiting.setdefault(bucket, [])
-        if self.deterministic:
-            held = self.held.setdefault(bucket, {})
-            if pipe.bucketed:
-                copy = self.copies.get(worker)
-                if copy is None:
-                    copy = self.copies[worker] = svc.xp.empty_like(svc.shard.params)
-                _put(copy[lo:hi], grad)
-                held[worker] = (copy[lo:hi], None)
-            else:
-                held[worker] = (grad, index)
-            waiting.append(worker)
-            self.maybe_step(svc, bucket)
-            return pipe.bucketed
         if not waiting and self.needed(svc) == 1 and self.weights is None:
             svc.apply(grad, (worker,), bucket)  # one gradient: no need to copy it first
             svc.reply(worker, bucket=bucket)
             return True
-        if self.accum is None:
-            self.accum = svc.xp.empty_like(svc.shard.params)
-        accum = self.accum[lo:hi]
+        accum = self.accumulator(svc, bucket)
         if not waiting:
             _put(accum, grad)
         else:
@@ -115,26 +83,24 @@ class SyncReplicas:
         self.maybe_step(svc, bucket)
         return True
 
+    def accumulator(self, svc, bucket):
+        """Return the bucket's part of the step's sum (made on the first gradient to sum)."""
+        if self.accum is None:
+            self.accum = svc.xp.empty_like(svc.shard.params)
+        lo, hi = svc.pipeline.ranges[bucket]
+        return self.accum[lo:hi]
+
+    def summed(self, svc, bucket):
+        """Return the bucket's sum of this step's gradients (summed as they arrived)."""
+        return self.accumulator(svc, bucket)
+
     def maybe_step(self, svc, bucket=0):
         """Apply the bucket's mean and answer its waiting workers once enough are in."""
         waiting = self.waiting.get(bucket)
         count = len(waiting) if waiting else 0
         if count == 0 or count < self.needed(svc):
             return
-        lo, hi = svc.pipeline.ranges[bucket]
-        if self.accum is None:
-            self.accum = svc.xp.empty_like(svc.shard.params)
-        accum = self.accum[lo:hi]
-        if self.deterministic:
-            held = self.held[bucket]
-            order = sorted(held)
-            _put(accum, held[order[0]][0])
-            for w in order[1:]:
-                _add(svc.xp, accum, held[w][0])
-            for w in order:
-                if held[w][1] is not None:
-                    svc.release(held[w][1])
-            held.clear()
+        accum = self.summed(svc, bucket)
         if self.weights is not None:
             count = sum(self.weights[w] for w in waiting)
         if count > 1:
@@ -150,7 +116,7 @@ class SyncReplicas:
             self.maybe_step(svc, bucket)
 
     def on_worker_lost(self, svc, worker):
-        """Say what losing ``worker`` (it died, under ULFM) costs; deterministic: raise.
+        """Say what losing ``worker`` (it died, under ULFM) costs.
 
         A gradient it pushed for this step still counts; from now on each step waits for
         the survivors only (``needed`` counts the active workers).
@@ -158,10 +124,6 @@ class SyncReplicas:
         if self.weights is not None:
             raise PeerError(f"a node's leader died at step {svc.global_step}: its node's "
                             "replicas wait on it, so the job ends",
-                            **svc.describe_worker(worker, "training"))
-        if self.deterministic:
-            raise PeerError(f"a worker died at step {svc.global_step}: deterministic sync "
-                            "needs every worker's gradient in every step, so the job ends",
                             **svc.describe_worker(worker, "training"))
         before = self.needed(svc)
         after = min(self.replicas_to_aggregate, svc.num_active - 1)
@@ -171,6 +133,67 @@ class SyncReplicas:
     def is_waiting(self, worker):
         """Return True if ``worker`` waits for this ps to finish a step."""
         return any(worker in w for w in self.waiting.values())
+
+
+class DeterministicSync(SyncReplicas):
+    """Sync whose step sums the gradients in worker order, so runs are bit-for-bit equal.
+
+    Early gradients wait for their turn: in their receive frame (one frame per worker, and
+    one more for the messages that keep coming meanwhile), or with buckets copied aside (a
+    worker may be many buckets ahead), received into two frames. Every worker's gradient
+    is in every step, so backup workers, and a lost worker, are refused.
+    """
+
+    deterministic = True
+
+    def __init__(self, replicas_to_aggregate, total_num_replicas, weights=None):
+        if replicas_to_aggregate != total_num_replicas:
+            raise ConfigurationError(
+                "deterministic sync needs replicas_to_aggregate == total_num_replicas: with "
+                "backup workers, which gradients make a step depends on timing")
+        super().__init__(replicas_to_aggregate, total_num_replicas, weights)
+        self.held = {}  # per bucket: worker -> its gradient, in a frame or copied aside
+        self.frames = {}  # per bucket: the pool frames that hold gradients, freed once summed
+        self.copies = {}  # with buckets: worker -> its gradient, bucket by bucket
+
+    def receive_buffers(self, num_workers, bucketed=False):
+        return 2 if bucketed else num_workers + 1
+
+    def gather(self, svc, worker, grad, index, bucket):
+        """Hold ``worker``'s gradient for the step; True when its frame is free (copied)."""
+        copied = svc.pipeline.bucketed
+        if copied:
+            copy = self.copies.get(worker)
+            if copy is None:
+                copy = self.copies[worker] = svc.xp.empty_like(svc.shard.params)
+            lo, hi = svc.pipeline.ranges[bucket]
+            _put(copy[lo:hi], grad)
+            grad = copy[lo:hi]
+        else:
+            self.frames.setdefault(bucket, []).append(index)
+        self.held.setdefault(bucket, {})[worker] = grad
+        self.waiting.setdefault(bucket, []).append(worker)
+        self.maybe_step(svc, bucket)
+        return copied
+
+    def summed(self, svc, bucket):
+        """Sum the held gradients in worker order; free the frames that held them."""
+        accum = self.accumulator(svc, bucket)
+        held = self.held[bucket]
+        order = sorted(held)
+        _put(accum, held[order[0]])
+        for w in order[1:]:
+            _add(svc.xp, accum, held[w])
+        held.clear()
+        for index in self.frames.pop(bucket, ()):
+            svc.release(index)
+        return accum
+
+    def on_worker_lost(self, svc, worker):
+        """Raise: a step needs every worker's gradient, so the job ends."""
+        raise PeerError(f"a worker died at step {svc.global_step}: deterministic sync "
+                        "needs every worker's gradient in every step, so the job ends",
+                        **svc.describe_worker(worker, "training"))
 
 
 def _put(accum, grad):
@@ -303,56 +326,21 @@ def make_policy(config, num_workers, total_num_replicas=None, weights=None):
     ``staleness``. ``total_num_replicas`` is the number of replicas (None: all workers);
     ``weights`` (node-local aggregation, sync only) the replicas each worker's push sums.
     """
+    sync = DeterministicSync if config.deterministic else SyncReplicas
     if weights is not None:
         if config.mode != "sync" or (total_num_replicas or sum(weights)) != sum(weights):
             raise ConfigurationError(
                 f"node-local aggregation needs sync mode and pushes for every replica: mode "
                 f"{config.mode!r}, {sum(weights)} of {total_num_replicas} replicas")
-        return SyncReplicas(len(weights), len(weights), config.deterministic, list(weights))
+        return sync(len(weights), len(weights), list(weights))
     if config.mode == "sync":
         total = total_num_replicas or num_workers
         if total != num_workers:
             raise ConfigurationError(
                 f"total_num_replicas is {total} but the cluster has {num_workers} workers")
-        return SyncReplicas(config.replicas_to_aggregate or total, total, config.deterministic)
+        return sync(config.replicas_to_aggregate or total, total)
     if config.mode == "async":
         return Async()
     if config.mode == "ssp":
         return BoundedStaleness(config.staleness)
     raise ConfigurationError(f"unknown mode {config.mode!r}: use 'sync', 'async' or 'ssp'")
-
-
-class Senders:
-    """The ranks that push to a ps, by worker index, and what each push stands for."""
-
-    def __init__(self, replica_ranks, clients=None, nodes=None):
-        self.nodes = nodes
-        heads = [n[0] for n in nodes] if nodes else clients
-        self.ranks = [replica_ranks[i] for i in heads or range(len(replica_ranks))]
-        self.index = {r: i for i, r in enumerate(self.ranks)}  # rank -> worker index
-        # the replica whose data position a worker's push carries (keys of the checkpoint)
-        self.replica_of = heads if nodes else range(len(self.ranks))
-        self.weights = [len(n) for n in nodes] if nodes else None  # replicas per push
-
-    def counters(self):
-        """Return the fan-in counters: ranks that push, the replicas they stand for, pushes."""
-        return dict(fan_in=len(self.ranks), pushes_received=0,
-                    replicas=sum(self.weights) if self.weights else len(self.ranks))
-
-    def capacity(self, capacity):
-        """Return the receive capacity in bytes a ps's frames need (None: their own size)."""
-        if not self.nodes:
-            return capacity
-        return max(capacity or 0, H.HEADER_BYTES + 8 * max(map(len, self.nodes)))
-
-    def note_positions(self, positions, worker, request, frame):
-        """Record the data position(s) a request carries in ``positions`` (replica -> pair).
-
-        A push carries its sender's; a node leader's paused or done one word per replica.
-        """
-        if request.kind == P.PUSH:
-            positions[self.replica_of[worker]] = (request.epoch, request.cursor)
-        elif request.count and request.kind in (P.PAUSED, P.DONE) and self.nodes:
-            end = H.HEADER_BYTES + 8 * request.count
-            words = frame.bytes[H.HEADER_BYTES:end].view(np.int64).tolist()
-            positions.update(zip(self.nodes[worker], map(H.split_position, words)))

@@ -13,7 +13,6 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ..ckpt import cut
 from ..errors import ConfigurationError, DeadlineError, PeerError
 from ..models.clipping import clip_by_global_norm
 from ..runtime.backend import get_backend
@@ -24,11 +23,13 @@ from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.frame import Frame
 from .at_once import AtOnce
-from .consistency import Senders, make_policy
+from .consistency import make_policy
+from .cuts import Cuts
 from .losses import Losses
 from .pipeline import Pipeline
 from .receive_pool import ReceivePool
 from .replica import Replication
+from .senders import Senders
 from .shard import Shard
 from .sparse import SparseTables
 from .sparse_inbox import SparseInbox
@@ -36,7 +37,7 @@ from .sparse_inbox import SparseInbox
 _log = logging.getLogger("mpitf")
 
 
-class Service(Losses):
+class Service(Cuts, Losses):
     """One ps task serving the workers of a cluster under a consistency policy."""
 
     def __init__(self, server, config, assignment, backend=None):
@@ -244,54 +245,6 @@ class Service(Losses):
                 raise DeadlineError(f"no message for {allowance:.3g} s from a worker while "
                                     f"/job:ps/task:{self.ps_task} waited for its push{how}",
                                     **self.describe_worker(w, "push"))
-
-    def _restore(self, ckpt_dir):
-        shard = self.shard
-        average = shard.average_frame.payload if shard.average is not None else None
-        # --reset-optimizer-state: the slots start as new (the chief said so in the log)
-        slots = {} if self.config.reset_optimizer_state else shard.saved_slots()
-        restored = cut.restore_shard(ckpt_dir, shard.slices, self.backend, shard.params,
-                                     slots, average,
-                                     self.tables.targets() if self.tables else None)
-        if restored["missing_average"]:
-            shard.start_average()
-        shard.restored()
-        self.global_step = restored["global_step"]
-        self.pipeline.at_step(self.global_step)
-        self.positions = restored["positions"]
-        self.initialized = True
-        self.write_header()
-
-    def _save(self):
-        if self.sparse is not None:
-            self.sparse.flush()
-        shard = self.shard
-        average = shard.average_frame.payload if shard.average is not None else None
-        cut.save_shard(self.comm, self.chief, self.config.checkpoint_dir, self.ps_task,
-                       self.assignment.num_ps, self.cut_step(), shard.slices, self.backend,
-                       shard.params, shard.saved_slots(), average, self.positions,
-                       self.paused, self.counters,
-                       self.tables.saved(self.global_step) if self.tables else None)
-
-    def cut_step(self):
-        """Return the step replies and checkpoint cuts name: a served copy's is its buddy's.
-
-        Async: the pushes in flight when the ps died count on the buddy's own shard or on
-        the copy, not always on both, so the two counts drift by a step or two; the cut,
-        and the step the workers see, is the buddy's. Sync steps stay together.
-        """
-        if self.buddy is None or self.config.mode == "sync":
-            return self.global_step
-        return self.buddy.global_step
-
-    def _check_quiescent(self):
-        if self.pausing and all(w in self.done or w in self.paused
-                                for w in range(self.num_workers)):
-            self._finish_replies()
-            self._save()
-            self.pausing = False
-            self.paused.clear()
-            self.write_header()
 
     def _serve(self, index, source):
         """Serve the request in pool frame ``index``; return True when the frame is free."""

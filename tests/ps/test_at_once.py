@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from mpitf.ps.at_once import AtOnce
-from mpitf.ps.consistency import Async, BoundedStaleness, SyncReplicas
+from mpitf.ps.consistency import Async, BoundedStaleness, DeterministicSync, SyncReplicas
 
 
 def service(policy, bucketed=False, tables=None, timeline=False, clip_norm=None, mode="sync"):
@@ -27,7 +27,7 @@ def test_pushes_applied_as_they_land_take_it(svc):
 
 @pytest.mark.parametrize("svc", [
     service(SyncReplicas(2, 2)),  # the mean of two gradients
-    service(SyncReplicas(1, 1, deterministic=True)),
+    service(DeterministicSync(1, 1)),
     service(SyncReplicas(1, 1, weights=[2])),  # a node's sum
     service(BoundedStaleness(2), mode="ssp"),
     service(SyncReplicas(1, 1), bucketed=True),

@@ -10,7 +10,13 @@ import pytest
 
 from mpitf.config import TrainingConfig
 from mpitf.errors import ConfigurationError
-from mpitf.ps.consistency import Async, BoundedStaleness, SyncReplicas, make_policy
+from mpitf.ps.consistency import (
+    Async,
+    BoundedStaleness,
+    DeterministicSync,
+    SyncReplicas,
+    make_policy,
+)
 from mpitf.ps.optimizers import make_optimizer
 from mpitf.testing import run_mpi
 from tests.support import (
@@ -281,7 +287,7 @@ def test_policy_configuration_errors():
     with pytest.raises(ConfigurationError, match="replicas_to_aggregate"):
         SyncReplicas(3, 2)
     with pytest.raises(ConfigurationError, match="deterministic"):
-        SyncReplicas(1, 2, deterministic=True)
+        DeterministicSync(1, 2)
     with pytest.raises(ConfigurationError, match="total_num_replicas is 3"):
         make_policy(TrainingConfig(mode="sync"), 2, total_num_replicas=3)
     with pytest.raises(ConfigurationError, match="staleness"):

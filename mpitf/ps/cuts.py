@@ -1,0 +1,63 @@
+"""The ps's side of a checkpoint cut: restore its shard, save it once every worker paused.
+
+:class:`Cuts` is mixed into :class:`~mpitf.ps.service.Service`. The chief asks for a cut;
+each worker pauses after its push of that step, and when all have, each ps writes its
+shard, slots, tables and the workers' data positions (:mod:`mpitf.ckpt.cut`).
+"""
+
+from ..ckpt import cut
+
+
+class Cuts:
+    """The Service's checkpoint duties (see the module docstring)."""
+
+    def _restore(self, ckpt_dir):
+        """Load this ps's part of the checkpoint in ``ckpt_dir``; serve from its step."""
+        shard = self.shard
+        average = shard.average_frame.payload if shard.average is not None else None
+        # --reset-optimizer-state: the slots start as new (the chief said so in the log)
+        slots = {} if self.config.reset_optimizer_state else shard.saved_slots()
+        restored = cut.restore_shard(ckpt_dir, shard.slices, self.backend, shard.params,
+                                     slots, average,
+                                     self.tables.targets() if self.tables else None)
+        if restored["missing_average"]:
+            shard.start_average()
+        shard.restored()
+        self.global_step = restored["global_step"]
+        self.pipeline.at_step(self.global_step)
+        self.positions = restored["positions"]
+        self.initialized = True
+        self.write_header()
+
+    def _save(self):
+        """Write this ps's part of the cut (every worker paused at the same step)."""
+        if self.sparse is not None:
+            self.sparse.flush()
+        shard = self.shard
+        average = shard.average_frame.payload if shard.average is not None else None
+        cut.save_shard(self.comm, self.chief, self.config.checkpoint_dir, self.ps_task,
+                       self.assignment.num_ps, self.cut_step(), shard.slices, self.backend,
+                       shard.params, shard.saved_slots(), average, self.positions,
+                       self.paused, self.counters,
+                       self.tables.saved(self.global_step) if self.tables else None)
+
+    def cut_step(self):
+        """Return the step replies and checkpoint cuts name: a served copy's is its buddy's.
+
+        Async: the pushes in flight when the ps died count on the buddy's own shard or on
+        the copy, not always on both, so the two counts drift by a step or two; the cut,
+        and the step the workers see, is the buddy's. Sync steps stay together.
+        """
+        if self.buddy is None or self.config.mode == "sync":
+            return self.global_step
+        return self.buddy.global_step
+
+    def _check_quiescent(self):
+        """Save once every worker is paused or done, then let them go on."""
+        if self.pausing and all(w in self.done or w in self.paused
+                                for w in range(self.num_workers)):
+            self._finish_replies()
+            self._save()
+            self.pausing = False
+            self.paused.clear()
+            self.write_header()
