@@ -56,8 +56,8 @@ def main():
         rows.append((f"numexpr, {threads} thread(s)", median(ne_sgd), median(ne_adam)))
     g2 = grad.copy()
     rows.append(("numpy ufunc passes (reference)",
-                 median(lambda: sgd._update(np, params, g2, {}, 0)),
-                 median(lambda: adam._update(np, params, grad, slots, 0))))
+                 median(lambda: sgd.reference_update(np, params, g2, {}, 0)),
+                 median(lambda: adam.reference_update(np, params, grad, slots, 0))))
     rows.append(("numba fused (ps/kernels.py), 1 thread",
                  median(lambda: sgd.apply(params, grad, {}, 0)),
                  median(lambda: adam.apply(params, grad, slots, 0))))

@@ -89,7 +89,7 @@ def measure(name, n, threads, reps):
     try:
         t_apply = _median_seconds(lambda: opt.apply(params, grad, slots, 1, pool), reps)
         t_copy = _median_seconds(lambda: pool.run(_copy, half, (dst, src)), reps)
-        t_ref = (_median_seconds(lambda: opt._update(np, params, grad, slots, 1), reps)
+        t_ref = (_median_seconds(lambda: opt.reference_update(np, params, grad, slots, 1), reps)
                  if threads == 1 else None)
     finally:
         pool.close()

@@ -47,7 +47,7 @@ class Ftrl(Optimizer):
             return xp.sqrt(x, out=out)
         return xp.power(x, -self.learning_rate_power, out=out)
 
-    def _update(self, xp, params, grad, slots, step):
+    def reference_update(self, xp, params, grad, slots, step):
         lr = self.learning_rate(step)
         accum, linear, tmp = slots["accum"], slots["linear"], slots[_SCRATCH]
         xp.multiply(grad, grad, out=tmp)

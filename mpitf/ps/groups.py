@@ -187,7 +187,7 @@ class ElementRules:
             return self.optimizer.make_slots(size, xp, dtype)
         names = self.optimizer.slot_names
         slots = {name: xp.zeros(size, dtype=dtype) for name in names}
-        if any(opt._uses_scratch for opt in self.optimizers):
+        if any(opt.uses_scratch for opt in self.optimizers):
             slots[_SCRATCH] = xp.empty(size, dtype=dtype)
         for lo, hi, opt in self.ranges:
             opt.init_slots({k: slots[k][lo:hi] for k in opt.slot_names})

@@ -124,7 +124,7 @@ def make_schedule(learning_rate):
 
 
 class Optimizer(abc.ABC):
-    """Base of the in-place optimizers; subclasses set ``name``, ``slot_names`` and ``_update``.
+    """Base of the in-place optimizers: subclasses set ``name``, ``slot_names``, the update.
 
     Args:
         learning_rate: a float, a schedule (``step -> lr`` with ``config()``),
@@ -135,7 +135,7 @@ class Optimizer(abc.ABC):
     name = "base"
     slot_names: tuple = ()
     _hyper: tuple = ()  # names of the hyper-parameters config() reports
-    _uses_scratch = True
+    uses_scratch = True
 
     def __init__(self, learning_rate=0.01):
         self._lr = make_schedule(learning_rate)
@@ -152,7 +152,7 @@ class Optimizer(abc.ABC):
         scratch.
         """
         slots = {name: xp.zeros(size, dtype=dtype) for name in self.slot_names}
-        if self._uses_scratch:
+        if self.uses_scratch:
             slots[_SCRATCH] = xp.empty(size, dtype=dtype)
         self.init_slots(slots)
         return slots
@@ -169,8 +169,8 @@ class Optimizer(abc.ABC):
 
         Host buffers take the fused kernel of :mod:`mpitf.ps.kernels` (one pass, over
         ``pool``'s threads: a :class:`~mpitf.ps.threads.KernelPool`, or None for this
-        thread); others (CuPy) take the ufunc passes of ``_update``, the reference. ``grad``
-        may be a wire dtype (bfloat16, float16) and is then widened (into ``widened``, a
+        thread); others (CuPy) take the ufunc passes of ``reference_update``. ``grad`` may
+        be a wire dtype (bfloat16, float16) and is then widened (into ``widened``, a
         buffer like ``params``, for the ufunc passes; None: a new one); ``reply`` (or None)
         gets the new parameters in its dtype. ``grad`` may be overwritten.
         """
@@ -185,12 +185,12 @@ class Optimizer(abc.ABC):
             if grad.dtype != params.dtype:
                 g = widened if widened is not None else array_module(params).empty_like(params)
                 widen_into(grad, g)
-            self._update(array_module(params), params, g, slots, int(step))
+            self.reference_update(array_module(params), params, g, slots, int(step))
             if reply is not None:
                 narrow_into(params, reply)
 
     @abc.abstractmethod
-    def _update(self, xp, params, grad, slots, step):
+    def reference_update(self, xp, params, grad, slots, step):
         """Update ``params`` in place (each optimizer's arithmetic)."""
 
     def config(self):
@@ -212,12 +212,12 @@ class NoOp(Optimizer):
     """Leave the parameters as they are (benchmarks: the ps only echoes)."""
 
     name = "none"
-    _uses_scratch = False
+    uses_scratch = False
 
     def apply(self, params, grad, slots, step, pool=None, reply=None, widened=None):
         """Leave ``params`` (and a reply in a wire dtype, which holds them) as they are."""
 
-    def _update(self, xp, params, grad, slots, step):
+    def reference_update(self, xp, params, grad, slots, step):
         pass
 
 
@@ -226,9 +226,9 @@ class GradientDescent(Optimizer):
 
     name = "sgd"
 
-    _uses_scratch = False
+    uses_scratch = False
 
-    def _update(self, xp, params, grad, slots, step):
+    def reference_update(self, xp, params, grad, slots, step):
         # Scale the gradient where it lies: the freshly received gradient is the one cold
         # buffer here, and a scratch buffer would be one more to pull through the cache.
         xp.multiply(grad, self.learning_rate(step), out=grad)
@@ -252,7 +252,7 @@ class Momentum(Optimizer):
         self.momentum = float(momentum)
         self.use_nesterov = bool(use_nesterov)
 
-    def _update(self, xp, params, grad, slots, step):
+    def reference_update(self, xp, params, grad, slots, step):
         lr, mu = self.learning_rate(step), self.momentum
         accum, tmp = slots["momentum"], slots[_SCRATCH]
         xp.multiply(accum, mu, out=accum)
@@ -286,7 +286,7 @@ class Adam(Optimizer):
         check_number("epsilon", epsilon, low=0.0)
         self.beta1, self.beta2, self.epsilon = float(beta1), float(beta2), float(epsilon)
 
-    def _update(self, xp, params, grad, slots, step):
+    def reference_update(self, xp, params, grad, slots, step):
         b1, b2, t = self.beta1, self.beta2, step + 1
         lr_t = self.learning_rate(step) * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
         m, v, tmp = slots["m"], slots["v"], slots[_SCRATCH]
@@ -323,7 +323,7 @@ class Adagrad(Optimizer):
         """Fill the accumulator with ``initial_accumulator_value``."""
         slots["accumulator"].fill(self.initial_accumulator_value)
 
-    def _update(self, xp, params, grad, slots, step):
+    def reference_update(self, xp, params, grad, slots, step):
         accum, tmp = slots["accumulator"], slots[_SCRATCH]
         xp.multiply(grad, grad, out=tmp)
         xp.add(accum, tmp, out=accum)

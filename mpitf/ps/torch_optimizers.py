@@ -99,7 +99,7 @@ class TorchSGD(TorchOptimizer):
         if not self.momentum:
             self.slot_names = ()
 
-    def _update(self, xp, params, grad, slots, step):
+    def reference_update(self, xp, params, grad, slots, step):
         lr, mu, tmp = self.learning_rate(step), self.momentum, slots[_SCRATCH]
         self._l2(xp, params, grad, tmp)
         if mu:
@@ -143,7 +143,7 @@ class TorchAdam(TorchOptimizer):
         self.beta1, self.beta2 = float(beta1), float(beta2)
         self.eps, self.weight_decay = float(eps), float(weight_decay)
 
-    def _update(self, xp, params, grad, slots, step):
+    def reference_update(self, xp, params, grad, slots, step):
         lr, b1, b2, t = self.learning_rate(step), self.beta1, self.beta2, step + 1
         m, v, tmp = slots["exp_avg"], slots["exp_avg_sq"], slots[_SCRATCH]
         if self.decoupled:
@@ -190,7 +190,7 @@ class TorchAdagrad(TorchOptimizer):
         """Fill the sum with ``initial_accumulator_value``."""
         slots["sum"].fill(self.initial_accumulator_value)
 
-    def _update(self, xp, params, grad, slots, step):
+    def reference_update(self, xp, params, grad, slots, step):
         acc, tmp = slots["sum"], slots[_SCRATCH]
         clr = self.learning_rate(step) / (1.0 + step * self.lr_decay)
         self._l2(xp, params, grad, tmp)
@@ -216,7 +216,7 @@ class TorchRMSprop(TorchOptimizer):
         self.slot_names = ("square_avg",) + (("momentum_buffer",) if self.momentum else ()) \
             + (("grad_avg",) if self.centered else ())
 
-    def _update(self, xp, params, grad, slots, step):
+    def reference_update(self, xp, params, grad, slots, step):
         lr, a, tmp = self.learning_rate(step), self.alpha, slots[_SCRATCH]
         sq = slots["square_avg"]
         self._l2(xp, params, grad, tmp)

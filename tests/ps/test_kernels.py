@@ -1,6 +1,6 @@
 """The fused ps kernels equal the reference ufunc passes bit for bit, on any threads.
 
-The reference is each optimizer's ``_update`` (the numpy/CuPy passes, what the ps ran
+The reference is each optimizer's ``reference_update`` (the numpy/CuPy passes, what the ps ran
 before the fused kernels, and what a CuPy ps still runs). Hypothesis draws the sizes, the
 values (zeros, subnormals, huge and tiny magnitudes included) and the hyper-parameters.
 """
@@ -54,7 +54,7 @@ def _run(opt, params, grads, steps, apply, slots=None):
 
 
 def _reference(opt):
-    return lambda p, g, s, step: opt._update(np, p, g, s, step)
+    return lambda p, g, s, step: opt.reference_update(np, p, g, s, step)
 
 
 @pytest.mark.slow
@@ -106,7 +106,7 @@ def test_a_wire_dtype_gradient_is_widened_and_the_reply_rounded_in_the_kernel(
     out = None if out_dtype is None else np.empty(n, out_dtype)
     with np.errstate(all="ignore"):
         for step, g in enumerate(grads):
-            opt._update(np, want, g.astype(F32), want_slots, step)
+            opt.reference_update(np, want, g.astype(F32), want_slots, step)
             assert kernels.fused_apply(opt, got, g, got_slots, step, reply=out)
             assert _same_bits(got, want)
             if out is not None:
@@ -134,7 +134,7 @@ def test_optimizer_apply_takes_a_wire_gradient_and_a_reply_on_the_reference_path
     g = np.linspace(-1, 1, 16, dtype=F32)
     want, got = np.ones(16, F32), np.ones(16, F32)
     s1, s2 = opt.make_slots(16, np, F32), opt.make_slots(16, np, F32)
-    opt._update(np, want, g.astype(ml_dtypes.bfloat16).astype(F32), s1, 0)
+    opt.reference_update(np, want, g.astype(ml_dtypes.bfloat16).astype(F32), s1, 0)
     out = np.empty(16, ml_dtypes.bfloat16)
     opt.apply(got, g.astype(ml_dtypes.bfloat16), s2, 0, reply=out)
     assert _same_bits(got, want) and _same_bits(out, want.astype(ml_dtypes.bfloat16))

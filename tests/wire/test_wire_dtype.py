@@ -57,7 +57,7 @@ def reference(phase, workers):
                 g = g + rounded(other[n]).reshape(-1)
             if len(grads) > 1:
                 g = g / np.float32(len(grads))
-            opt._update(np, master[n], g, slots[n], step)
+            opt.reference_update(np, master[n], g, slots[n], step)
         step += 1
     return {n: rounded(v).reshape(dict(d.SHAPES)[n]) for n, v in master.items()}
 
