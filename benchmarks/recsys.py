@@ -20,7 +20,6 @@ The JSON holds the medians and ``ratio = mpitf_ms / (torch_ms + raw_ms)`` per re
 (target <= 1.3). Imports torch, so it lives outside the package; the worker prints and writes.
 """
 
-import argparse
 import functools
 import os
 import statistics
@@ -36,6 +35,7 @@ from mpi4py import MPI  # noqa: E402
 
 import mpitf.torch as mt  # noqa: E402
 from mpitf.bench.scaling import write_json  # noqa: E402
+from mpitf.bench.sparse import add_model_arguments, table_parser  # noqa: E402
 from mpitf.bench.timing import median_ms  # noqa: E402
 from mpitf.jobs.dlrm import build  # noqa: E402
 from mpitf.ps.service import serve  # noqa: E402
@@ -51,17 +51,8 @@ warnings.filterwarnings("ignore", message="Sparse invariant checks")
 
 def parse_args(argv=None):
     """Parse the command line."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, default=100_000, help="rows of each field's table")
-    p.add_argument("--fields", type=int, default=26)
-    p.add_argument("--dim", type=int, default=16)
-    p.add_argument("--batch", type=int, default=2048)
-    p.add_argument("--zipf", type=float, default=1.2)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per figure")
-    p.add_argument("--repeats", type=int, default=3, help="repetitions (median taken)")
-    p.add_argument("--json", default=None)
-    p.add_argument("--quick", action="store_true", help="small tables, few steps, 1 repeat")
+    p = table_parser(__doc__.splitlines()[0], rows=100_000, batch=2048, steps=20)
+    add_model_arguments(p, "small tables, few steps, 1 repeat")
     args = p.parse_args(argv)
     if args.quick:
         args.rows, args.fields, args.batch, args.steps, args.repeats = 1000, 4, 256, 4, 1

@@ -15,7 +15,6 @@ repetition's ratio ``dense_ms / tables_ms`` (target >= 10). Imports torch, so it
 outside the package. Rank 0 (the ps) is quiet; the worker prints and writes the JSON.
 """
 
-import argparse
 import os
 import statistics
 import sys
@@ -28,6 +27,7 @@ from mpi4py import MPI  # noqa: E402
 
 import mpitf.torch as mt  # noqa: E402
 from mpitf.bench.scaling import write_json  # noqa: E402
+from mpitf.bench.sparse import add_model_arguments, table_parser  # noqa: E402
 from mpitf.bench.timing import median_ms  # noqa: E402
 from mpitf.ps.service import serve  # noqa: E402
 from mpitf.runtime.server import Server  # noqa: E402
@@ -38,17 +38,8 @@ BATCHES = 8
 
 def parse_args(argv=None):
     """Parse the command line."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, default=1_000_000)
-    p.add_argument("--dim", type=int, default=16)
-    p.add_argument("--batch", type=int, default=4096)
-    p.add_argument("--fields", type=int, default=26)
-    p.add_argument("--zipf", type=float, default=1.2)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per figure")
-    p.add_argument("--repeats", type=int, default=3, help="repetitions (median taken)")
-    p.add_argument("--json", default=None)
-    p.add_argument("--quick", action="store_true", help="a small table, few steps, 1 repeat")
+    p = table_parser(__doc__.splitlines()[0], steps=20)
+    add_model_arguments(p, "a small table, few steps, 1 repeat")
     args = p.parse_args(argv)
     if args.quick:
         args.rows, args.batch, args.steps, args.repeats = 10_000, 256, 4, 1

@@ -60,20 +60,33 @@ LR = 1e-4
 BATCHES = 8  # distinct batches, drawn once and cycled
 
 
+def table_parser(description, rows=1_000_000, batch=4096, steps=30):
+    """Return a parser with the table benchmarks' shared flags (tables, batch, steps, JSON)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--rows", type=int, default=rows, help="rows of each table")
+    p.add_argument("--dim", type=int, default=16, help="each row's width")
+    p.add_argument("--batch", type=int, default=batch, help="examples per step")
+    p.add_argument("--fields", type=int, default=26, help="ids per example, one per field")
+    p.add_argument("--zipf", type=float, default=1.2, help="the ids' Zipf exponent")
+    p.add_argument("--steps", type=int, default=steps, help="timed steps per figure")
+    p.add_argument("--json", default=None, help="write the results here (rank 0)")
+    return p
+
+
+def add_model_arguments(parser, quick_help):
+    """Add the flags of the benchmarks that train a torch model: rate, repeats, --quick."""
+    parser.add_argument("--lr", type=float, default=0.01, help="learning rate")
+    parser.add_argument("--repeats", type=int, default=3, help="repetitions (median taken)")
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+
+
 def parse_args(argv=None):
     """Parse the command line (the flag names are the issue's)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, default=1_000_000)
-    p.add_argument("--dim", type=int, default=16)
-    p.add_argument("--batch", type=int, default=4096)
-    p.add_argument("--fields", type=int, default=26)
-    p.add_argument("--zipf", type=float, default=1.2)
+    p = table_parser(__doc__.splitlines()[0])
     p.add_argument("--num-ps", type=int, default=1)
-    p.add_argument("--steps", type=int, default=30, help="timed steps per figure")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dynamic", action="store_true",
                    help="a table that grows (any int64 id) in place of R fixed rows")
-    p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
 
