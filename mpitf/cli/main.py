@@ -135,16 +135,18 @@ def cmd_run(args):
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
-    with tempfile.TemporaryDirectory(prefix="mpitf-run-") as tmp:
-        launch_log = os.path.join(tmp, "launch.log")  # launchers that know it say how
-        try:  # each node's proxy ended, so a lost node can be named (runtime/launch.py)
-            code = subprocess.call(cmd, env=dict(os.environ, MPITF_LAUNCH_LOG=launch_log))
-        except KeyboardInterrupt:  # mpiexec got the same SIGINT and ends the ranks
-            return 130
+    tmp = tempfile.mkdtemp(prefix="mpitf-run-")
+    launch_log = os.path.join(tmp, "launch.log")  # launchers that know it say how each
+    try:  # node's proxy ended, so a lost node can be named (runtime/launch.py)
+        code = subprocess.call(cmd, env=dict(os.environ, MPITF_LAUNCH_LOG=launch_log))
         if code != 0:
             lost = lost_node_message(launch_log, _run_hosts(args), args.n)
             if lost:
                 sys.stderr.write(f"mpitf: {lost}\n")
+    except KeyboardInterrupt:  # mpiexec got the same SIGINT and ends the ranks
+        return 130
+    finally:  # ignoring errors: Open MPI's mpiexec returns before its launchers end, and
+        shutil.rmtree(tmp, ignore_errors=True)  # one may write the log as it is removed
     return 128 - code if code < 0 else code  # killed by a signal: the shell's convention
 
 

@@ -90,6 +90,10 @@ def mpiexec_command(n, argv, mpiexec=None, tag_output=False, hosts=None, hostfil
         lib = openmpi_libmpi(mpiexec)
         if lib:
             cmd += ["-x", f"MPI4PY_LIBMPI={lib}"]
+    if openmpi and (hosts or hostfile):
+        # with --oversubscribe, PRRTE 3.0's default mapping put every rank on the first
+        # host (--host n1:2,n2:2 -n 4: all four on n1); by slot it fills each host's slots
+        cmd += ["--map-by", "slot"]
     if hosts:
         cmd += ["-hosts" if hydra else "--host", ",".join(hosts)]
     if hostfile:
@@ -104,7 +108,8 @@ def ranks_by_host(hosts, n):
     """Return {host: [ranks]} as ``mpiexec -hosts`` places ``n`` ranks on ``hosts``.
 
     Each entry is ``name`` or ``name:slots``; ranks fill each host's slots in turn, round
-    after round (Hydra's and Open MPI's placement by slot).
+    after round (Hydra's placement, and Open MPI's ``--map-by slot`` while the ranks fit
+    the slots; past them PRRTE spreads the extra ranks its own way).
     """
     slots = []
     for entry in hosts:
