@@ -395,7 +395,11 @@ def main(argv=None):
     run = sub.add_parser("run", help="run a command under mpiexec across the box's nodes")
     run.add_argument("-n", type=int, required=True, help="number of ranks")
     run.add_argument("--hosts", default=None,
-                     help="node names for Hydra's -hosts (default: every node)")
+                     help="node names, each with an optional slot count, e.g. node1:2,node2:2"
+                          " (default: every node, one slot each)")
+    run.add_argument("--mpiexec", default=None,
+                     help="the launcher: MPICH's Hydra (default: the one next to this Python)"
+                          " or Open MPI's mpiexec (run under ULFM)")
     run.add_argument("argv", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
     sub.add_parser("status", help="say which boxes are up")
     for p in (up, down, run):
@@ -427,7 +431,7 @@ def main(argv=None):
         if not command:
             raise BoxError("run: give the command after --")
         hosts = args.hosts.split(",") if args.hosts else None
-        return subprocess.call(box.mpiexec(args.n, command, hosts=hosts))
+        return subprocess.call(box.mpiexec(args.n, command, hosts=hosts, mpiexec=args.mpiexec))
     except BoxError as err:
         print(f"netcluster: {err}", file=sys.stderr)
         return 2
