@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 
 def find_mpiexec():
@@ -124,6 +125,25 @@ def ranks_by_host(hosts, n):
             if rank == n:
                 break
     return placed
+
+
+def wait_for_launchers(launch_log, hosts, timeout=2.0):
+    """Wait until ``launch_log`` has a line for each of ``hosts`` (or ``timeout`` seconds).
+
+    Open MPI's mpiexec (PRRTE) returns before its launchers end, and after a lost node
+    now and then with status 0; the lost node's line, written as its launcher ends,
+    comes a few milliseconds later. Launchers that write no log cost the timeout.
+    """
+    names = {h.partition(":")[0] for h in hosts}
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            with open(launch_log) as f:
+                if names <= {line.split()[0] for line in f if line.strip()}:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.01)
 
 
 def lost_node_message(launch_log, hosts, n):

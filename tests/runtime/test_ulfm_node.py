@@ -157,7 +157,10 @@ def test_a_lost_node_ends_the_job_under_open_mpi_5_named_with_its_checkpoint_who
     box.kill_node("node2")  # its ranks, its prted, the shells that started them
     code = job.finish(10)  # the job ends within 10 s of the loss
     out = job.output
-    assert code != 0, out
+    # PRRTE's mpiexec ends with 137 when the node's agent reports first; when its lost
+    # connection to the daemon does ("PRTE has lost communication with a remote daemon"),
+    # with 0 (6 runs in 14 here), and mpitf run, told by the node's launcher, returns 1
+    assert code in (137, 1), out
     # PRRTE's own line, then mpitf run's, from how the node's launcher ended
     assert re.search(r"Remote host:\s+node2|Remote daemon: \S+ on node node2", out), out
     assert ("mpitf: node node2 was lost: its MPI launcher proxy ended (killed by signal 9) "
