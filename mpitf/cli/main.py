@@ -113,7 +113,7 @@ def _run_hosts(args):
 
 def cmd_run(args):
     """Run a job under the installed MPI's mpiexec and return its exit code."""
-    from ..runtime.launch import find_mpiexec, lost_node_message
+    from ..runtime.launch import find_mpiexec, is_openmpi, lost_node_message, wait_for_launchers
 
     if args.n < 1:
         raise ConfigurationError(f"-n {args.n}: expecting at least one rank")
@@ -135,16 +135,23 @@ def cmd_run(args):
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
-    with tempfile.TemporaryDirectory(prefix="mpitf-run-") as tmp:
-        launch_log = os.path.join(tmp, "launch.log")  # launchers that know it say how
-        try:  # each node's proxy ended, so a lost node can be named (runtime/launch.py)
-            code = subprocess.call(cmd, env=dict(os.environ, MPITF_LAUNCH_LOG=launch_log))
-        except KeyboardInterrupt:  # mpiexec got the same SIGINT and ends the ranks
-            return 130
-        if code != 0:
-            lost = lost_node_message(launch_log, _run_hosts(args), args.n)
-            if lost:
-                sys.stderr.write(f"mpitf: {lost}\n")
+    tmp = tempfile.mkdtemp(prefix="mpitf-run-")
+    launch_log = os.path.join(tmp, "launch.log")  # launchers that know it say how each
+    try:  # node's proxy ended, so a lost node can be named (runtime/launch.py)
+        code = subprocess.call(cmd, env=dict(os.environ, MPITF_LAUNCH_LOG=launch_log))
+        # also after a 0: Open MPI 5.0.11's mpiexec (PRRTE 3.0.14) now and then ends a job
+        # that lost a node's daemon with status 0 ("PRTE has lost communication with a
+        # remote daemon"), before the node's launcher, killed, says otherwise
+        if args.hosts and is_openmpi(mpiexec):
+            wait_for_launchers(launch_log, _run_hosts(args))
+        lost = lost_node_message(launch_log, _run_hosts(args), args.n)
+        if lost:
+            sys.stderr.write(f"mpitf: {lost}\n")
+            code = code or EXIT_ERROR
+    except KeyboardInterrupt:  # mpiexec got the same SIGINT and ends the ranks
+        return 130
+    finally:  # ignoring errors: Open MPI's mpiexec returns before its launchers end, and
+        shutil.rmtree(tmp, ignore_errors=True)  # one may write the log as it is removed
     return 128 - code if code < 0 else code  # killed by a signal: the shell's convention
 
 

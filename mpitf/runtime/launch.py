@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 
 def find_mpiexec():
@@ -90,6 +91,10 @@ def mpiexec_command(n, argv, mpiexec=None, tag_output=False, hosts=None, hostfil
         lib = openmpi_libmpi(mpiexec)
         if lib:
             cmd += ["-x", f"MPI4PY_LIBMPI={lib}"]
+    if openmpi and (hosts or hostfile):
+        # with --oversubscribe, PRRTE 3.0's default mapping put every rank on the first
+        # host (--host n1:2,n2:2 -n 4: all four on n1); by slot it fills each host's slots
+        cmd += ["--map-by", "slot"]
     if hosts:
         cmd += ["-hosts" if hydra else "--host", ",".join(hosts)]
     if hostfile:
@@ -104,7 +109,8 @@ def ranks_by_host(hosts, n):
     """Return {host: [ranks]} as ``mpiexec -hosts`` places ``n`` ranks on ``hosts``.
 
     Each entry is ``name`` or ``name:slots``; ranks fill each host's slots in turn, round
-    after round (Hydra's and Open MPI's placement by slot).
+    after round (Hydra's placement, and Open MPI's ``--map-by slot`` while the ranks fit
+    the slots; past them PRRTE spreads the extra ranks its own way).
     """
     slots = []
     for entry in hosts:
@@ -119,6 +125,25 @@ def ranks_by_host(hosts, n):
             if rank == n:
                 break
     return placed
+
+
+def wait_for_launchers(launch_log, hosts, timeout=2.0):
+    """Wait until ``launch_log`` has a line for each of ``hosts`` (or ``timeout`` seconds).
+
+    Open MPI's mpiexec (PRRTE) returns before its launchers end, and after a lost node
+    now and then with status 0; the lost node's line, written as its launcher ends,
+    comes a few milliseconds later. Launchers that write no log cost the timeout.
+    """
+    names = {h.partition(":")[0] for h in hosts}
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            with open(launch_log) as f:
+                if names <= {line.split()[0] for line in f if line.strip()}:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.01)
 
 
 def lost_node_message(launch_log, hosts, n):

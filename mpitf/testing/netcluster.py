@@ -8,7 +8,11 @@ of a cluster. A link may be shaped to a rate (``tc ... tbf``). The bridge lives 
 namespaces this module made, and nothing of it touches the machine's own network.
 
 Hydra starts ranks on the nodes through its ssh launcher with this box's launcher
-script (``-launcher ssh -launcher-exec SCRIPT``): :meth:`Box.mpiexec` builds that command.
+script (``-launcher ssh -launcher-exec SCRIPT``), Open MPI's PRRTE through the same script
+as its ssh agent (``--prtemca plm_ssh_agent SCRIPT``, one ``prted`` daemon per node):
+:meth:`Box.mpiexec` builds either command. Each node has a temporary directory of its own
+(``TMPDIR``), where PRRTE and PMIx keep their session files, named after pids that the
+nodes' PID namespaces repeat.
 
 By hand (as root)::
 
@@ -58,14 +62,19 @@ wait $!
 
 NODE = """#!/bin/sh
 # Runs COMMAND on node HOST of box {name}: its network namespace, with a host name,
-# /dev/shm, IPC and PIDs of its own (so no shared memory crosses nodes).
+# /dev/shm, IPC, PIDs and TMPDIR of its own (so no shared memory crosses nodes).
+TMPDIR="{state}/tmp-$1"
+export TMPDIR
+mkdir -p "$TMPDIR"
 ip netns exec "{name}-$1" unshare --uts --mount --ipc --pid --fork --mount-proc \\
     sh -c 'hostname "$0" && mount -t tmpfs -o mode=1777 tmpfs /dev/shm && exec sh -c "$1"' \\
     "$1" "$2"
 code=$?
-# How this node's proxy ended, for mpitf run to name a lost node (runtime/launch.py).
+# How this node's proxy ended, for mpitf run to name a lost node (runtime/launch.py);
+# quietly, as PRRTE's mpiexec may be gone (and mpitf run's log with it) when its
+# daemons end.
 if [ -n "$MPITF_LAUNCH_LOG" ]; then
-    echo "$1 $code" >> "$MPITF_LAUNCH_LOG"
+    {{ echo "$1 $code" >> "$MPITF_LAUNCH_LOG"; }} 2>/dev/null
 fi
 exit $code
 """
@@ -218,7 +227,8 @@ class Box:
                     _sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root",
                         "tbf", "rate", self.rates[node], "burst", BURST, "latency", "10ms")
         for path, text in ((self.launcher, LAUNCHER), (self.state / "node", NODE)):
-            path.write_text(text.format(name=self.name, nodes=" ".join(self.nodes)))
+            path.write_text(text.format(name=self.name, nodes=" ".join(self.nodes),
+                                        state=self.state))
             path.chmod(0o755)
 
     def down(self):
@@ -238,22 +248,50 @@ class Box:
 
         ``hosts``: node names, one per rank slot in order (Hydra's ``-hosts a,b`` places
         ranks round-robin over them one at a time; ``node1:2`` gives node1 two slots);
-        default: every node, one slot each.
+        default: every node, one slot each. Open MPI's ``mpiexec`` (PRRTE) gets its own
+        options: ULFM, :meth:`openmpi_settings`, ``--map-by slot --host ...``.
         """
-        from mpitf.runtime.launch import find_mpiexec
+        from mpitf.runtime.launch import find_mpiexec, is_openmpi, openmpi_libmpi
 
+        mpiexec = mpiexec or find_mpiexec()
         hosts = list(hosts or self.nodes)
         for h in hosts:
             self.namespace(h.split(":")[0])
-        return ["ip", "netns", "exec", self.head, mpiexec or find_mpiexec(),
-                "-launcher", "ssh", "-launcher-exec", str(self.launcher),
-                "-iface", BRIDGE, "-hosts", ",".join(hosts), *extra,
+        if is_openmpi(mpiexec):
+            lib = openmpi_libmpi(mpiexec)
+            options = ["--with-ft", "ulfm", *(["-x", f"MPI4PY_LIBMPI={lib}"] if lib else [])]
+            for (kind, name), value in self.openmpi_settings().items():
+                options += [f"--{kind}", name, value]
+            options += ["--map-by", "slot", "--host", ",".join(hosts)]
+        else:
+            options = ["-launcher", "ssh", "-launcher-exec", str(self.launcher),
+                       "-iface", BRIDGE, "-hosts", ",".join(hosts)]
+        return ["ip", "netns", "exec", self.head, mpiexec, *options, *extra,
                 "-n", str(n), *map(str, argv)]
 
+    def openmpi_settings(self):
+        """Return {(kind, name): value}: what makes Open MPI's PRRTE run on this box.
+
+        PRRTE (``prtemca``) reaches each node through the launcher script as its ssh agent,
+        one ``prted`` per node; the daemons' and the ranks' TCP (``mca``) keep to the box's
+        subnet.
+        """
+        subnet = f"{SUBNET}.0/24"
+        return {("prtemca", "plm_ssh_agent"): str(self.launcher),
+                ("prtemca", "oob_tcp_if_include"): subnet,
+                ("mca", "oob_tcp_if_include"): subnet,
+                ("mca", "btl_tcp_if_include"): subnet}
+
     def env(self):
-        """Return the variables that make Hydra reach the nodes (for ``mpitf run --hosts``)."""
+        """Return the variables that make mpiexec reach the nodes (for ``mpitf run --hosts``).
+
+        Hydra's, and Open MPI's (:meth:`openmpi_settings` as ``PRTE_MCA_``/``OMPI_MCA_``).
+        """
+        prefix = {"prtemca": "PRTE_MCA_", "mca": "OMPI_MCA_"}
         return {"HYDRA_LAUNCHER": "ssh", "HYDRA_LAUNCHER_EXEC": str(self.launcher),
-                "HYDRA_IFACE": BRIDGE}
+                "HYDRA_IFACE": BRIDGE,
+                **{prefix[kind] + name: value
+                   for (kind, name), value in self.openmpi_settings().items()}}
 
     def on_head(self, argv):
         """Return an argv that runs ``argv`` on the head, where the launcher runs."""
@@ -357,7 +395,11 @@ def main(argv=None):
     run = sub.add_parser("run", help="run a command under mpiexec across the box's nodes")
     run.add_argument("-n", type=int, required=True, help="number of ranks")
     run.add_argument("--hosts", default=None,
-                     help="node names for Hydra's -hosts (default: every node)")
+                     help="node names, each with an optional slot count, e.g. node1:2,node2:2"
+                          " (default: every node, one slot each)")
+    run.add_argument("--mpiexec", default=None,
+                     help="the launcher: MPICH's Hydra (default: the one next to this Python)"
+                          " or Open MPI's mpiexec (run under ULFM)")
     run.add_argument("argv", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
     sub.add_parser("status", help="say which boxes are up")
     for p in (up, down, run):
@@ -389,7 +431,7 @@ def main(argv=None):
         if not command:
             raise BoxError("run: give the command after --")
         hosts = args.hosts.split(",") if args.hosts else None
-        return subprocess.call(box.mpiexec(args.n, command, hosts=hosts))
+        return subprocess.call(box.mpiexec(args.n, command, hosts=hosts, mpiexec=args.mpiexec))
     except BoxError as err:
         print(f"netcluster: {err}", file=sys.stderr)
         return 2

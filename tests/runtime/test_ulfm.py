@@ -119,6 +119,19 @@ def test_the_launch_line_under_open_mpi_and_the_library_mpi4py_loads(tmp):
     assert sorted(run.stdout.splitlines()) == [f"{r} Open MPI v5.0.11 1" for r in range(2)]
 
 
+def test_open_mpi_across_hosts_fills_each_host_s_slots():
+    """With --oversubscribe, PRRTE 3.0's default mapping put all of ``--host n1:2,n2:2 -n 4``
+    on n1; ``--map-by slot`` fills each host's slots (placed on the box: test_ulfm_node.py)."""
+    mpiexec = openmpi_mpiexec()
+    line = subprocess.run([sys.executable, "-m", "mpitf.cli.main", "run", "--dry-run",
+                           "--mpiexec", mpiexec, "-n", "4", "--hosts", "n1:2,n2:2", "hello"],
+                          capture_output=True, text=True, timeout=60, cwd=str(REPO))
+    assert line.returncode == 0, line.stderr
+    argv = shlex.split(line.stdout)
+    at = argv.index("--map-by")
+    assert argv[at:at + 4] == ["--map-by", "slot", "--host", "n1:2,n2:2"], argv
+
+
 def test_a_killed_worker_ends_a_deterministic_job_under_ulfm_too(tmp):
     job = Background(tmp, mode="sync", steps=5000, mpiexec=openmpi_mpiexec(), step_sleep=0.005)
     job.wait_for_step(10)
