@@ -31,6 +31,8 @@ def start(ranks, directory):
             file a rank writes when it leaves on purpose (see ``Lifeline.mark_exit``).
         directory: the markers' directory; the ranks rename it away once all have left.
     """
+    if not _pidfds():
+        return None
     spec = json.dumps({"ranks": {str(r): list(v) for r, v in ranks.items()},
                        "directory": directory})
     try:
@@ -40,6 +42,15 @@ def start(ranks, directory):
     except OSError:
         return None
     return proc.pid
+
+
+def _pidfds():
+    """Return True if this kernel gives pidfds (Linux 5.3 and later)."""
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        return False
+    return True
 
 
 def _reason(marker):
@@ -64,8 +75,10 @@ def watch(ranks, directory):
     for r, (pid, _, _) in ranks.items():
         try:
             fds[os.pidfd_open(pid)] = r
-        except OSError:  # already gone
+        except ProcessLookupError:  # already gone
             gone.append(r)
+        except OSError:  # out of descriptors: leave the naming to the lifelines
+            return
     poller = select.poll()
     for fd in fds:
         poller.register(fd, select.POLLIN)
