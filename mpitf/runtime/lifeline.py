@@ -4,11 +4,11 @@ MPI launchers end the whole job when one rank is killed, but their message names
 often not the dead one. Each rank therefore watches the processes of the other ranks on
 its node (a pidfd per peer, so the kernel wakes the watcher the instant one exits). A rank
 that finishes or fails on purpose first leaves a marker file; a peer that vanishes without
-one was killed, and the lowest surviving rank of the node names it and ends the job.
-Ranks on other nodes are covered by the deadlines on every wait. Hydra's proxy SIGKILLs
-the survivors the moment it reaps a killed rank, often before their watchers run, so the
-line naming it comes from the node's witness (:mod:`mpitf.runtime.witness`), a process
-the proxy does not kill; the lowest rank of the node starts it.
+one was killed, and the job ends. The line naming it comes from the node's witness
+(:mod:`mpitf.runtime.witness`), a process that the lowest rank starts and the launcher
+does not kill: Hydra's proxy SIGKILLs the survivors the moment it reaps a killed rank,
+often before their watchers run. Without a witness the lowest surviving rank names it.
+Ranks on other nodes are covered by the deadlines on every wait.
 
 Each rank also watches its parent, the launcher's proxy (``hydra_pmi_proxy``, ``orted``,
 ``slurmstepd``): when it dies, nobody can forward this rank's output or end the job, so
