@@ -2,9 +2,10 @@
 
 Holds ``server`` (roles over COMM_WORLD, communicators, ``join``), ``backend`` (numpy or
 CuPy: the only module that imports CuPy), ``cuda_aware`` (whether MPI takes device
-buffers), ``lifeline`` (names a killed peer), ``exits`` (exit codes, abort-on-error,
-signals), ``launch`` (mpiexec argv), ``stall`` (how long a wait may last before a rank
-is named) and ``timeline``.
+buffers), ``lifeline`` (ends the job when a peer dies), ``witness`` (names a killed
+peer from outside the ranks), ``exits`` (exit codes, abort-on-error, signals), ``launch``
+(mpiexec argv), ``stall`` (how long a wait may last before a rank is named) and
+``timeline``.
 
 May import: the spec layer (``mpitf.cluster``, ``mpitf.tables``, ``placement``,
 ``config``, ``options``, ``checks``, ``errors``). ``Server.join`` reaches up to

@@ -4,7 +4,10 @@ MPI launchers end the whole job when one rank is killed, but their message names
 often not the dead one. Each rank therefore watches the processes of the other ranks on
 its node (a pidfd per peer, so the kernel wakes the watcher the instant one exits). A rank
 that finishes or fails on purpose first leaves a marker file; a peer that vanishes without
-one was killed, and the lowest surviving rank of the node names it and ends the job.
+one was killed, and the job ends. The line naming it comes from the node's witness
+(:mod:`mpitf.runtime.witness`), a process that the lowest rank starts and the launcher
+does not kill: Hydra's proxy SIGKILLs the survivors the moment it reaps a killed rank,
+often before their watchers run. Without a witness the lowest surviving rank names it.
 Ranks on other nodes are covered by the deadlines on every wait.
 
 Each rank also watches its parent, the launcher's proxy (``hydra_pmi_proxy``, ``orted``,
@@ -19,6 +22,8 @@ import sys
 import tempfile
 import threading
 import time
+
+from . import witness
 
 __all__ = ["Lifeline", "active"]
 
@@ -50,7 +55,8 @@ class Lifeline:
         parent: the launcher's proxy (``os.getppid()``); when it ends, this rank exits.
         survivable: ranks whose death the job outlives (training replicas under ULFM: the
             ps acknowledges the loss and goes on, see :mod:`mpitf.runtime.ulfm`); a killed
-            one is left to MPI instead of ending the job.
+            one is left to MPI instead of ending the job. With any (the set grows as the
+            job runs), or with no parent, the node gets no :mod:`~mpitf.runtime.witness`.
     """
 
     def __init__(self, rank, peers, token, describe, abort, parent=None, survivable=()):
@@ -85,6 +91,8 @@ class Lifeline:
         parent_fd = self._open_parent()
         if not self.peers and parent_fd is None:
             return None
+        if self.parent and not self.survivable and self.rank == self.local[0]:
+            self._start_witness()
         thread = threading.Thread(target=self._run, args=(parent_fd,), name="mpitf-lifeline",
                                   daemon=True)
         thread.start()
@@ -101,9 +109,11 @@ class Lifeline:
         try:
             with open(self._marker(self.rank), "w") as f:
                 f.write(reason)
-            # Every rank of the node has marked its exit, so no watcher reports any more.
+            # Every rank of the node has marked its exit, so no watcher reports any more:
+            # the directory goes at once (a rename), so the witness never reads it half gone.
             if all(os.path.exists(self._marker(r)) for r in self.local):
-                shutil.rmtree(self.dir, ignore_errors=True)
+                os.rename(self.dir, f"{self.dir}.done")
+                shutil.rmtree(f"{self.dir}.done", ignore_errors=True)
         except OSError:
             pass
 
@@ -136,7 +146,24 @@ class Lifeline:
             return None
 
     def _dead(self, r, pid):
-        return f"{self.describe(r)} (pid {pid}) died without finishing (killed?); ending the job"
+        return witness.dead_message(self.describe(r), pid)
+
+    def _start_witness(self):
+        """Start this node's witness and leave its pid beside the markers."""
+        pids = {**self.peers, self.rank: os.getpid()}
+        ranks = {r: (pids[r], self.describe(r), self._marker(r)) for r in self.local}
+        pid = witness.start(ranks, self.dir)
+        if pid is not None:
+            with open(os.path.join(self.dir, "witness.pid"), "w") as f:
+                f.write(str(pid))
+
+    def _witness_runs(self):
+        """Return True if this node's witness runs: it names a killed rank, not this rank."""
+        try:
+            with open(os.path.join(self.dir, "witness.pid")) as f:
+                return _alive(int(f.read()))
+        except (OSError, ValueError):
+            return False
 
     def _open_parent(self):
         """Return a pidfd on the parent (None: no parent to watch, or no pidfds)."""
@@ -204,7 +231,9 @@ class Lifeline:
         if why in ("done", "aborted") or (why is None and r in self.survivable):
             return False
         survivors = [x for x in self.local if x not in gone]
-        if survivors and min(survivors) == self.rank:
+        if why is None and self._witness_runs():
+            time.sleep(0.3)  # the witness names it: let the launcher forward its line
+        elif survivors and min(survivors) == self.rank:
             message = self._dead(r, self.peers[r]) if why is None else (
                 f"{self.describe(r)} ended on an uncaught exception (see its traceback "
                 f"above); ending the job")

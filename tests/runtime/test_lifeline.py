@@ -1,5 +1,6 @@
 """The lifeline: a rank that fails or is killed ends the job at once, named; a rank that
-finishes normally before the others is not taken for dead.
+finishes normally before the others is not taken for dead. The witness names a killed rank
+from outside the ranks, and only one that left no marker while the job ran.
 
 (Killed ranks mid-training are covered in tests/ckpt/test_recovery.py.)
 """
@@ -97,3 +98,56 @@ def test_garbage_is_a_settled_directory_whose_ranks_are_all_gone(tmp_path):
     # "mpitf-starting" was just made by a job whose ranks have not written their pids yet
     _collect_garbage(str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mpitf-live", "mpitf-starting"]
+
+
+def _witness_over_sleepers(tmp_path, n=3):
+    """Start a witness over ``n`` sleeping processes standing in for ranks."""
+    import subprocess
+
+    from mpitf.runtime import witness
+
+    directory = tmp_path / "mpitf-test"
+    directory.mkdir()
+    ranks = [subprocess.Popen(["sleep", "60"]) for _ in range(n)]
+    spec = {r: (p.pid, f"rank {r}", str(directory / f"{r}.exit")) for r, p in enumerate(ranks)}
+    return directory, ranks, witness.start(spec, str(directory))
+
+
+def _wait_for(condition, what, timeout=10):
+    import time
+
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, f"no {what} within {timeout} s"  # a deadline
+        time.sleep(0.01)
+
+
+def test_the_witness_names_the_first_rank_gone_without_a_marker_and_no_other(tmp_path, capfd):
+    directory, ranks, pid = _witness_over_sleepers(tmp_path)
+    (directory / "0.exit").write_text("done")
+    ranks[0].kill()  # finished: it left its marker
+    ranks[1].kill()  # killed: no marker
+    seen = []
+    _wait_for(lambda: seen.append(capfd.readouterr().err) or "died" in "".join(seen),
+              "line naming rank 1")
+    ranks[2].kill()  # what a launcher does to the survivors: not the cause, not named
+    _wait_for(lambda: os.waitpid(pid, os.WNOHANG)[0] == pid, "end of the witness")
+    seen.append(capfd.readouterr().err)
+    for rank in ranks:
+        rank.wait()
+    assert "".join(seen) == f"mpitf: error: rank 1 (pid {ranks[1].pid}) died without " \
+                            f"finishing (killed?); ending the job\n"
+
+
+@pytest.mark.parametrize("end", ["all marked, directory gone", "one aborted the job"])
+def test_the_witness_names_no_rank_when_the_ranks_ended_the_job(tmp_path, capfd, end):
+    directory, ranks, pid = _witness_over_sleepers(tmp_path)
+    if end == "one aborted the job":
+        (directory / "2.exit").write_text("aborted")  # it said why; then the launcher kills
+    else:  # as Lifeline.mark_exit leaves it
+        directory.rename(tmp_path / "gone")
+    for rank in ranks:
+        rank.kill()
+        rank.wait()
+    _wait_for(lambda: os.waitpid(pid, os.WNOHANG)[0] == pid, "end of the witness")
+    assert capfd.readouterr().err == ""

@@ -231,41 +231,34 @@ def test_the_readme_launcher_line_names_a_killed_rank(tmp):
     # job through slow_job.py (the same job, recording pids).
     cmd = [find_mpiexec(), *argv[1:4], sys.executable, JOB, "--steps", "100000",
            "--log-every", "10", "--run-dir", str(tmp / "run")]
-    outputs = []
-    for attempt in range(5):  # Hydra's proxy can kill the survivors before they name it
-        pid_dir = tmp / f"pids{attempt}"
-        pid_dir.mkdir()
-        log = tmp / f"out{attempt}.log"
-        with open(log, "w") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, cwd=str(REPO),
-                                    start_new_session=True,
-                                    env=dict(os.environ, PYTHONUNBUFFERED="1",
-                                             MPITF_TEST_PID_DIR=str(pid_dir)))
+    pid_dir = tmp / "pids"
+    pid_dir.mkdir()
+    log = tmp / "out.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, cwd=str(REPO), start_new_session=True,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1",
+                                         MPITF_TEST_PID_DIR=str(pid_dir)))
+        try:
+            end = time.monotonic() + 60
+            while not re.search(r"^step [1-9]\d+,", log.read_text(), re.M):
+                assert proc.poll() is None and time.monotonic() < end, log.read_text()
+                time.sleep(0.01)
+            pid = int((pid_dir / "rank2-worker-1.pid").read_text())
+            os.kill(pid, signal.SIGKILL)
+            start = time.monotonic()
             try:
-                end = time.monotonic() + 60
-                while not re.search(r"^step [1-9]\d+,", log.read_text(), re.M):
-                    assert proc.poll() is None and time.monotonic() < end, log.read_text()
-                    time.sleep(0.01)
-                pid = int((pid_dir / "rank2-worker-1.pid").read_text())
-                os.kill(pid, signal.SIGKILL)
-                start = time.monotonic()
-                try:
-                    proc.wait(10)  # the deadline: a job that outlives its rank by 10 s fails
-                except subprocess.TimeoutExpired:
-                    pytest.fail(f"still running 10 s after rank 2 was killed:\n"
-                                f"{log.read_text()}")
-                seconds = time.monotonic() - start
-            finally:
-                if proc.poll() is None:
-                    kill_group(proc)
-                    proc.wait(30)
-        text = log.read_text()
-        assert proc.returncode != 0, (seconds, text)
-        if "rank 2 (/job:worker/task:1 on " in text and \
-                f"(pid {pid}) died without finishing" in text:
-            print(f"worker killed: named, job ended {seconds:.2f} s later (code "
-                  f"{proc.returncode})")
-            return
-        outputs.append(text)
-    pytest.fail("no run named the killed rank:\n" + "\n----\n".join(outputs))
+                proc.wait(10)  # the deadline: a job that outlives its rank by 10 s fails
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"still running 10 s after rank 2 was killed:\n{log.read_text()}")
+            seconds = time.monotonic() - start
+        finally:
+            if proc.poll() is None:
+                kill_group(proc)
+                proc.wait(30)
+    text = log.read_text()
+    assert proc.returncode != 0, (seconds, text)
+    # Named by the node's witness (mpitf.runtime.witness), which Hydra does not kill.
+    assert "rank 2 (/job:worker/task:1 on " in text, text
+    assert f"(pid {pid}) died without finishing" in text, text
+    print(f"worker killed: named, job ended {seconds:.2f} s later (code {proc.returncode})")
