@@ -56,7 +56,6 @@ class TrainingSession:
         if mode is not None:
             options["mode"] = mode
         config = TrainingConfig(**options) if config is None else config.replace(**options)
-        self.config = config = buckets_for_links(config, server)
         if server.replica_index is None:
             raise ConfigurationError(
                 f"TrainingSession runs on the chief and worker tasks, not on "
@@ -65,6 +64,7 @@ class TrainingSession:
                 if server.num_replicas else
                 "TrainingSession needs a chief or worker task, but the cluster has none: add "
                 "a 'worker' (or 'chief') job to the spec")
+        self.config = config = buckets_for_links(config, server)
         self.server = server
         self.model = model
         self.dataset = dataset
