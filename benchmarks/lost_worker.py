@@ -71,7 +71,7 @@ def once(mpiexec, mode, steps, kill_at, step_sleep, tmp, victim="worker", k=None
             time.sleep(0.001)
         if kill_at is not None:
             if box is not None:  # ps task 1 and worker 1 (ranks 2, 3; pids as seen here)
-                victims = [p for p in box.pids("node2") if str(run_dir).encode() in _cmdline(p)]
+                victims = box.pids("node2", run_dir)
             else:
                 name = "rank1-ps-1" if victim == "ps" else f"rank{num_ps + 1}-worker-1"
                 victims = [int((pids / f"{name}.pid").read_text())]
@@ -94,14 +94,6 @@ def once(mpiexec, mode, steps, kill_at, step_sleep, tmp, victim="worker", k=None
     after = min(t for t in times if t >= killed)
     gaps = [b - a for a, b in zip(before, before[1:])]
     return after - killed, statistics.median(gaps)
-
-
-def _cmdline(pid):
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
 
 
 def main():

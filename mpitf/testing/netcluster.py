@@ -108,6 +108,15 @@ def unavailable():
     return None
 
 
+def _cmdline(pid):
+    """Return a process's command line (NUL-separated bytes; empty once it has gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def _alive(pid):
     try:
         os.kill(pid, 0)
@@ -297,10 +306,14 @@ class Box:
         """Return an argv that runs ``argv`` on the head, where the launcher runs."""
         return ["ip", "netns", "exec", self.head, *map(str, argv)]
 
-    def pids(self, node):
-        """Return the pids of every process running on ``node``."""
+    def pids(self, node, *needles):
+        """Return the pids of the processes on ``node`` whose command lines hold ``needles``.
+
+        ``needles`` are strings (none: every process of the node).
+        """
         out = _sh("ip", "netns", "pids", self.namespace(node), check=False).stdout
-        return [int(p) for p in out.split()]
+        wanted = [str(n).encode() for n in needles]
+        return [int(p) for p in out.split() if all(w in _cmdline(p) for w in wanted)]
 
     def kill_node(self, node, sig=signal.SIGKILL):
         """Send ``sig`` to every process on ``node`` (its launcher proxy included)."""

@@ -78,12 +78,7 @@ class BoxJob:
 
     def ranks_on(self, node):
         """Return the pids (as the machine sees them) of this job's ranks on ``node``."""
-        pids = []
-        for pid in self.box.pids(node):
-            line = cmdline(pid)
-            if JOB.encode() in line and str(self.tmp).encode() in line:
-                pids.append(pid)
-        return pids
+        return self.box.pids(node, JOB, self.tmp)
 
     def wait_for_step(self, step, timeout=60):
         end = time.monotonic() + timeout
@@ -107,14 +102,6 @@ class BoxJob:
             for pid in self.ranks_on(node):
                 os.kill(pid, signal.SIGKILL)
         self.proc.wait(30)
-
-
-def cmdline(pid):
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
 
 
 def placement(out):
@@ -152,7 +139,7 @@ def test_a_lost_node_ends_the_job_under_open_mpi_5_named_with_its_checkpoint_who
                                                                                   tmp_path):
     job = BoxJob(box, tmp_path / "lost")
     job.wait_for_step(KILL_AT)
-    daemons = [pid for pid in box.pids("node2") if b"prted" in cmdline(pid)]
+    daemons = box.pids("node2", "prted")
     assert daemons and len(job.ranks_on("node2")) == 2, daemons
     box.kill_node("node2")  # its ranks, its prted, the shells that started them
     code = job.finish(10)  # the job ends within 10 s of the loss
