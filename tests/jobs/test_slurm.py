@@ -27,8 +27,8 @@ SBATCH_SCRIPT = REPO / "slurm" / "train.sbatch"
 # same contract and slow steps, works too: JOB_ARGS = ["--steps", "60"], FINAL_STEP = 60).
 # Its steps take about a millisecond, so it runs many and logs every 1000.
 JOB_SCRIPT = REPO / "jobs" / "mnist_mlp.py"
-JOB_ARGS = ["--num-ps", "1", "--steps", "20000", "--log-every", "1000"]
-FINAL_STEP = 20000
+JOB_ARGS = ["--num-ps", "1", "--steps", "10000", "--log-every", "1000"]
+FINAL_STEP = 10000
 LONG_JOB_ARGS = ["--num-ps", "1", "--steps", "2000000", "--log-every", "1000"]
 TF_TASKS = REPO / "tests" / "slurm" / "tf_tasks.py"
 START = REPO / "tests" / "slurm" / "start-slurm.sh"

@@ -48,7 +48,7 @@ export SLURM_CONF=$ROOT/etc/slurm.conf
 ClusterName=mpitfbox
 SlurmctldHost=$HEAD($(addr "$HEAD"))
 SlurmUser=root
-AuthInfo=socket=$S,cred_expire=${SLURM_CRED_EXPIRE:-10}
+AuthInfo=socket=$S,cred_expire=${SLURM_CRED_EXPIRE:-5}
 StateSaveLocation=$ROOT/state
 SlurmdSpoolDir=$ROOT/spool/%n
 SlurmctldPidFile=$ROOT/run/slurmctld.pid

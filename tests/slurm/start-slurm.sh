@@ -10,7 +10,7 @@
 #
 # Exit codes: 0 ready; 1 Slurm failed to start; 3 this machine cannot run it (not root, no apt,
 # package install failed). tests/jobs/test_slurm.py skips on 3 unless MPITF_TEST_SLURM=1.
-# Knobs: SLURM_CRED_EXPIRE (default 10 s: a requeued job restarts 11-30 s later instead of
+# Knobs: SLURM_CRED_EXPIRE (default 5 s, Slurm's least: a requeued job restarts 6-30 s later, not
 # over 2 min), SLURM_KILL_WAIT (default 10 s between SIGTERM and SIGKILL on cancel/timeout).
 # Adapted from the recipe in shared/slurm-local (see its NOTES.md).
 set -euo pipefail
@@ -53,7 +53,7 @@ ClusterName=mpitf
 SlurmctldHost=$N(127.0.0.1)
 SlurmUser=root
 CommunicationParameters=NoInAddrAny,NoCtldInAddrAny
-AuthInfo=socket=$S,cred_expire=${SLURM_CRED_EXPIRE:-10}
+AuthInfo=socket=$S,cred_expire=${SLURM_CRED_EXPIRE:-5}
 StateSaveLocation=$ROOT/state
 SlurmdSpoolDir=$ROOT/spool
 SlurmctldPidFile=$ROOT/run/slurmctld.pid
