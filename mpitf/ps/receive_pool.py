@@ -59,8 +59,9 @@ class ReceivePool:
                                  between)
         index = self.free.pop()
         try:
-            request = message.Irecv([self.frames[index].bytes, MPI.BYTE])
-            P.wait_all([request], deadline, lambda _: describe(self.source))
+            frame = self.frames[index].bytes
+            request = message.Irecv([frame, MPI.BYTE])
+            P.wait_all([request], deadline, lambda _: describe(self.source), nbytes=frame.nbytes)
         except MPI.Exception:
             self.free.append(index)  # its sender died (ULFM): the frame is free again
             raise

@@ -91,10 +91,10 @@ class _Poll:
 
     __slots__ = ("start", "deadline", "budget")
 
-    def __init__(self, deadline):
+    def __init__(self, deadline, nbytes=0):
         self.start = time.monotonic()
         self.deadline = deadline
-        self.budget = POLICY.budget()
+        self.budget = POLICY.budget(nbytes)
 
     def pause(self):
         """Yield or sleep before the next poll; return True once the deadline has passed."""
@@ -111,14 +111,15 @@ class _Poll:
         POLICY.ended(time.monotonic() - self.start)
 
 
-def wait_all(requests, deadline, describe, between=None):
+def wait_all(requests, deadline, describe, between=None, nbytes=0):
     """Wait for all requests with a deadline in seconds (None: none).
 
-    ``between()``, if given, is called between two polls (work that must go on meanwhile).
+    ``between()``, if given, is called between two polls (work that must go on meanwhile);
+    ``nbytes``: the bytes the requests move (see :class:`~mpitf.wire.spin.SpinPolicy`).
     """
     if MPI.Request.Testall(requests):
         return
-    poll = _Poll(deadline)  # even with no deadline: MPI's Waitall would spin in MPI
+    poll = _Poll(deadline, nbytes)  # even with no deadline: MPI's Waitall would spin in MPI
     while not MPI.Request.Testall(requests):
         if between is not None:
             between()

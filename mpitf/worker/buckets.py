@@ -207,7 +207,8 @@ class BucketedPush:
             self.reply[i].receive_chunks(self.receives[i], link.deadline,
                                          lambda _, i=i: self._describe(i))
         else:
-            P.wait_all(self.receives[i], link.deadline, lambda _, i=i: self._describe(i))
+            P.wait_all(self.receives[i], link.deadline, lambda _, i=i: self._describe(i),
+                       nbytes=2 * self.reply[i].bytes.nbytes)  # the push and its reply
         self.stage.widen_params(*self.order[i])
         self.arrived[i] = True
         if tl is not None and tl.enabled:

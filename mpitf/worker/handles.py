@@ -54,6 +54,7 @@ class Replies:
 
     def __init__(self, link, frames, stage, views):
         self.link, self.frames, self.stage, self.views = link, frames, stage, views
+        self.nbytes = sum(frame.bytes.nbytes for frame in frames)
 
     def finish(self, widen=True):
         """Read the reply headers, gather partitioned variables, raise on refused gradients.
@@ -125,7 +126,8 @@ class PushPullHandle:
                 # One receive and one send per ps, in ps order: request i is ps i % P's.
                 requests = [r for rs in self.receives for r in rs] + self.sends
                 nps = len(link.ranks)
-                P.wait_all(requests, link.deadline, lambda i: self._describe(i % nps))
+                P.wait_all(requests, link.deadline, lambda i: self._describe(i % nps),
+                           nbytes=2 * self.replies.nbytes)  # the push and its reply
             else:
                 frames = self.replies.frames
                 for p, requests in enumerate(self.receives):

@@ -38,3 +38,13 @@ def test_mpitf_spin_ms_fixes_the_spin(monkeypatch):
     assert policy.budget() == 0.02
     monkeypatch.delenv("MPITF_SPIN_MS")
     assert SpinPolicy.from_environment().fixed is None
+
+
+def test_a_wait_for_many_bytes_spins_as_long_as_copying_them_takes():
+    policy = SpinPolicy()
+    assert policy.budget(4096) == SpinPolicy.FLOOR  # a small message: the learned spin
+    two_16_mib = 2 * (16 << 20)  # a push and its reply
+    assert policy.budget(two_16_mib) == two_16_mib / SpinPolicy.MOVE_RATE > policy.cap
+    assert policy.budget(1 << 40) == SpinPolicy.MAX_MOVE
+    policy.fixed = 0.02
+    assert policy.budget(two_16_mib) == 0.02  # $MPITF_SPIN_MS decides alone
