@@ -139,7 +139,8 @@ def run_suites(args, out, log):
                                         "--json", path, *buckets, *quick]):
                 res[f"pushpull_{tag}"] = _load(path)
     common = [*quick, "--launcher", shlex.join(launch)]
-    profiles = {(m, b): [] for m in ("mlp", "cnn") for b in (32, 96)}  # the W=1 batches
+    models = getattr(args, "models", ("mlp", "cnn"))
+    profiles = {(m, b): [] for m in models for b in (32, 96)}  # the W=1 batches
 
     def profile_round(i):  # the cost model's compute per model
         for (model, batch), runs in profiles.items():
@@ -165,7 +166,7 @@ def run_suites(args, out, log):
             path = os.path.join(out, f"scaling-{i}.json")
             if step("scaling", [py, "-m", "mpitf.bench.scaling", "--json", path, *common,
                                 "--run-dir", os.path.join(out, "scaling-runs", str(i)),
-                                *workers, "--repeats", "1"]):
+                                "--models", ",".join(models), *workers, "--repeats", "1"]):
                 scaling.append(_load(path))
         if "modes" in suites:
             path = os.path.join(out, f"modes-w1-{i}.json")  # 2 ranks: what the cores hold

@@ -6,7 +6,7 @@ Subcommands::
     mpitf run -n N [--dry-run] JOB [ARGS...]                run a job under mpiexec
     mpitf data digits|mnist|synthetic-ctr|criteo|hash-ids ... write an HDF5 data set
     mpitf ckpt ls|show|verify|export DIR ...                inspect checkpoints
-    mpitf bench [--quick] [--suite S] [--out DIR] [-n N]    run the benchmarks
+    mpitf bench [--quick] [--suite S] [--models M] [--out DIR] [-n N]   run the benchmarks
     mpitf bench --plan --nodes N --model-bytes B --compute-ms C --fabric F   plan a cluster
 
 JOB is a built-in job's name (hello, mnist_mlp, in_graph, towers, ctr: ``mpitf run -n 3
@@ -237,6 +237,19 @@ def cmd_bench(args):
 
 
 # --- parser -----------------------------------------------------------------------------
+def _bench_models(text):
+    """Return ``text`` (comma-separated models of the built-in job) as a tuple, for argparse."""
+    from ..config import JobConfig
+
+    known = JobConfig.__dataclass_fields__["model"].metadata["choices"]
+    models = tuple(m for m in text.split(",") if m)
+    unknown = [m for m in models if m not in known]
+    if not models or unknown:
+        raise argparse.ArgumentTypeError(
+            f"expecting models among {','.join(known)}, got {text!r}")
+    return models
+
+
 def _at_least_one(text):
     """Return ``text`` as an int >= 1, for argparse (which prints one usage line, exit 2)."""
     try:
@@ -362,6 +375,9 @@ def build_parser():
                    help="which benchmarks (default: all; fabric: a two-rank ping-pong, "
                         "written to OUT/fabric.json for --plan)")
     p.add_argument("-n", type=int, default=None, help="MPI ranks (default: the suite's own)")
+    p.add_argument("--models", default="mlp,cnn", type=_bench_models,
+                   help="the built-in job's models that the scaling suite and the cost "
+                        "model's profiles run (default: mlp,cnn)")
     p.add_argument("--hosts", default=None,
                    help="run every suite's ranks over these hosts (mpiexec -hosts, e.g. "
                         "'n1,n2': ranks go round them), so the fabric and push/pull figures "

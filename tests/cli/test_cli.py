@@ -87,6 +87,10 @@ def test_usage_errors_exit_2(capsys):
     for bad, says in (("0", "must be at least 1, got 0"), ("x", "expecting a whole number")):
         assert main(["bench", "--quick", "--repeats", bad]) == 2
         assert f"argument --repeats: {says}" in capsys.readouterr().err
+    for bad in ("mlp,resnet", ","):
+        assert main(["bench", "--quick", "--models", bad]) == 2
+        assert f"argument --models: expecting models among mlp,cnn, got {bad!r}" in \
+            capsys.readouterr().err
     assert main(["--version"]) == 0
     assert "mpitf 0.1.0" in capsys.readouterr().out
 
