@@ -139,7 +139,7 @@ def run_suites(args, out, log):
                                         "--json", path, *buckets, *quick]):
                 res[f"pushpull_{tag}"] = _load(path)
     common = [*quick, "--launcher", shlex.join(launch)]
-    models = getattr(args, "models", ("mlp", "cnn"))
+    models = args.models
     profiles = {(m, b): [] for m in models for b in (32, 96)}  # the W=1 batches
 
     def profile_round(i):  # the cost model's compute per model

@@ -130,7 +130,8 @@ def cmd_run(args):
         return _error(str(exc), EXIT_ERROR)
     if args.hostfile is not None and not os.path.isfile(args.hostfile):
         raise ConfigurationError(f"--hostfile {args.hostfile}: no such file")
-    cmd = run_command(args.n, args.job, args.args, mpiexec=mpiexec, hosts=_run_hosts(args),
+    hosts = _run_hosts(args)
+    cmd = run_command(args.n, args.job, args.args, mpiexec=mpiexec, hosts=hosts,
                       hostfile=args.hostfile)
     if args.dry_run:
         print(shlex.join(cmd))
@@ -143,8 +144,8 @@ def cmd_run(args):
         # that lost a node's daemon with status 0 ("PRTE has lost communication with a
         # remote daemon"), before the node's launcher, killed, says otherwise
         if args.hosts and is_openmpi(mpiexec):
-            wait_for_launchers(launch_log, _run_hosts(args))
-        lost = lost_node_message(launch_log, _run_hosts(args), args.n)
+            wait_for_launchers(launch_log, hosts)
+        lost = lost_node_message(launch_log, hosts, args.n)
         if lost:
             sys.stderr.write(f"mpitf: {lost}\n")
             code = code or EXIT_ERROR

@@ -23,7 +23,6 @@ class SyncReplicas:
     """
 
     name = "sync"
-    deterministic = False
 
     def __init__(self, replicas_to_aggregate, total_num_replicas, weights=None):
         if not 1 <= replicas_to_aggregate <= total_num_replicas:
@@ -143,8 +142,6 @@ class DeterministicSync(SyncReplicas):
     worker may be many buckets ahead), received into two frames. Every worker's gradient
     is in every step, so backup workers, and a lost worker, are refused.
     """
-
-    deterministic = True
 
     def __init__(self, replicas_to_aggregate, total_num_replicas, weights=None):
         if replicas_to_aggregate != total_num_replicas:
