@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -25,10 +26,11 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 SBATCH_SCRIPT = REPO / "slurm" / "train.sbatch"
 # The job under test: the real training job (tests/slurm/fake_job.py, a stand-in with the
 # same contract and slow steps, works too: JOB_ARGS = ["--steps", "60"], FINAL_STEP = 60).
-# Its steps take about a millisecond, so it runs many and logs every 1000.
+# Its steps take about a millisecond: the USR1 lands while its tasks are stopped (see
+# usr1_after_step), so it cannot finish first.
 JOB_SCRIPT = REPO / "jobs" / "mnist_mlp.py"
-JOB_ARGS = ["--num-ps", "1", "--steps", "10000", "--log-every", "1000"]
-FINAL_STEP = 10000
+JOB_ARGS = ["--num-ps", "1", "--steps", "2000", "--log-every", "500"]
+FINAL_STEP = 2000
 LONG_JOB_ARGS = ["--num-ps", "1", "--steps", "2000000", "--log-every", "1000"]
 TF_TASKS = REPO / "tests" / "slurm" / "tf_tasks.py"
 START = REPO / "tests" / "slurm" / "start-slurm.sh"
@@ -126,13 +128,13 @@ def _steps(text):
     return [int(n) for n in re.findall(r"^step (\d+)\b", text, re.M)]
 
 
-def _wait_for(what, cond, deadline_s, out):
+def _wait_for(what, cond, deadline_s, out, poll_s=0.5):
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         value = cond()
         if value:
             return value
-        time.sleep(0.5)
+        time.sleep(poll_s)
     pytest.fail(f"timed out after {deadline_s} s waiting for {what}; log so far:\n{_read(out)}")
 
 
@@ -141,6 +143,74 @@ def _job_pids(env, jobid):
     res = subprocess.run(["scontrol", "listpids", jobid], env=env, capture_output=True,
                          text=True, timeout=30)
     return [f[0] for f in map(str.split, res.stdout.splitlines()) if f and f[0].isdigit()]
+
+
+def _tasks(jobid):
+    """Return the pids of ``jobid``'s tasks (``python JOB_SCRIPT ...``), on any node here.
+
+    The pids are this (the root) PID namespace's, which also sees a box's nodes; srun, whose
+    arguments hold the script too, is not one.
+    """
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if argv[1:2] == [str(JOB_SCRIPT).encode()] and (
+                    f"SLURM_JOB_ID={jobid}".encode()
+                    in (proc / "environ").read_bytes().split(b"\0")):
+                pids.append(int(proc.name))
+        except (OSError, ValueError):
+            continue  # not a process, or gone
+    return pids
+
+
+def _stat_state(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def _pending(pid, signum):
+    """Whether ``signum`` waits, undelivered, for process ``pid`` (a stopped one keeps it)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    masks = re.findall(r"^(?:ShdPnd|SigPnd):\s*([0-9a-f]+)$", status, re.M)
+    return any(int(mask, 16) >> (signum - 1) & 1 for mask in masks)
+
+
+def usr1_after_step(scancel, jobid, ntasks, step, out):
+    """Send the batch shell USR1 as the time limit would, once the job has logged ``step``.
+
+    The job's tasks are SIGSTOPped as soon as the step shows (the log is read every 10 ms;
+    the job still has many steps to go), USR1 goes to the batch shell (``scancel(argv)``
+    runs scancel, in a box's head namespace if need be), which forwards it to srun and srun
+    to the tasks; once USR1 is pending in every task, they go on. So a job of millisecond
+    steps does not finish between the step the test saw and the signal.
+    """
+    def found():
+        if "srun exited" in _read(out):
+            pytest.fail(f"the job ended before its {ntasks} tasks were found:\n{_read(out)}")
+        return len(pids := _tasks(jobid)) == ntasks and pids
+
+    tasks = _wait_for(f"the job's {ntasks} tasks", found, 120, out, 0.05)
+    try:
+        _wait_for(f"step {step}", lambda: max(_steps(_read(out)), default=0) >= step, 120, out,
+                  0.01)
+        for pid in tasks:
+            os.kill(pid, signal.SIGSTOP)
+        _wait_for("its tasks to stop", lambda: all(_stat_state(p) == "T" for p in tasks), 30, out)
+        assert scancel(["scancel", "--signal=USR1", "--batch", jobid]).returncode == 0
+        _wait_for("USR1 to reach every task",
+                  lambda: all(_pending(p, signal.SIGUSR1) for p in tasks), 60, out)
+    finally:
+        for pid in tasks:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
 
 def _wait_terminal(env, jobid, deadline_s, out, client=()):
@@ -166,10 +236,8 @@ def submitted(slurm_env, tmp_path):
 
 def test_usr1_checkpoints_requeues_and_resumes(submitted, tmp_path):
     env, jobid, out = submitted(*JOB_ARGS)
-    _wait_for("1000 steps", lambda: max(_steps(_read(out)), default=0) >= 1000, 120, out)
     # What --signal=B:USR1@120 does before the time limit, now: USR1 to the batch shell only.
-    subprocess.run(["scancel", "--signal=USR1", "--batch", jobid], env=env, check=True,
-                   timeout=30)
+    usr1_after_step(lambda argv: subprocess.run(argv, env=env, timeout=30), jobid, 2, 500, out)
     info = _wait_terminal(env, jobid, 150, out)
     log = _read(out)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, log)
@@ -185,7 +253,7 @@ def test_usr1_checkpoints_requeues_and_resumes(submitted, tmp_path):
     first, second = _steps(runs[0]), _steps(runs[1])
     assert first and second, log
     # Resumed from the checkpoint, not from 0: the second run starts after the first one's steps.
-    assert second[0] > max(first) >= 1000, log
+    assert second[0] > max(first) >= 500, log
     final = json.loads(re.search(r"^final: (.*)$", runs[1], re.M).group(1))
     assert final["step"] == FINAL_STEP, log
     assert final.get("restart_count", 1) == 1, log

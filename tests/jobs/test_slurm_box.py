@@ -32,6 +32,7 @@ from tests.jobs.test_slurm import (
     _unavailable,
     _wait_for,
     _wait_terminal,
+    usr1_after_step,
 )
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mpi, pytest.mark.slow]
@@ -41,8 +42,8 @@ STOP = REPO / "tests" / "slurm" / "stop-slurm.sh"
 EXIT_CANNOT = 3  # start-slurm.sh: this machine cannot run Slurm
 NODES = ["node1", "node2", "node3"]
 # The real job, deterministic sync so that the resumed run can be compared bit for bit with
-# an uninterrupted one. Its steps take a few ms across the box: the USR1 sent at step 100
-# lands well before step 1000.
+# an uninterrupted one. Its steps take about a millisecond across the box: the USR1 sent
+# after step 100 lands while its tasks are stopped (usr1_after_step).
 STEPS = 1000
 JOB_ARGS = ["--num-ps", "1", "--mode", "sync", "--deterministic", "--seed", "5",
             "--steps", str(STEPS), "--log-every", "100", "--log-device-placement"]
@@ -150,9 +151,8 @@ def test_sbatch_on_three_nodes_requeues_on_usr1_and_resumes_to_the_same_bits(
     jobid = res.stdout.strip().split(";")[0]
     out = tmp_path / f"mpitf-{jobid}.out"
     try:
-        _wait_for("step 100", lambda: max(_steps(_read(out)), default=0) >= 100, 120, out)
         # What --signal=B:USR1@120 does before the time limit, now: USR1 to the batch shell.
-        assert slurm_box.run(["scancel", "--signal=USR1", "--batch", jobid]).returncode == 0
+        usr1_after_step(slurm_box.run, jobid, 3, 100, out)
         _wait_for("the requeue", lambda: "requeueing job" in _read(out), 60, out)
         # The uninterrupted reference, on one node under mpiexec, while Slurm waits to restart
         # the job (deterministic sync across nodes has the bits of one node: test_multinode).
