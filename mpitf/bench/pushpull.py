@@ -49,7 +49,6 @@ from mpitf.config import (
     default_bucket_bytes,
 )
 from mpitf.placement import Placement
-from mpitf.ps.kernels import fused_apply
 from mpitf.ps.optimizers import make_optimizer
 from mpitf.ps.service import serve
 from mpitf.runtime.exits import run_job
@@ -216,11 +215,12 @@ class Bench:
         return times
 
     def axpy_block(self, nbytes, reps):
-        """Time SGD on one ps's share (ps task 0 only): median seconds (axpy, fused apply).
+        """Time SGD on one ps's share (ps task 0 only): median seconds (axpy, the ps's apply).
 
         axpy is two numpy passes (``multiply`` into a scratch, ``subtract``); apply is the
-        ps's own fused kernel (:func:`mpitf.ps.kernels.fused_apply`, one thread), which is
-        what a push with ``sgd`` pays.
+        ps's own (:meth:`~mpitf.ps.optimizers.Optimizer.apply`, one thread: the fused kernel,
+        or the ufunc passes below ``FUSED_MIN_SIZE`` elements), which is what a push with
+        ``sgd`` pays.
         """
         if not (self.is_ps and self.server.task_index == 0):
             return None
@@ -233,7 +233,7 @@ class Bench:
             np.multiply(grad, LR, out=tmp)  # as the reference passes of GradientDescent
             np.subtract(params, tmp, out=params)
             t1 = time.perf_counter()
-            fused_apply(sgd, params, grad, {}, 0)
+            sgd.apply(params, grad, {}, 0)
             if i >= WARMUP:
                 axpy.append(t1 - t0)
                 fused.append(time.perf_counter() - t1)

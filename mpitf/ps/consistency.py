@@ -9,7 +9,6 @@ With node-local aggregation a push stands for several replicas (``weights``, fro
 
 from ..config import check_int
 from ..errors import ConfigurationError, PeerError
-from ..wire.convert import add_widened, widen_into
 
 
 class SyncReplicas:
@@ -197,7 +196,9 @@ def _put(accum, grad):
     """Copy ``grad`` into the float32 ``accum``, widened from a 16-bit wire dtype."""
     if grad.dtype == accum.dtype:
         accum[...] = grad
-    else:
+    else:  # the conversions use numba: a ps of a float32 wire does not import it
+        from ..wire.convert import widen_into
+
         widen_into(grad, accum)
 
 
@@ -206,6 +207,8 @@ def _add(xp, accum, grad):
     if grad.dtype == accum.dtype:
         xp.add(accum, grad, out=accum)
     else:
+        from ..wire.convert import add_widened
+
         add_widened(accum, grad)
 
 

@@ -26,6 +26,11 @@ from mpitf.runtime.backend import array_module
 from .average import ExponentialMovingAverage
 from .schedules import SCHEDULES
 
+# Below this many elements a host buffer takes the ufunc passes: there they cost what the
+# fused kernel costs, within a few µs (less for SGD), and a ps whose buffers are all this
+# small never starts numba, which takes 0.3-0.5 s of CPU out of every small job's start-up.
+FUSED_MIN_SIZE = 1 << 14
+
 
 def _fused_apply(*args):
     """Load the fused kernels (numba) on the first apply, then call them.
@@ -40,8 +45,9 @@ def _fused_apply(*args):
     return fused_apply(*args)
 
 __all__ = [
-    "Adagrad", "Adam", "ExponentialDecay", "ExponentialMovingAverage", "GradientDescent",
-    "Momentum", "NoOp", "Optimizer", "array_module", "make_optimizer", "make_schedule",
+    "FUSED_MIN_SIZE", "Adagrad", "Adam", "ExponentialDecay", "ExponentialMovingAverage",
+    "GradientDescent", "Momentum", "NoOp", "Optimizer", "array_module", "make_optimizer",
+    "make_schedule",
 ]
 
 _SCRATCH = "_scratch"
@@ -167,26 +173,31 @@ class Optimizer(abc.ABC):
     def apply(self, params, grad, slots, step, pool=None, reply=None, widened=None):
         """Update ``params`` in place from ``grad``; ``step`` is the global step before it.
 
-        Host buffers take the fused kernel of :mod:`mpitf.ps.kernels` (one pass, over
-        ``pool``'s threads: a :class:`~mpitf.ps.threads.KernelPool`, or None for this
-        thread); others (CuPy) take the ufunc passes of ``reference_update``. ``grad`` may
-        be a wire dtype (bfloat16, float16) and is then widened (into ``widened``, a
-        buffer like ``params``, for the ufunc passes; None: a new one); ``reply`` (or None)
-        gets the new parameters in its dtype. ``grad`` may be overwritten.
+        Host buffers of :data:`FUSED_MIN_SIZE` elements or more take the fused kernel of
+        :mod:`mpitf.ps.kernels` (one pass, over ``pool``'s threads: a
+        :class:`~mpitf.ps.threads.KernelPool`, or None for this thread); others (smaller
+        ones, CuPy's) take the ufunc passes of ``reference_update``, to the same bits.
+        ``grad`` may be a wire dtype (bfloat16, float16) and is then widened (into
+        ``widened``, a buffer like ``params``, for the ufunc passes; None: a new one);
+        ``reply`` (or None) gets the new parameters in its dtype. ``grad`` may be
+        overwritten.
         """
         if params.shape != grad.shape:
             raise ValueError(
                 f"expecting grad of shape {params.shape}, got {grad.shape} ({self.name})"
             )
-        if not _fused_apply(self, params, grad, slots, int(step), pool, reply):
-            from mpitf.wire.convert import narrow_into, widen_into  # not the host path
-
+        if params.size < FUSED_MIN_SIZE or not _fused_apply(
+                self, params, grad, slots, int(step), pool, reply):
             g = grad
-            if grad.dtype != params.dtype:
+            if grad.dtype != params.dtype:  # a 16-bit wire (the conversions use numba)
+                from mpitf.wire.convert import widen_into
+
                 g = widened if widened is not None else array_module(params).empty_like(params)
                 widen_into(grad, g)
             self.reference_update(array_module(params), params, g, slots, int(step))
             if reply is not None:
+                from mpitf.wire.convert import narrow_into
+
                 narrow_into(params, reply)
 
     @abc.abstractmethod

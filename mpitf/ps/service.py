@@ -31,7 +31,6 @@ from .receive_pool import ReceivePool
 from .replica import Replication
 from .senders import Senders
 from .shard import Shard
-from .sparse import SparseTables
 from .sparse_inbox import SparseInbox
 
 _log = logging.getLogger("mpitf")
@@ -64,6 +63,8 @@ class Service(Cuts, Losses):
             if self.backend.name != "numpy":
                 raise ConfigurationError("embedding tables need ps tasks on the host for now; "
                                          "run the ps with the numpy backend")
+            from .sparse import SparseTables  # its row kernels import numba: tables only
+
             self.tables = SparseTables(assignment.sparse, self.ps_task, assignment.num_ps,
                                        self.shard.rules.default, config.seed, self.num_workers)
         self.timeline = Timeline(server.rank, server.device, bool(config.timeline))

@@ -13,14 +13,18 @@ buffer and round the reply after.
 
 import numpy as np
 
-from ..wire import convert
-from ..wire.convert import narrow_into, widen_into
 from ..wire.dtypes import wire_dtype
 from ..wire.frame import Frame
 from .groups import ElementRules
-from .kernels import warm_up
-from .optimizers import ExponentialMovingAverage, make_optimizer
+from .optimizers import FUSED_MIN_SIZE, ExponentialMovingAverage, make_optimizer
 from .threads import KernelPool, default_threads
+
+
+def _convert():
+    """The 16-bit wire's conversions: numba's, so only a shard with such a wire loads them."""
+    from ..wire import convert
+
+    return convert
 
 
 class Shard:
@@ -47,13 +51,16 @@ class Shard:
         self.slots = {k: backend.to_device(v)
                       for k, v in self.rules.make_slots(size, self.xp, dtype).items()}
         # The kernel threads, and the kernel compiled (or loaded from numba's cache) now,
-        # at start-up, not in the first step. A device shard runs the ufunc passes.
+        # at start-up, not in the first step. A device shard, and a host one too small for
+        # the kernels (optimizers.FUSED_MIN_SIZE), run the ufunc passes.
         self.pool = KernelPool(threads) if backend.name == "numpy" else None
-        if self.pool is not None:
+        if self.pool is not None and size >= FUSED_MIN_SIZE:
+            from .kernels import warm_up  # numba: a small shard never loads it
+
             for opt in self.rules.optimizers:
                 warm_up(opt, self.dtype, self.wire)
         if self.widened is not None:
-            convert.warm_up(self.wire)
+            _convert().warm_up(self.wire)
         self.average = average  # an ExponentialMovingAverage or None
         self.average_frame = Frame.allocate(backend, size, dtype) if average is not None else None
         self._views = {}  # (lo, hi) -> (params, slots, average, reply, widened) views, made once
@@ -115,7 +122,7 @@ class Shard:
     def widen(self, grad, lo, hi):
         """Return a wire-dtype gradient of elements ``[lo, hi)`` widened (scratch: reused)."""
         out = self.widened[lo:hi]
-        widen_into(grad, out)
+        _convert().widen_into(grad, out)
         return out
 
     def initialize(self, values):
@@ -123,14 +130,14 @@ class Shard:
         if self.widened is None:
             self.params[...] = values
         else:
-            widen_into(values, self.params)
+            _convert().widen_into(values, self.params)
             self.reply.payload[...] = values
         self.start_average()
 
     def restored(self):
         """Round the float32 parameters, just restored, into the reply (a 16-bit wire)."""
         if self.widened is not None:
-            narrow_into(self.params, self.reply.payload)
+            _convert().narrow_into(self.params, self.reply.payload)
 
     def publish(self, lo, hi):
         """Make elements ``[lo, hi)`` as updated visible to MPI (the header untouched)."""

@@ -5,6 +5,9 @@ before the fused kernels, and what a CuPy ps still runs). Hypothesis draws the s
 values (zeros, subnormals, huge and tiny magnitudes included) and the hyper-parameters.
 """
 
+import subprocess
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -220,3 +223,31 @@ def test_warm_up_compiles_the_kernel_before_the_first_step():
     seconds = kernels.warm_up(make_optimizer("adam", 0.1), np.float32)
     assert 0 <= seconds < 60
     assert kernels.warm_up(make_optimizer("none", 0.1), np.float32) < 1.0
+
+
+def test_a_ps_of_small_buffers_never_loads_numba():
+    # Below FUSED_MIN_SIZE elements the ufunc passes apply (the same bits, as above), and
+    # numba's import and start (0.3-0.5 s of CPU) stay out of a small job's start-up.
+    code = """if True:
+        import sys
+        import numpy as np
+        import mpitf.ps.service
+        from mpitf.ps.optimizers import FUSED_MIN_SIZE, make_optimizer
+        from mpitf.placement import VariableSlice
+        from mpitf.ps.shard import Shard
+        from mpitf.runtime.backend import get_backend
+        adam = make_optimizer("adam", 0.1)
+        w = VariableSlice("w", (100,), "float32", 0, 0, 100, 0)
+        Shard([w], 100, np.float32, adam, get_backend())
+        for n in (100, FUSED_MIN_SIZE - 1):
+            adam.apply(np.ones(n, np.float32), np.ones(n, np.float32),
+                       adam.make_slots(n, np, np.float32), 0)
+        print("numba" in sys.modules)
+        n = FUSED_MIN_SIZE
+        adam.apply(np.ones(n, np.float32), np.ones(n, np.float32),
+                   adam.make_slots(n, np, np.float32), 0)
+        print("numba" in sys.modules)
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out == ["False", "True"]

@@ -85,8 +85,9 @@ ELEMENTS = 24 * 8 + 8 + 8 * 5 + 5
 
 
 def test_one_worker_equals_numpy_with_the_wire_roundings(tmp_path):
-    # adam and momentum run the fused kernels; rmsprop (a torch rule) the reference passes
-    # on a widened scratch gradient; 64-byte buckets cut the frame in 3 (async: 1 worker)
+    # a shard this small applies with the reference passes on a widened scratch gradient
+    # (tests/ps/test_kernels.py: the fused kernels' bits are theirs, wire dtypes included);
+    # 64-byte buckets cut the frame in 3 (async: 1 worker)
     phases = ["bfloat16:adam:sync:0", "float16:momentum:sync:0", "bfloat16:rmsprop:async:64"]
     runs = _run(tmp_path, 2, phases)
     for phase in phases:
