@@ -32,7 +32,7 @@ import pytest
 
 from mpitf.ckpt.names import LATEST
 from mpitf.runtime.launch import mpiexec_command
-from mpitf.testing import kill_group, run_mpi
+from mpitf.testing import hydra_topology_files, kill_group, remove_files, run_mpi
 
 REPO = Path(__file__).resolve().parent.parent
 MPI_DRIVERS = REPO / "tests" / "mpi"
@@ -184,6 +184,7 @@ class Background:
                                      stdin=subprocess.DEVNULL, env=full_env, cwd=str(REPO),
                                      start_new_session=True)
         self.n = n
+        self.hydra_files = set()  # its proxies' topology files, removed when it has ended
 
     @property
     def output(self):
@@ -193,6 +194,7 @@ class Background:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if condition():
+                self.hydra_files |= hydra_topology_files(self.proc.pid)  # its proxies run
                 return
             if self.proc.poll() is not None:
                 pytest.fail(f"job ended (code {self.proc.returncode}) before {what}:\n"
@@ -240,6 +242,7 @@ class Background:
             pytest.fail(f"still running {timeout} s later; killed:\n{self.output}")
         finally:
             self._out.close()
+            remove_files(self.hydra_files)
         return self.proc.returncode, time.monotonic() - start
 
     def wait_ranks_gone(self, timeout=30):
@@ -263,6 +266,7 @@ class Background:
         kill_group(self.proc)
         self.proc.wait(30)
         self._out.close()
+        remove_files(self.hydra_files)
 
 
 def latest_step(root):

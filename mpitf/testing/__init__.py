@@ -99,8 +99,45 @@ def signal_when(n, argv, log, marker, wait=60, sig=signal.SIGTERM, cwd=None):
 
 
 def kill_group(proc, sig=signal.SIGKILL):
-    """Send ``sig`` to the process group of ``proc`` (mpiexec and every rank it started)."""
+    """Send ``sig`` to the process group of ``proc`` (mpiexec and every rank it started).
+
+    Hydra's proxies (mpiexec's children, in a group of their own) exit once mpiexec is gone,
+    without removing the topology file each keeps open (``/tmp/hydra_hwloc_xmlfile_*``):
+    a SIGKILL removes those files too.
+    """
+    files = hydra_topology_files(proc.pid) if sig == signal.SIGKILL else ()
     try:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
+    remove_files(files)
+
+
+def remove_files(paths):
+    """Remove ``paths``, those that are still there."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass  # its proxy had removed it
+
+
+def hydra_topology_files(parent):
+    """Return the Hydra topology files that the children of process ``parent`` hold open.
+
+    A run that ends by a rank's death or a stop can leave them behind its proxies: read them
+    while the run trains, remove them (:func:`remove_files`) once mpiexec has exited.
+    """
+    files = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) != parent:
+                    continue
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if os.path.basename(target).startswith("hydra_hwloc_xmlfile_"):
+                    files.add(target)
+        except OSError:
+            continue  # gone, or not ours to read
+    return files

@@ -3,7 +3,7 @@ and srun's ranks running the tasks TensorFlow's SlurmClusterResolver gives them.
 
 The session fixture starts Slurm with tests/slurm/start-slurm.sh (root and Debian's packages).
 Where this machine cannot run it, the tests skip; with MPITF_TEST_SLURM=1 they fail instead.
-About 1.5 minutes in all, most of it Slurm's delay before a requeued job starts again.
+About 20 s in all, most of it Slurm's delay before a requeued job starts again.
 """
 
 import fcntl

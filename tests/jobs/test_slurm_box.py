@@ -6,7 +6,7 @@ node in the node's namespace with the node's host name, so srun's tasks run on t
 joined by TCP. Clients run in the head namespace. Everything (jobs, daemons, munged, the
 box, the files under a temporary directory) is removed afterwards, also after a failure.
 Where this machine cannot run Slurm or make a box, the tests skip; with MPITF_TEST_SLURM=1
-they fail instead. About 40 s, most of it Slurm's delay before a requeued job starts again.
+they fail instead. About 15 s, most of it Slurm's delay before a requeued job starts again.
 """
 
 import json

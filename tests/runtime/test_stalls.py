@@ -28,7 +28,7 @@ from mpitf.config import (
     stall_allowance,
 )
 from mpitf.runtime.stall import StepClock
-from mpitf.testing import kill_group
+from mpitf.testing import kill_group, remove_files
 from tests.support import JOB, REPO, Background, names_stopped_rank, process_gone
 
 # ------------------------------------------------------------------- the rule, without MPI
@@ -203,6 +203,7 @@ def test_killing_the_proxy_leaves_no_orphan(tmp):
     finally:
         if job.proc.poll() is None:
             job.kill()
+        remove_files(job.hydra_files)  # the killed proxy's
         for p in pids if "pids" in locals() else ():
             if not process_gone(p):
                 os.kill(p, signal.SIGKILL)
