@@ -40,6 +40,12 @@ _log = logging.getLogger("mpitf")
 # ------------------------------------------------------------------------ saving
 
 
+# The chief dying in the middle of a cut is not survived (ULFM): the paused replicas wait
+# for its release, and its successor cannot tell which ps tasks reported to the dead one.
+CHIEF_LOST_IN_CUT = ("died during the checkpoint cut at step {step}; the chief's loss is "
+                     "survived between cuts, not in one: resume from the latest checkpoint")
+
+
 def request(root, step, send_control):
     """Chief: ask every ps for a cut expected at ``step``; False if it is already saved.
 
