@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,7 +33,13 @@ import pytest
 
 from mpitf.ckpt.names import LATEST
 from mpitf.runtime.launch import mpiexec_command
-from mpitf.testing import hydra_topology_files, kill_group, remove_files, run_mpi
+from mpitf.testing import (
+    hydra_topology_files,
+    kill_group,
+    open_mpi_session_dir,
+    remove_files,
+    run_mpi,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 MPI_DRIVERS = REPO / "tests" / "mpi"
@@ -179,6 +186,7 @@ class Background:
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", MPITF_TEST_STEP_SLEEP=str(step_sleep),
                         MPITF_TEST_PID_DIR=str(self.pid_dir), **(env or {}))
         cmd = mpiexec_command(n, [sys.executable, JOB, *job_args(tmp, **kw)], mpiexec=mpiexec)
+        self.session_dir = open_mpi_session_dir(mpiexec, full_env)  # removed when it ended
         self._out = open(self.log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=full_env, cwd=str(REPO),
@@ -242,7 +250,7 @@ class Background:
             pytest.fail(f"still running {timeout} s later; killed:\n{self.output}")
         finally:
             self._out.close()
-            remove_files(self.hydra_files)
+            self._clean_up()
         return self.proc.returncode, time.monotonic() - start
 
     def wait_ranks_gone(self, timeout=30):
@@ -266,7 +274,13 @@ class Background:
         kill_group(self.proc)
         self.proc.wait(30)
         self._out.close()
+        self._clean_up()
+
+    def _clean_up(self):
+        """Remove what the launcher leaves behind a killed run: Hydra's files, PRRTE's dir."""
         remove_files(self.hydra_files)
+        if self.session_dir and self.proc.poll() is not None:
+            shutil.rmtree(self.session_dir, ignore_errors=True)
 
 
 def latest_step(root):

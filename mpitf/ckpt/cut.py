@@ -22,6 +22,10 @@ why the cut is consistent.
 
 import logging
 
+from mpi4py import MPI
+
+from ..errors import PeerError
+from ..runtime import ulfm
 from ..wire import protocol as P
 from .buffers import FILE as BUFFERS
 from .buffers import write_buffers
@@ -40,10 +44,11 @@ _log = logging.getLogger("mpitf")
 # ------------------------------------------------------------------------ saving
 
 
-# The chief dying in the middle of a cut is not survived (ULFM): the paused replicas wait
-# for its release, and its successor cannot tell which ps tasks reported to the dead one.
-CHIEF_LOST_IN_CUT = ("died during the checkpoint cut at step {step}; the chief's loss is "
-                     "survived between cuts, not in one: resume from the latest checkpoint")
+# A chief or a ps dying in the middle of a cut is not survived (ULFM): the paused replicas
+# wait for the chief's release, its successor cannot tell which ps tasks reported to the
+# dead one, and a dead ps's piece of the cut is missing.
+RANK_LOST_IN_CUT = ("died during the checkpoint cut{step}; {whose} loss is survived between "
+                    "cuts, not in one: resume from the latest checkpoint")
 
 
 def request(root, step, send_control):
@@ -82,12 +87,24 @@ def save_shard(comm, chief, root, ps_task, num_ps, global_step, slices, backend,
 
 
 def collect(comm, ps_ranks, deadline, host_of):
-    """Chief, paused: return every ps's report of its shard, in ps task order."""
-    return [P.recv_object(comm, rank, P.TAG_CONTROL, deadline,
-                          lambda p=p, rank=rank: dict(rank=rank, job="ps", task=p,
-                                                      host=host_of(rank),
-                                                      operation="checkpoint write"))
-            for p, rank in enumerate(ps_ranks)]
+    """Chief, paused: return every ps's report of its shard, in ps task order.
+
+    A ps that died in the cut (ULFM) ends the job, named: its buddy serves its shard from
+    the next step, but the cut it was to write is not whole.
+    """
+    reports = []
+    for p, rank in enumerate(ps_ranks):
+        def peer(p=p, rank=rank):
+            return dict(rank=rank, job="ps", task=p, host=host_of(rank),
+                        operation="checkpoint write")
+        try:
+            reports.append(P.recv_object(comm, rank, P.TAG_CONTROL, deadline, peer))
+        except MPI.Exception as exc:
+            if not ulfm.is_failure(exc):
+                raise
+            raise PeerError(RANK_LOST_IN_CUT.format(step="", whose="a ps's"),
+                            **peer()) from exc
+    return reports
 
 
 def commit(root, reports, variables, layout, max_to_keep, buffers=None):

@@ -46,8 +46,9 @@ class Cuts:
         except Exception as exc:  # the report to the chief: an MPI error if it died
             if not (self.server.ulfm and ulfm.is_failure(exc)):
                 raise
-            raise PeerError(cut.CHIEF_LOST_IN_CUT.format(step=self.cut_step()),
-                            **self.server.peer(self.chief, "checkpoint")) from exc
+            why = cut.RANK_LOST_IN_CUT.format(step=f" at step {self.cut_step()}",
+                                              whose="the chief's")
+            raise PeerError(why, **self.server.peer(self.chief, "checkpoint")) from exc
 
     def cut_step(self):
         """Return the step replies and checkpoint cuts name: a served copy's is its buddy's.

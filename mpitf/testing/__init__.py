@@ -6,13 +6,15 @@ failed test (the deadline kills the whole process group) instead of a stalled CI
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
-from mpitf.runtime.launch import mpiexec_command
+from mpitf.runtime.launch import is_openmpi, mpiexec_command
 
 # Hydra's -prepend-rank "[R] line"; Open MPI's --output tag "[J,R]<stdout>: line"
 _RANK_PREFIX = re.compile(r"^\[(?:\d+,)?(\d+)\](?:<std(?:out|err)>:)? ?(.*)$")
@@ -53,6 +55,7 @@ def run_mpi(n, argv, timeout=60, env=None, cwd=None, tag_output=False, python=Tr
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     if env:
         full_env.update(env)
+    session_dir = open_mpi_session_dir(mpiexec, full_env)
     start = time.monotonic()
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, cwd=cwd,
@@ -65,6 +68,9 @@ def run_mpi(n, argv, timeout=60, env=None, cwd=None, tag_output=False, python=Tr
         timed_out = True
         kill_group(proc)
         out, err = proc.communicate()
+    finally:
+        if session_dir:
+            shutil.rmtree(session_dir, ignore_errors=True)
     result = MPIRun(proc.returncode, out, err, time.monotonic() - start, timed_out)
     if tag_output:
         for line in (out + err).splitlines():
@@ -72,6 +78,20 @@ def run_mpi(n, argv, timeout=60, env=None, cwd=None, tag_output=False, python=Tr
             if m:
                 result.ranks.setdefault(int(m.group(1)), []).append(m.group(2))
     return result
+
+
+def open_mpi_session_dir(mpiexec, env):
+    """Give an Open MPI launch a ``TMPDIR`` of its own in ``env``; return it (None: Hydra).
+
+    PRRTE names its session directories by pid (``$TMPDIR/ompi.PID``, ``prted.PID``), and a
+    killed launch leaves its own behind: once pids wrap, a later launch with that pid finds
+    the directory taken and ends at once ("The PMIx server's listener thread failed to
+    start"). The caller removes the directory when the launch has ended.
+    """
+    if mpiexec is None or not is_openmpi(mpiexec):
+        return None
+    env["TMPDIR"] = tempfile.mkdtemp(prefix="mpitf-ompi-")
+    return env["TMPDIR"]
 
 
 def signal_when(n, argv, log, marker, wait=60, sig=signal.SIGTERM, cwd=None):

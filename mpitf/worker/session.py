@@ -357,8 +357,9 @@ class TrainingSession:
         except Exception as exc:  # an MPI error if the chief died (ULFM)
             if not (self.server.ulfm and ulfm.is_failure(exc)):
                 raise
-            raise PeerError(cut.CHIEF_LOST_IN_CUT.format(step=self.global_step),
-                            **self.server.peer(self.releaser, "checkpoint")) from exc
+            why = cut.RANK_LOST_IN_CUT.format(step=f" at step {self.global_step}",
+                                              whose="the chief's")
+            raise PeerError(why, **self.server.peer(self.releaser, "checkpoint")) from exc
 
     def _collect_checkpoint(self):
         # the ranks that serve each shard now: a lost ps's buddy reports its shard too
