@@ -34,6 +34,7 @@ import pytest
 from mpitf.ckpt.names import LATEST
 from mpitf.runtime.launch import mpiexec_command
 from mpitf.testing import (
+    children,
     hydra_topology_files,
     kill_group,
     open_mpi_session_dir,
@@ -225,12 +226,6 @@ class Background:
 
     def rank_pids_from_proc(self):
         """Return the pids of the ranks: the children of hydra_pmi_proxy, mpiexec's child."""
-        def children(pid):
-            try:
-                text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-            except OSError:
-                return []
-            return [int(p) for p in text.split()]
         proxies = children(self.proc.pid)
         assert proxies, "mpiexec has no child"
         assert all("hydra_pmi_proxy" in Path(f"/proc/{p}/cmdline").read_text()

@@ -12,8 +12,8 @@ rest workers. For each size B, interleaved in rounds so drift affects every figu
   variable of B/P bytes per ps, the workers doing ``Client.push_pull().wait()``, once
   with ``--optimizer none`` (the ps echoes its parameters) and once with SGD;
 * axpy: SGD as two numpy passes on a ps's B/P bytes (the baseline of the first targets),
-  and apply: SGD as the ps applies it (its fused kernel, one thread), both timed on ps
-  task 0 on private buffers;
+  and apply: SGD as the ps applies it (its fused kernel, or below 16 Ki elements its ufunc
+  passes; one thread), both timed on ps task 0 on private buffers;
 * per bucket size of ``--bucket-bytes K1,K2,...``: mpitf per optimizer with the push cut
   in buckets of about K bytes per ps (0: one bucket); by default the bucket size training
   uses first (``DEFAULT_BUCKET_BYTES``, 2 MiB; ``LINK_BUCKET_BYTES``, 1 MiB, where the ranks
@@ -227,7 +227,7 @@ class Bench:
         n = nbytes // 4 // self.num_ps
         params, grad, tmp = (np.ones(n, np.float32) for _ in range(3))
         sgd = make_optimizer("sgd", learning_rate=LR)
-        axpy, fused = [], []
+        axpy, applied = [], []
         for i in range(WARMUP + reps):
             t0 = time.perf_counter()
             np.multiply(grad, LR, out=tmp)  # as the reference passes of GradientDescent
@@ -236,8 +236,8 @@ class Bench:
             sgd.apply(params, grad, {}, 0)
             if i >= WARMUP:
                 axpy.append(t1 - t0)
-                fused.append(time.perf_counter() - t1)
-        return statistics.median(axpy), statistics.median(fused)
+                applied.append(time.perf_counter() - t1)
+        return statistics.median(axpy), statistics.median(applied)
 
     # -- one size --------------------------------------------------------------------------
 
@@ -287,7 +287,7 @@ def _limit(optimizer, bucket_bytes, raw, apply, share=None):
     Raw MPI's round trip is two copies, one each way, each by its receiver (CMA), one after
     the other: ``raw / 2`` each. In buckets the worker copies replies out while the ps
     copies the next bucket in, so the two directions overlap, but the ps's core must copy
-    every bucket in and apply it: at best ``raw / 2 + apply`` (the fused kernel's time on
+    every bucket in and apply it: at best ``raw / 2 + apply`` (the ps's apply time on
     the shard, one thread). So ``none`` can reach 2x raw, SGD ``raw / (raw / 2 + apply)``.
     None for one bucket (``share``, a ps's bytes, within one) and for optimizers whose
     apply was not timed.

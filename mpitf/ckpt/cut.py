@@ -44,11 +44,18 @@ _log = logging.getLogger("mpitf")
 # ------------------------------------------------------------------------ saving
 
 
-# A chief or a ps dying in the middle of a cut is not survived (ULFM): the paused replicas
-# wait for the chief's release, its successor cannot tell which ps tasks reported to the
-# dead one, and a dead ps's piece of the cut is missing.
-RANK_LOST_IN_CUT = ("died during the checkpoint cut{step}; {whose} loss is survived between "
-                    "cuts, not in one: resume from the latest checkpoint")
+def _lost_in_cut(exc, whose, peer, step=None):
+    """Return the error for ``exc``, a rank dead in the middle of a cut (ULFM); else re-raise.
+
+    Not survived: the paused replicas wait for the chief's release, its successor cannot
+    tell which ps tasks reported to the dead one, and a dead ps's piece of the cut is
+    missing (a loss between cuts is survived: :mod:`mpitf.ps.losses`).
+    """
+    if not ulfm.is_failure(exc):
+        raise exc
+    at = "" if step is None else f" at step {step}"
+    return PeerError(f"died during the checkpoint cut{at}; {whose} loss is survived between "
+                     f"cuts, not in one: resume from the latest checkpoint", **peer)
 
 
 def request(root, step, send_control):
@@ -66,12 +73,13 @@ def request(root, step, send_control):
 
 
 def save_shard(comm, chief, root, ps_task, num_ps, global_step, slices, backend, params,
-               slots, average, positions, paused, counters, tables=None):
+               slots, average, positions, paused, counters, tables=None, peer=None):
     """A quiescent ps: write its shard (from host copies of its buffers), report to the chief.
 
     ``positions`` maps each worker to the (epoch, cursor) it sent with its last applied
     push; ``paused`` are the workers waiting for the chief's release; ``tables`` the ps's
-    rows of the embedding tables (host arrays).
+    rows of the embedding tables (host arrays); ``peer(rank, operation)`` names the chief
+    if it died.
     """
     ckpt_dir = f"{root}/{checkpoint_name(global_step)}"
     with writing(f"{ckpt_dir}/{shard_name(ps_task, num_ps)}", "checkpoint shard"):
@@ -83,7 +91,10 @@ def save_shard(comm, chief, root, ps_task, num_ps, global_step, slices, backend,
                   positions={w: {"epoch": int(e), "cursor": int(c)}
                              for w, (e, c) in positions.items()},
                   paused=sorted(paused), counters=counters)
-    comm.send(report, dest=chief, tag=P.TAG_CONTROL)
+    try:
+        comm.send(report, dest=chief, tag=P.TAG_CONTROL)
+    except MPI.Exception as exc:
+        raise _lost_in_cut(exc, "the chief's", peer(chief, "checkpoint"), global_step) from exc
 
 
 def collect(comm, ps_ranks, deadline, host_of):
@@ -100,10 +111,7 @@ def collect(comm, ps_ranks, deadline, host_of):
         try:
             reports.append(P.recv_object(comm, rank, P.TAG_CONTROL, deadline, peer))
         except MPI.Exception as exc:
-            if not ulfm.is_failure(exc):
-                raise
-            raise PeerError(RANK_LOST_IN_CUT.format(step="", whose="a ps's"),
-                            **peer()) from exc
+            raise _lost_in_cut(exc, "a ps's", peer()) from exc
     return reports
 
 
@@ -140,13 +148,17 @@ def release(comm, reports, worker_ranks, chief, message):
             comm.send(message, dest=rank, tag=P.TAG_CONTROL)
 
 
-def wait_for_release(comm, chief, deadline, peer):
+def wait_for_release(comm, chief, deadline, peer, step):
     """A paused worker other than the chief: return the chief's message once it is saved.
 
-    ``peer(rank, operation)`` names a rank's task for the error if the chief is silent.
+    ``peer(rank, operation)`` names a rank's task for the error if the chief is silent or
+    died; ``step``: the step of the cut.
     """
-    return P.recv_object(comm, chief, P.TAG_CONTROL, deadline,
-                         lambda: peer(chief, "checkpoint"))
+    try:
+        return P.recv_object(comm, chief, P.TAG_CONTROL, deadline,
+                             lambda: peer(chief, "checkpoint"))
+    except MPI.Exception as exc:
+        raise _lost_in_cut(exc, "the chief's", peer(chief, "checkpoint"), step) from exc
 
 
 # --------------------------------------------------------------------- restoring

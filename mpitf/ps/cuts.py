@@ -6,8 +6,6 @@ shard, slots, tables and the workers' data positions (:mod:`mpitf.ckpt.cut`).
 """
 
 from ..ckpt import cut
-from ..errors import PeerError
-from ..runtime import ulfm
 
 
 class Cuts:
@@ -37,18 +35,12 @@ class Cuts:
             self.sparse.flush()
         shard = self.shard
         average = shard.average_frame.payload if shard.average is not None else None
-        try:
-            cut.save_shard(self.comm, self.chief, self.config.checkpoint_dir, self.ps_task,
-                           self.assignment.num_ps, self.cut_step(), shard.slices,
-                           self.backend, shard.params, shard.saved_slots(), average,
-                           self.positions, self.paused, self.counters,
-                           self.tables.saved(self.global_step) if self.tables else None)
-        except Exception as exc:  # the report to the chief: an MPI error if it died
-            if not (self.server.ulfm and ulfm.is_failure(exc)):
-                raise
-            why = cut.RANK_LOST_IN_CUT.format(step=f" at step {self.cut_step()}",
-                                              whose="the chief's")
-            raise PeerError(why, **self.server.peer(self.chief, "checkpoint")) from exc
+        cut.save_shard(self.comm, self.chief, self.config.checkpoint_dir, self.ps_task,
+                       self.assignment.num_ps, self.cut_step(), shard.slices, self.backend,
+                       shard.params, shard.saved_slots(), average, self.positions,
+                       self.paused, self.counters,
+                       self.tables.saved(self.global_step) if self.tables else None,
+                       peer=self.server.peer)
 
     def cut_step(self):
         """Return the step replies and checkpoint cuts name: a served copy's is its buddy's.

@@ -20,13 +20,6 @@ from .optimizers import FUSED_MIN_SIZE, ExponentialMovingAverage, make_optimizer
 from .threads import KernelPool, default_threads
 
 
-def _convert():
-    """The 16-bit wire's conversions: numba's, so only a shard with such a wire loads them."""
-    from ..wire import convert
-
-    return convert
-
-
 class Shard:
     """The variables one ps owns, as flat buffers, with the optimizer that updates them."""
 
@@ -43,9 +36,13 @@ class Shard:
         self.reply = Frame.allocate(backend, size, self.wire)
         self.params = self.reply.payload
         self.widened = None  # a 16-bit wire: a gradient widened for the reference passes
+        self.convert = None  # ... and its conversions (numba's: loaded for such a wire only)
         if self.wire != self.dtype:
+            from ..wire import convert
+
             self.params = backend.zeros(size, dtype)
             self.widened = np.empty(size, dtype)
+            self.convert = convert
         # Slots are made with the array module, then placed on the backend's device (a
         # no-op for numpy and CuPy; it matters for backends whose module is numpy).
         self.slots = {k: backend.to_device(v)
@@ -60,7 +57,7 @@ class Shard:
             for opt in self.rules.optimizers:
                 warm_up(opt, self.dtype, self.wire)
         if self.widened is not None:
-            _convert().warm_up(self.wire)
+            self.convert.warm_up(self.wire)
         self.average = average  # an ExponentialMovingAverage or None
         self.average_frame = Frame.allocate(backend, size, dtype) if average is not None else None
         self._views = {}  # (lo, hi) -> (params, slots, average, reply, widened) views, made once
@@ -122,7 +119,7 @@ class Shard:
     def widen(self, grad, lo, hi):
         """Return a wire-dtype gradient of elements ``[lo, hi)`` widened (scratch: reused)."""
         out = self.widened[lo:hi]
-        _convert().widen_into(grad, out)
+        self.convert.widen_into(grad, out)
         return out
 
     def initialize(self, values):
@@ -130,14 +127,14 @@ class Shard:
         if self.widened is None:
             self.params[...] = values
         else:
-            _convert().widen_into(values, self.params)
+            self.convert.widen_into(values, self.params)
             self.reply.payload[...] = values
         self.start_average()
 
     def restored(self):
         """Round the float32 parameters, just restored, into the reply (a 16-bit wire)."""
         if self.widened is not None:
-            _convert().narrow_into(self.params, self.reply.payload)
+            self.convert.narrow_into(self.params, self.reply.payload)
 
     def publish(self, lo, hi):
         """Make elements ``[lo, hi)`` as updated visible to MPI (the header untouched)."""

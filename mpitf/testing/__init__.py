@@ -142,6 +142,15 @@ def remove_files(paths):
             pass  # its proxy had removed it
 
 
+def children(pid):
+    """Return the pids of the children of process ``pid`` (none once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
 def hydra_topology_files(parent):
     """Return the Hydra topology files that the children of process ``parent`` hold open.
 
@@ -149,15 +158,12 @@ def hydra_topology_files(parent):
     while the run trains, remove them (:func:`remove_files`) once mpiexec has exited.
     """
     files = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in children(parent):
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) != parent:
-                    continue
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
                 if os.path.basename(target).startswith("hydra_hwloc_xmlfile_"):
                     files.add(target)
         except OSError:
-            continue  # gone, or not ours to read
+            continue  # gone meanwhile
     return files

@@ -15,10 +15,9 @@ import numpy as np
 from ..ckpt import cut
 from ..ckpt.tables import table_dicts
 from ..config import TrainingConfig
-from ..errors import ConfigurationError, NonFiniteGradientError, PeerError
+from ..errors import ConfigurationError, NonFiniteGradientError
 from ..models.clipping import clip_by_global_norm
 from ..placement import replica_device_setter
-from ..runtime import ulfm
 from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
 from ..runtime.stall import StepClock
 from ..runtime.timeline import Timeline
@@ -341,25 +340,15 @@ class TrainingSession:
             if self.server.is_chief:
                 message = self._collect_checkpoint()
             else:
-                message = self._wait_for_release()
+                message = cut.wait_for_release(self.server.comm, self.releaser,
+                                               self.server.deadline, self.server.peer,
+                                               self.global_step)
                 if self.buffers is not None:
                     self.buffers.load(message["buffers"])
             if relay and self.node is not None and self.node.leader:
                 self.node.relay(message)
         if message.get("stop"):
             self.requeue = True
-
-    def _wait_for_release(self):
-        """A paused replica other than the chief: return the chief's message once it saved."""
-        try:
-            return cut.wait_for_release(self.server.comm, self.releaser, self.server.deadline,
-                                        self.server.peer)
-        except Exception as exc:  # an MPI error if the chief died (ULFM)
-            if not (self.server.ulfm and ulfm.is_failure(exc)):
-                raise
-            why = cut.RANK_LOST_IN_CUT.format(step=f" at step {self.global_step}",
-                                              whose="the chief's")
-            raise PeerError(why, **self.server.peer(self.releaser, "checkpoint")) from exc
 
     def _collect_checkpoint(self):
         # the ranks that serve each shard now: a lost ps's buddy reports its shard too

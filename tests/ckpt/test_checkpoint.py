@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mpi4py import MPI
 
 from mpitf.ckpt import commands as cmds
 from mpitf.ckpt import cut
@@ -15,8 +16,9 @@ from mpitf.ckpt.pieces import Piece, cover
 from mpitf.ckpt.restore import load_shard, read_variables
 from mpitf.ckpt.verify import find_restorable, verify_checkpoint
 from mpitf.ckpt.write import prepare_save, write_manifest, write_shard
-from mpitf.errors import CheckpointError
+from mpitf.errors import CheckpointError, PeerError
 from mpitf.placement import MinMaxVariablePartitioner, Placement, VariableSlice
+from mpitf.runtime.backend import numpy_backend
 from mpitf.testing.fake_gpu import fake_gpu_backend
 
 VARIABLES = [
@@ -464,3 +466,36 @@ def test_pruning_never_deletes_a_checkpoint_newer_than_the_restored_one(tmp_path
     assert [c["global_step"] for c in list_checkpoints(root)] == [230, 300, 400]
     assert {n: sorted(os.listdir(tmp_path / n)) for n in newer} == newer
     assert verify_checkpoint(str(tmp_path / "ckpt-00000400")) == []
+
+
+class _DeadPeer:
+    """A communicator whose peer died: every call fails as ULFM's do (MPI_ERR_PROC_FAILED)."""
+
+    def _fail(self, *args, **kwargs):
+        raise MPI.Exception(MPI.ERR_PROC_FAILED)
+
+    send = Iprobe = _fail
+
+
+def _peer(rank, operation):
+    return dict(rank=rank, job="worker" if rank == 1 else "ps", task=0, host="h",
+                operation=operation)
+
+
+def test_a_rank_dead_in_the_middle_of_a_cut_is_one_error_naming_it(tmp_path):
+    # Not survived (docs/reliability.md): the chief's release, the ps's report to it and the
+    # chief's collection of the reports each end the job naming the dead rank.
+    dead, tail = _DeadPeer(), "loss is survived between cuts, not in one: resume from the latest"
+    with pytest.raises(PeerError, match=rf"^died during the checkpoint cut at step 9; the "
+                       rf"chief's {tail} checkpoint \(rank 1, /job:worker/task:0, on h, "
+                       rf"during checkpoint\)$"):
+        cut.wait_for_release(dead, 1, 5.0, _peer, 9)
+    placement = Placement(VARIABLES, 1)
+    params = shard_of(placement, 0, values_at(3))
+    with pytest.raises(PeerError, match=rf"^died during the checkpoint cut at step 3; the "
+                       rf"chief's {tail}"):
+        cut.save_shard(dead, 1, str(tmp_path), 0, 1, 3, placement.slices_for_ps(0),
+                       numpy_backend(), params, {}, None, {}, set(), {}, peer=_peer)
+    with pytest.raises(PeerError, match=rf"^died during the checkpoint cut; a ps's {tail} "
+                       rf"checkpoint \(rank 0, /job:ps/task:0, on h, during checkpoint write\)$"):
+        cut.collect(dead, [0], 5.0, lambda rank: "h")

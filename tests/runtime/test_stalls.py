@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -28,7 +27,7 @@ from mpitf.config import (
     stall_allowance,
 )
 from mpitf.runtime.stall import StepClock
-from mpitf.testing import kill_group, remove_files
+from mpitf.testing import children, kill_group, remove_files
 from tests.support import JOB, REPO, Background, names_stopped_rank, process_gone
 
 # ------------------------------------------------------------------- the rule, without MPI
@@ -184,8 +183,7 @@ def test_killing_the_proxy_leaves_no_orphan(tmp):
         job.wait_for_step(50)
         pids = [job.rank_pid(name) for name in
                 ("rank0-ps-0", "rank1-worker-0", "rank2-worker-1")]
-        proxies = {int(p) for p in
-                   Path(f"/proc/{job.proc.pid}/task/{job.proc.pid}/children").read_text().split()}
+        proxies = set(children(job.proc.pid))
         assert sorted(job.rank_pids_from_proc()) == sorted(pids)
         (proxy,) = proxies
         os.kill(proxy, signal.SIGKILL)
