@@ -7,6 +7,8 @@ is applied at once and answered at once, :class:`AtOnce` does the same work in o
 anything else (a stale or early step, a chunked frame, a bucket) goes the general way.
 """
 
+import time
+
 from ..wire import header as H
 from ..wire import protocol as P
 from .consistency import Async, SyncReplicas
@@ -40,32 +42,35 @@ class AtOnce:
 
     def takes(self, request):
         """Return True when ``request`` (a header) is a push this path serves."""
-        return request.kind == P.PUSH and not request.flags & P.FLAG_CHUNKED and \
-            request.bucket_count == 1
+        # The words themselves (kind, flags, bucket), not the header's properties.
+        return request[0] == P.PUSH and not request[4] & P.FLAG_CHUNKED and \
+            request[7] & 0xFFFFFFFF <= 1
 
-    def push(self, frame, index, request, worker, now):
+    def push(self, frame, index, request, worker):
         """Apply the push in pool frame ``index`` from ``worker`` and answer it.
 
         Returns True when the frame may be posted again (the policy's answer for a push
-        of another step, which it drops or refuses).
+        of another step, which it drops or refuses). What the reply does not carry (the
+        worker's data position, its step time, byte counts) is noted after it has left:
+        the worker waits for nothing else.
         """
         svc = self.svc
-        pipe, counters, step = svc.pipeline, svc.counters, request.step
-        svc.positions[svc.senders.replica_of[worker]] = (request.epoch, request.cursor)
-        svc.stepped(worker, now)
-        count = request.count
-        frame.received(count)
-        counters["bytes_in"] += H.HEADER_BYTES + count * frame.itemsize
-        svc.take_learning_rate(request)
+        pipe, counters = svc.pipeline, svc.counters
+        step, flags = request[1], request[4]
         if self.sync:
             if step != pipe.steps[0]:  # stale (dropped) or early (refused): the policy's
+                self._note(frame, request, worker)
                 return svc.policy.on_push(svc, worker, step, frame, index)
-            svc.note_staleness(0)
         else:
-            svc.note_staleness(svc.global_step - step)
+            svc.note_staleness(svc.global_step - step)  # the reply carries the largest
+        if frame.staged:
+            frame.received(request[3])
+        if flags & P.FLAG_LEARNING_RATE:
+            svc.take_learning_rate(request)
         pipe.finish(svc.stall.steady, svc.describe_reply)  # before the parameters change
-        lo, hi = pipe.ranges[0]
-        svc.shard.apply(frame.payload[:hi - lo], svc.global_step)
+        payload = frame.payload  # a buddy's frame may be larger than the ward's shard
+        svc.shard.apply(payload if len(payload) == svc.shard.size else
+                        payload[:svc.shard.size], svc.global_step)
         pipe.steps[0] += 1
         svc.global_step += 1
         counters["pushes_applied"] += 1
@@ -75,4 +80,16 @@ class AtOnce:
         pipe.add(reply.isend_published(svc.comm, svc.worker_ranks[worker], pipe.reply_tag,
                                        chunk_bytes), worker, pipe.WHOLE)
         counters["bytes_out"] += reply.bytes.nbytes
+        pipe.settle()
+        if self.sync:
+            svc.note_staleness(0)  # the largest stays as it was
+        self._note(frame, request, worker)
         return True
+
+    def _note(self, frame, request, worker):
+        """Note a push's arrival: its worker seen, its data position, one step, its bytes."""
+        svc = self.svc
+        now = svc.last_seen[worker] = svc.last_message = time.monotonic()
+        svc.positions[svc.senders.replica_of[worker]] = H.split_position(request[5])
+        svc.stepped(worker, now)
+        svc.counters["bytes_in"] += H.HEADER_BYTES + request[3] * frame.itemsize

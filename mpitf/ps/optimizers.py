@@ -242,8 +242,8 @@ class GradientDescent(Optimizer):
     def reference_update(self, xp, params, grad, slots, step):
         # Scale the gradient where it lies: the freshly received gradient is the one cold
         # buffer here, and a scratch buffer would be one more to pull through the cache.
-        xp.multiply(grad, self.learning_rate(step), out=grad)
-        xp.subtract(params, grad, out=params)
+        xp.multiply(grad, self.learning_rate(step), grad)  # out positional: a small
+        xp.subtract(params, grad, params)  # buffer's update is mostly the call's cost
 
 
 class Momentum(Optimizer):

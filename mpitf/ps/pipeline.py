@@ -85,9 +85,20 @@ class Pipeline:
         if self.newest is not None:
             self.newest.Test()
 
+    def settle(self):
+        """Forget the whole-frame replies that have left (a small one leaves at once).
+
+        Called once a reply is out, so that the next push, which must finish every reply
+        before it changes the parameters, finds nothing left to wait for.
+        """
+        if self.whole and MPI.Request.Testall([r for r, _ in self.whole]):
+            self.whole = []
+
     def finish(self, deadline, describe, bucket=None):
         """Wait for the replies that read ``bucket``'s slice or the header (None: all)."""
-        if bucket is None or not self.bucketed:
+        if not self.bucketed:  # every reply reads the whole frame
+            pending = self.whole
+        elif bucket is None:
             pending = self.whole
             for k, replies in enumerate(self.in_flight):
                 if replies:
@@ -95,9 +106,11 @@ class Pipeline:
                     self.in_flight[k] = []
         else:
             pending, self.in_flight[bucket] = self.in_flight[bucket] + self.whole, []
-        self.whole = []
         if pending:
+            self.whole = []
             requests = [r for r, _ in pending]
+            if MPI.Request.Testall(requests):  # the usual case: they have left
+                return
             try:
                 P.wait_all(requests, deadline, lambda i: describe(pending[i][1]))
             except MPI.Exception as exc:

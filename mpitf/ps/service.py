@@ -126,9 +126,11 @@ class Service(Cuts, Losses):
 
     def note_staleness(self, staleness):
         """Count a gradient of the given staleness (steps behind the ps) in the histogram."""
-        hist = self.counters["staleness_histogram"]
+        counters = self.counters
+        hist = counters["staleness_histogram"]
         hist[staleness] = hist.get(staleness, 0) + 1
-        self.counters["max_staleness"] = max(self.counters["max_staleness"], staleness)
+        if staleness > counters["max_staleness"]:
+            counters["max_staleness"] = staleness
 
     def note_lead(self, lead):
         """Record how far a worker ran ahead of the slowest (bounded staleness)."""
@@ -198,11 +200,12 @@ class Service(Cuts, Losses):
     def write_header(self, hi=None):
         """Refresh the reply header (none in flight) and publish the payload (up to ``hi``)."""
         c, reply, average = self.counters, self.shard.reply, self.shard.average_frame
-        c["global_step"] = step = self.cut_step()
+        c["global_step"] = step = self.global_step if self.buddy is None else self.cut_step()
         H.pack_reply(reply.header, step, self.ps_task,
                      (P.FLAG_PAUSE if self.pausing else 0) | self.chief_flags, c["pushes_applied"],
                      c["stale_dropped"], c["max_staleness"], c["max_lead"])
-        reply.publish(0, hi)
+        if reply.unpublished:
+            reply.publish(0, hi)
         if average is not None:
             average.header[...] = reply.header
             average.publish(0, hi)
@@ -249,16 +252,16 @@ class Service(Cuts, Losses):
 
     def _serve(self, index, source):
         """Serve the request in pool frame ``index``; return True when the frame is free."""
-        frame = self.pool[index]
+        frame = self.pool.frames[index]
         request = H.unpack_request(frame.fetch_header())
         if request.flags & P.FLAG_WARD and not self.is_ward:  # a lost ps's shard: its copy
             return self._serve_ward(index, source, request)
         worker = self.worker_of.get(source)
         if worker is None:
             raise PeerError(f"request from rank {source}, which is not a worker")
-        now = self.last_seen[worker] = self.last_message = time.monotonic()
         if self.at_once is not None and self.at_once.takes(request):
-            return self.at_once.push(frame, index, request, worker, now)
+            return self.at_once.push(frame, index, request, worker)
+        now = self.last_seen[worker] = self.last_message = time.monotonic()
         self.senders.note_positions(self.positions, worker, request, frame)
         if request.flags & P.FLAG_CHUNKED:
             self._chunked(worker, source, request, frame)

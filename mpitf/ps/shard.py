@@ -61,6 +61,7 @@ class Shard:
         self.average = average  # an ExponentialMovingAverage or None
         self.average_frame = Frame.allocate(backend, size, dtype) if average is not None else None
         self._views = {}  # (lo, hi) -> (params, slots, average, reply, widened) views, made once
+        self._whole = self._views[(0, size)] = self._views_of(0, size)  # every push's, unbucketed
 
     @classmethod
     def from_config(cls, config, assignment, backend, server):
@@ -80,10 +81,12 @@ class Shard:
         The optimizers work element by element, so a slice's update is the same arithmetic
         as the whole shard's on those elements (bit for bit).
         """
-        hi = self.size if hi is None else hi
-        views = self._views.get((lo, hi))
-        if views is None:
-            views = self._views[(lo, hi)] = self._views_of(lo, hi)
+        if hi is None:  # the whole shard (lo is 0)
+            views = self._whole
+        else:
+            views = self._views.get((lo, hi))
+            if views is None:
+                views = self._views[(lo, hi)] = self._views_of(lo, hi)
         parts, average, params = views
         if len(parts) == 1:  # one rule (no groups, or one group here): the gradient as it is
             opt, _, _, p, slots, reply, widened = parts[0]

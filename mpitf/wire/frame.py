@@ -99,6 +99,8 @@ class Frame:
         end = c if capacity is None else max(c, a + -(-capacity // self.itemsize))
         self.bytes = buffer.mpi[a:end].view(np.uint8)
         self.payload = buffer.array[b:c]
+        # A device frame, or a staged one, must be published before it is sent.
+        self.unpublished = self.staged or self.backend.is_device_array(buffer.mpi)
         if self.backend.is_device_array(buffer.mpi):
             self._device_header = buffer.array[a:b].view(np.int64)
             self.header = np.zeros(HEADER_WORDS, np.int64)
@@ -107,7 +109,8 @@ class Frame:
             self.header = buffer.mpi[a:b].view(np.int64)
             self.header[...] = 0  # a staged mirror starts uninitialised
         self.chunks = chunk_ranges(self.bytes.nbytes, chunk_bytes if self.staged else None)
-        self._persistent = {}  # (MPI call, peer, tag) -> a persistent request, made once
+        self._sends = {}  # (peer, tag) -> a persistent send of the whole frame, made once
+        self._receives = {}  # (peer, tag) -> a persistent receive of the whole frame
         self._chunks_for = {}  # chunk_bytes -> byte ranges, for isend_published
 
     @classmethod
@@ -137,7 +140,7 @@ class Frame:
         staged one is copied to the host chunk by chunk, each sent as soon as it is there.
         """
         if not self.staged:
-            return self._start(comm.Send_init, peer, tag)
+            return [self._restart(self._sends, comm.Send_init, peer, tag)]
         events = [self.buffer.to_mpi_async(*self._elements(lo, hi)) for lo, hi in self.chunks]
         requests = []
         for k, ((lo, hi), event) in enumerate(zip(self.chunks, events)):
@@ -161,9 +164,11 @@ class Frame:
         (a byte range of the frame) sends that part only: a bucket's parameters, or the
         header with the bucket behind it.
         """
-        data = self.bytes if span is None else self.bytes[span[0]:span[1]]
         if not chunk_bytes:
-            return [P.frame_op(comm.Isend, data, peer, tag)]
+            if span is None:  # the whole frame, to the same peers step after step
+                return [self._restart(self._sends, comm.Send_init, peer, tag, comm.Isend)]
+            return [P.frame_op(comm.Isend, self.bytes[span[0]:span[1]], peer, tag)]
+        data = self.bytes if span is None else self.bytes[span[0]:span[1]]
         key = (chunk_bytes, span)
         ranges = self._chunks_for.get(key)
         if ranges is None:
@@ -176,7 +181,7 @@ class Frame:
     def irecv(self, comm, peer, tag):
         """Post the receive of the frame from ``peer``; return its requests."""
         if not self.staged:
-            return self._start(comm.Recv_init, peer, tag)
+            return [self._restart(self._receives, comm.Recv_init, peer, tag)]
         return [P.frame_op(comm.Irecv, self.bytes[lo:hi], peer, chunk_tag(tag, k))
                 for k, (lo, hi) in enumerate(self.chunks)]
 
@@ -218,13 +223,22 @@ class Frame:
 
     # -- internals ---------------------------------------------------------------------
 
-    def _start(self, init, peer, tag):
-        key = (init, peer, tag)
-        request = self._persistent.get(key)
+    def _restart(self, persistent, init, peer, tag, busy=None):
+        """Start the persistent request of the whole frame to or from ``peer`` on ``tag``.
+
+        Made once (``init``: ``comm.Send_init`` or ``Recv_init``), restarted every step,
+        which costs a fraction of a new ``Isend``'s set-up. ``busy`` (``comm.Isend``): the
+        last one may still be under way (a ps may answer a worker twice before it tests
+        the first reply); then that call sends instead, as MPI forbids restarting it.
+        """
+        key = (peer, tag)
+        request = persistent.get(key)
         if request is None:
-            request = self._persistent[key] = P.frame_op(init, self.bytes, peer, tag)
+            request = persistent[key] = P.frame_op(init, self.bytes, peer, tag)
+        elif busy is not None and not request.Test():
+            return P.frame_op(busy, self.bytes, peer, tag)
         request.Start()
-        return [request]
+        return request
 
     def _elements(self, lo, hi):
         """Return the payload elements that bytes ``[lo, hi)`` of the frame cover."""

@@ -124,7 +124,8 @@ def wait_all(requests, deadline, describe, between=None, nbytes=0):
         if between is not None:
             between()
         if poll.pause():
-            pending = [i for i, r in enumerate(requests) if r != MPI.REQUEST_NULL]
+            # Test, not a null check: a persistent request stays non-null once complete.
+            pending = [i for i, r in enumerate(requests) if not r.Test()]
             info = describe(pending[0]) if pending else {}
             raise DeadlineError(f"no answer within {deadline:g} s", **info)
     poll.ended()

@@ -5,14 +5,18 @@ wraps it for node-local aggregation (see :mod:`mpitf.worker.node`); both end in 
 :class:`Reply` that :class:`Replies` reads from the ps headers.
 """
 
+from typing import NamedTuple
+
 from mpi4py import MPI
 
 from ..errors import PeerError
 from ..wire import header as H
 from ..wire import protocol as P
 
+_new = tuple.__new__  # a Reply straight from its six values (no argument parsing)
 
-class Reply:
+
+class Reply(NamedTuple):
     """What the ps tasks answered to one push or pull, over every ps.
 
     ``global_step`` is the smallest ps step; ``dropped`` and ``applied`` add up the stale
@@ -21,15 +25,12 @@ class Reply:
     a worker over the slowest one (bounded staleness only; 0 in other modes).
     """
 
-    __slots__ = ("global_step", "flags", "dropped", "applied", "max_staleness", "max_lead")
-
-    def __init__(self, global_step, flags, dropped, applied, max_staleness, max_lead):
-        self.global_step = global_step
-        self.flags = flags
-        self.dropped = dropped
-        self.applied = applied
-        self.max_staleness = max_staleness
-        self.max_lead = max_lead
+    global_step: int
+    flags: int
+    dropped: int
+    applied: int
+    max_staleness: int
+    max_lead: int
 
     @property
     def pause(self):
@@ -55,31 +56,38 @@ class Replies:
     def __init__(self, link, frames, stage, views):
         self.link, self.frames, self.stage, self.views = link, frames, stage, views
         self.nbytes = sum(frame.bytes.nbytes for frame in frames)
+        self.converts = stage.converts
 
     def finish(self, widen=True):
         """Read the reply headers, gather partitioned variables, raise on refused gradients.
 
         ``widen``: a 16-bit wire's replies are widened here (False: per bucket, done).
         """
-        if widen:
+        if widen and self.converts:
             self.stage.widen_params()
         steps = self.link.steps
         step = None
         flags = dropped = applied = staleness = lead = 0
         for p, frame in enumerate(self.frames):
-            reply = H.unpack_reply(frame.fetch_header())
-            if reply.kind != P.REPLY:
-                raise PeerError(f"unexpected message kind {reply.kind} from a ps",
+            kind, ps_step, _, ps_applied, ps_flags, ps_dropped, ps_staleness, ps_lead = \
+                H.unpack_reply(frame.fetch_header())
+            if kind != P.REPLY:
+                raise PeerError(f"unexpected message kind {kind} from a ps",
                                 **self.link.describe(p))
-            steps[p] = ps_step = reply.step
-            step = ps_step if step is None else min(step, ps_step)
-            flags |= reply.flags
-            dropped += reply.stale_dropped
-            applied += reply.pushes_applied
-            staleness = max(staleness, reply.max_staleness)
-            lead = max(lead, reply.max_lead)
-        self.views.gather()
-        return Reply(step or 0, flags, dropped, applied, staleness, lead)
+            steps[p] = ps_step
+            if step is None:
+                step, flags, dropped, applied, staleness, lead = \
+                    ps_step, ps_flags, ps_dropped, ps_applied, ps_staleness, ps_lead
+                continue
+            step = min(step, ps_step)
+            flags |= ps_flags
+            dropped += ps_dropped
+            applied += ps_applied
+            staleness = max(staleness, ps_staleness)
+            lead = max(lead, ps_lead)
+        if self.views.split:
+            self.views.gather()
+        return _new(Reply, (step or 0, flags, dropped, applied, staleness, lead))
 
 
 class PushPullHandle:
@@ -90,10 +98,15 @@ class PushPullHandle:
     silent ps.
     """
 
-    def __init__(self, link, receives, sends, operation, replies=None, resend=None):
+    __slots__ = ("link", "receives", "sends", "operation", "replies", "reply", "resend",
+                 "requests")
+
+    def __init__(self, link, receives, sends, operation, replies=None, resend=None,
+                 requests=None):
         self.link = link
         self.receives = receives  # per ps: the requests of its reply frame
         self.sends = sends
+        self.requests = requests  # receives, then sends, flat (None: made in wait)
         self.operation = operation
         self.replies = replies
         self.reply = None
@@ -122,12 +135,14 @@ class PushPullHandle:
             link = self.link
             if link.replicated:  # ps by ps: a lost one's frame goes to its buddy
                 self._wait_rerouting()
-            elif not link.chunked:  # one wait for everything: replies land in place
+            elif not link.flags & P.FLAG_CHUNKED:  # one wait for everything: in place
                 # One receive and one send per ps, in ps order: request i is ps i % P's.
-                requests = [r for rs in self.receives for r in rs] + self.sends
-                nps = len(link.ranks)
-                P.wait_all(requests, link.deadline, lambda i: self._describe(i % nps),
-                           nbytes=2 * self.replies.nbytes)  # the push and its reply
+                requests = self.requests or [r for rs in self.receives for r in rs] + \
+                    self.sends
+                if not MPI.Request.Testall(requests):
+                    nps = len(link.ranks)
+                    P.wait_all(requests, link.deadline, lambda i: self._describe(i % nps),
+                               nbytes=2 * self.replies.nbytes)  # the push and its reply
             else:
                 frames = self.replies.frames
                 for p, requests in enumerate(self.receives):

@@ -17,6 +17,7 @@ before a frame leaves and after it lands, whichever strategy moves it.
 from typing import NamedTuple
 
 import numpy as np
+from mpi4py import MPI
 
 from ..errors import ConfigurationError
 from ..runtime.backend import numpy_backend
@@ -34,6 +35,28 @@ class Frames(NamedTuple):
     requests: list  # per ps: a small host frame for header-only requests (pull, done, ...)
     segments: list  # per ps: (header, payload start, end) of the model's float32 layout
     chunk_bytes: object  # chunk size when frames are staged (None: whole)
+
+
+class Round:
+    """A push's requests when they are persistent: made by the first push, restarted after.
+
+    Whole frames (no chunks) to ps ranks that never change (no re-routing) are sent and
+    received by the same persistent requests every step (:meth:`Frame.isend`), so the
+    handle that holds them is made once too, and every push restarts it.
+    """
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle):
+        handle.requests = [r for rs in handle.receives for r in rs] + handle.sends
+        self.handle = handle
+
+    def start(self):
+        """Start every request again (receives first); return the handle, to be waited."""
+        handle = self.handle
+        MPI.Prequest.Startall(handle.requests)
+        handle.reply = None
+        return handle
 
 
 def transport_for(node, bucketed, backend):
@@ -77,6 +100,9 @@ class FlatTransport:
         self.grad_views, self.rates, self.backend = grad_views, rates, backend
         self.timeline = timeline
         self.position_frames = None  # requests with int64 words after the header
+        self.round = None  # a push's persistent requests, once known (see send_push)
+        self.counts = [c - b for _, b, c in frames.segments]  # per ps: a push's elements
+        self.on_gpu = backend.is_gpu
 
     @staticmethod
     def allocate(node, backend, params_size, grads_size, dtype):
@@ -97,27 +123,35 @@ class FlatTransport:
 
     def pack_push(self, data_position):
         """Make the gradient frames ready to leave: scatter, narrow, headers, synchronise."""
-        self.grad_views.scatter()
-        self.stage.narrow_grads()
-        link, segments, rate = self.link, self.frames.segments, self.rates.learning_rate
+        if self.grad_views.split:
+            self.grad_views.scatter()
+        if self.stage.converts:
+            self.stage.narrow_grads()
+        link, counts, rate = self.link, self.counts, self.rates.learning_rate
         epoch, cursor = data_position
         for p, frame in enumerate(self.frames.grads):
-            count = segments[p][2] - segments[p][1]
-            H.pack_request(frame.header, P.PUSH, link.steps[p], link.worker, count,
+            H.pack_request(frame.header, P.PUSH, link.steps[p], link.worker, counts[p],
                            link.flags | link.ward_flags[p], epoch, cursor, rate)
             frame.commit()
-        self.backend.synchronize()  # MPI must see the finished gradient
+        if self.on_gpu:
+            self.backend.synchronize()  # MPI must see the finished gradient
 
     def send_push(self):
         """Send the packed gradient frames and post the replies; return the handle."""
         link, grads, params = self.link, self.frames.grads, self.replies.frames
-        self.rates.send(link)
+        if self.rates.values is not None:
+            self.rates.send(link)
+        if self.round is not None:  # the same persistent requests as every step
+            return self.round.start()
         receives, sends = [], []
         for p, rank in enumerate(link.ranks):
             receives.append(params[p].irecv(link.comm, rank, link.reply_tags[p]))
             sends.extend(grads[p].isend(link.comm, rank, P.TAG_REQUEST))
-        return PushPullHandle(link, receives, sends, "push_pull", self.replies,
-                              self._resend_push if link.replicated else None)
+        handle = PushPullHandle(link, receives, sends, "push_pull", self.replies,
+                                self._resend_push if link.replicated else None)
+        if not (link.chunked or link.replicated):  # whole frames to fixed ranks: keep them
+            self.round = Round(handle)
+        return handle
 
     def request(self, kind, want_reply, flags=0, operation="pull", payload=None):
         """Send a header-only request (or one with int64 ``payload`` words) to every ps.

@@ -34,6 +34,8 @@ class NativeFrames:
         grads_flat: the model's flat gradient buffer.
     """
 
+    converts = False  # the transports skip the calls below
+
     def __init__(self, layout, grad_layout, params_flat, grads_flat):
         self.layout, self.grad_layout = layout, grad_layout
         self.params_flat, self.grads_flat = params_flat, grads_flat
@@ -61,6 +63,8 @@ class WireFrames:
         buckets: per ps, its buckets' element ranges (one range: no buckets).
         backend: the array backend the buffers are made on.
     """
+
+    converts = True
 
     def __init__(self, native, dtype, placement, buckets, backend):
         from ..wire import convert  # loads numba: only when a worker converts
