@@ -2,7 +2,9 @@
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
+from mpitf.errors import DeadlineError
 from mpitf.runtime.backend import numpy_backend
 from mpitf.testing.fake_gpu import FakeGPUArray, fake_gpu_backend
 from mpitf.wire import header as H
@@ -77,3 +79,20 @@ def test_mpi_buffer_is_the_array_where_mpi_reads_it():
     buf.mpi[...] = 5
     buf.from_mpi()
     assert be.to_host(dev).tolist() == [[5, 5, 5], [5, 5, 5]]
+
+
+def test_a_deadline_names_the_request_still_pending_among_finished_persistent_ones():
+    """A finished persistent request is not null; the error names the one still waiting."""
+    comm = MPI.COMM_SELF
+    sent, got, never = (np.zeros(4, np.uint8) for _ in range(3))
+    send = comm.Send_init([sent, MPI.BYTE], 0, 1)
+    done = comm.Recv_init([got, MPI.BYTE], 0, 1)
+    pending = comm.Recv_init([never, MPI.BYTE], 0, 2)  # nothing is sent on tag 2
+    MPI.Prequest.Startall([done, send, pending])
+    with pytest.raises(DeadlineError, match="task:1"):
+        P.wait_all([done, pending, send], 0.05,
+                   lambda i: dict(rank=0, job="ps", task=i))
+    pending.Cancel()
+    pending.Wait()
+    for request in (send, done, pending):
+        request.Free()
