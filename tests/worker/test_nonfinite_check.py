@@ -1,4 +1,4 @@
-"""``Client.nonfinite_gradient``: which variable holds NaN or Inf, found without a sum.
+"""``Client.nonfinite_gradient``: which variable holds NaN or Inf, and no false alarm.
 
 One process, no ps: the client is built on ``COMM_SELF`` (it sends nothing here).
 """
