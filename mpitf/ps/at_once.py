@@ -68,9 +68,10 @@ class AtOnce:
         if flags & P.FLAG_LEARNING_RATE:
             svc.take_learning_rate(request)
         pipe.finish(svc.stall.steady, svc.describe_reply)  # before the parameters change
-        payload = frame.payload  # a buddy's frame may be larger than the ward's shard
-        svc.shard.apply(payload if len(payload) == svc.shard.size else
-                        payload[:svc.shard.size], svc.global_step)
+        grad = frame.payload  # the shard's size, but for a ward's (a buddy's pool frame):
+        if len(grad) != svc.shard.size:  # a view made only then, not one every push
+            grad = grad[:svc.shard.size]
+        svc.shard.apply(grad, svc.global_step)
         pipe.steps[0] += 1
         svc.global_step += 1
         counters["pushes_applied"] += 1

@@ -166,7 +166,8 @@ class Frame:
         """
         if not chunk_bytes:
             if span is None:  # the whole frame, to the same peers step after step
-                return [self._restart(self._sends, comm.Send_init, peer, tag, comm.Isend)]
+                return [self._restart(self._sends, comm.Send_init, peer, tag,
+                                      fallback=comm.Isend)]
             return [P.frame_op(comm.Isend, self.bytes[span[0]:span[1]], peer, tag)]
         data = self.bytes if span is None else self.bytes[span[0]:span[1]]
         key = (chunk_bytes, span)
@@ -223,20 +224,20 @@ class Frame:
 
     # -- internals ---------------------------------------------------------------------
 
-    def _restart(self, persistent, init, peer, tag, busy=None):
+    def _restart(self, persistent, init, peer, tag, fallback=None):
         """Start the persistent request of the whole frame to or from ``peer`` on ``tag``.
 
         Made once (``init``: ``comm.Send_init`` or ``Recv_init``), restarted every step,
-        which costs a fraction of a new ``Isend``'s set-up. ``busy`` (``comm.Isend``): the
-        last one may still be under way (a ps may answer a worker twice before it tests
-        the first reply); then that call sends instead, as MPI forbids restarting it.
+        which costs a fraction of a new ``Isend``'s set-up. ``fallback`` (``comm.Isend``):
+        the last one may still be under way (a ps may answer a worker twice before it
+        tests the first reply); then that call sends instead, as MPI forbids restarting it.
         """
         key = (peer, tag)
         request = persistent.get(key)
         if request is None:
             request = persistent[key] = P.frame_op(init, self.bytes, peer, tag)
-        elif busy is not None and not request.Test():
-            return P.frame_op(busy, self.bytes, peer, tag)
+        elif fallback is not None and not request.Test():
+            return P.frame_op(fallback, self.bytes, peer, tag)
         request.Start()
         return request
 

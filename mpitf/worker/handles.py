@@ -56,14 +56,13 @@ class Replies:
     def __init__(self, link, frames, stage, views):
         self.link, self.frames, self.stage, self.views = link, frames, stage, views
         self.nbytes = sum(frame.bytes.nbytes for frame in frames)
-        self.converts = stage.converts
 
     def finish(self, widen=True):
         """Read the reply headers, gather partitioned variables, raise on refused gradients.
 
         ``widen``: a 16-bit wire's replies are widened here (False: per bucket, done).
         """
-        if widen and self.converts:
+        if widen and self.stage.converts:
             self.stage.widen_params()
         steps = self.link.steps
         step = None

@@ -102,7 +102,7 @@ class FlatTransport:
         self.position_frames = None  # requests with int64 words after the header
         self.round = None  # a push's persistent requests, once known (see send_push)
         self.counts = [c - b for _, b, c in frames.segments]  # per ps: a push's elements
-        self.on_gpu = backend.is_gpu
+        self.on_gpu = backend.is_gpu  # a host push has no stream to synchronise
 
     @staticmethod
     def allocate(node, backend, params_size, grads_size, dtype):
