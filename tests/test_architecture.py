@@ -68,7 +68,7 @@ LONG_MODULES = {
     "mpitf/placement.py": "which ps holds which variable or slice (TensorFlow's partitioners)",
     "mpitf/ps/consistency.py": "the consistency policies: sync, deterministic sync, async, ssp",
     "mpitf/ps/optimizers.py": "the ps's update rules",
-    "mpitf/ps/service.py": "the ps's event loop: one handler per request kind",
+    "mpitf/ps/service.py": "the ps's event loop, its state and what the policies call",
     "mpitf/runtime/backend.py": "numpy or CuPy behind one handle (the only CuPy import)",
     "mpitf/tables/rowkernels.py": "the compiled row loops of the tables",
     "mpitf/tables/dynkernels.py": "the compiled loops of the tables that grow",

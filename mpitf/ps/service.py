@@ -10,7 +10,6 @@ completed (MPI forbids touching a buffer that is being sent).
 import logging
 import time
 
-import numpy as np
 from mpi4py import MPI
 
 from ..errors import ConfigurationError, DeadlineError, PeerError
@@ -25,6 +24,7 @@ from ..wire.frame import Frame
 from .at_once import AtOnce
 from .consistency import make_policy
 from .cuts import Cuts
+from .handlers import Handlers
 from .losses import Losses
 from .pipeline import Pipeline
 from .receive_pool import ReceivePool
@@ -36,7 +36,7 @@ from .sparse_inbox import SparseInbox
 _log = logging.getLogger("mpitf")
 
 
-class Service(Cuts, Losses):
+class Service(Handlers, Cuts, Losses):
     """One ps task serving the workers of a cluster under a consistency policy."""
 
     def __init__(self, server, config, assignment, backend=None):
@@ -200,11 +200,11 @@ class Service(Cuts, Losses):
     def write_header(self, hi=None):
         """Refresh the reply header (none in flight) and publish the payload (up to ``hi``)."""
         c, reply, average = self.counters, self.shard.reply, self.shard.average_frame
-        c["global_step"] = step = self.global_step if self.buddy is None else self.cut_step()
+        c["global_step"] = step = self.cut_step()
         H.pack_reply(reply.header, step, self.ps_task,
                      (P.FLAG_PAUSE if self.pausing else 0) | self.chief_flags, c["pushes_applied"],
                      c["stale_dropped"], c["max_staleness"], c["max_lead"])
-        if reply.unpublished:
+        if reply.unpublished:  # a host frame is as MPI reads it
             reply.publish(0, hi)
         if average is not None:
             average.header[...] = reply.header
@@ -290,96 +290,6 @@ class Service(Cuts, Losses):
                                self.deadline,
                                lambda i: self.describe_worker(worker, "push (chunked)"),
                                nbytes if request.kind == P.PUSH else None)
-
-    # -- one handler per request kind: (worker, request, frame, index, now) -> frame free --
-
-    def _on_push(self, worker, request, frame, index, now):
-        bucket = request.bucket_index
-        if request.bucket_count != self.pipeline.count:
-            raise PeerError(
-                f"a push in {request.bucket_count} buckets, but this ps cuts its shard "
-                f"in {self.pipeline.count}: every task needs the same --bucket-bytes",
-                **self.describe_worker(worker, "push"))
-        if bucket == 0:
-            self.stepped(worker, now)
-        frame.received(request.count)
-        self.counters["bytes_in"] += H.HEADER_BYTES + request.count * frame.itemsize
-        self.take_learning_rate(request)
-        return self.policy.on_push(self, worker, request.step, frame, index, bucket)
-
-    def _on_rates(self, worker, request, frame, index, now):
-        # Before a push, within its step: each group's learning rate.
-        rates = frame.bytes[H.HEADER_BYTES:H.HEADER_BYTES + 8 * request.count]
-        self.shard.set_learning_rates(rates.view(np.float64))
-        return True
-
-    def _on_sparse(self, worker, request, frame, index, now):
-        return self.sparse.handle(worker, request.kind, index)  # within a step: not a pause
-
-    def _on_skip(self, worker, request, frame, index, now):
-        # The worker found NaN/Inf in its gradient and was told to skip it: count it and
-        # answer with the current parameters (it retries with its next batch).
-        self.counters["nonfinite_skipped"] += 1
-        self.reply(worker)
-        return True
-
-    # Pull, init, done, pause, save, counters are not steps (start-up, evaluation, a
-    # checkpoint): the worker gets the whole deadline until its next push.
-
-    def _on_pull(self, worker, request, frame, index, now):
-        self.last_push[worker] = None
-        if not self.initialized:
-            self.pending_pulls.append((worker, request.kind))
-        else:
-            self._answer_pull(worker, request.kind)
-        return True
-
-    def _on_init(self, worker, request, frame, index, now):
-        self.last_push[worker] = None
-        frame.received()
-        self._finish_replies()
-        self.shard.initialize(frame.payload)
-        self.initialized = True
-        self.pipeline.at_step(self.global_step)
-        self.write_header()
-        for w, k in self.pending_pulls:
-            self._answer_pull(w, k)
-        self.pending_pulls = []
-        return True
-
-    def _on_done(self, worker, request, frame, index, now):
-        self.last_push[worker] = None
-        self.done.add(worker)
-        self.requeue = self.requeue or bool(request.flags & P.FLAG_REQUEUE)
-        self.policy.on_worker_gone(self, worker)
-        self._check_quiescent()
-        return True
-
-    def _on_paused(self, worker, request, frame, index, now):
-        self.last_push[worker] = None
-        self.paused.add(worker)
-        self.policy.on_worker_gone(self, worker)
-        self._check_quiescent()
-        return True
-
-    def _on_save(self, worker, request, frame, index, now):
-        self.last_push[worker] = None
-        self._finish_replies()
-        self.pausing = True
-        self.write_header()
-        self._check_quiescent()
-        return True
-
-    def _on_counters(self, worker, request, frame, index, now):
-        self.last_push[worker] = None
-        tables = self.tables.stats() if self.tables else {}
-        self.comm.send(dict(self.counters, ps_task=self.ps_task, tables=tables),
-                       dest=self.worker_ranks[worker], tag=P.TAG_CONTROL)
-        return True
-
-    def _answer_pull(self, worker, kind):
-        average = kind == P.PULL_AVERAGE and self.shard.average_frame is not None
-        self.reply(worker, self.shard.average_frame if average else None)
 
     def run(self):
         """Serve until every worker is done; return the process exit code."""

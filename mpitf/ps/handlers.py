@@ -1,0 +1,106 @@
+"""The ps's handler of each request kind, mixed into :class:`~mpitf.ps.service.Service`.
+
+``Service._serve`` reads a request's header, does what every request shares, and calls
+the handler its kind names (``Service._handlers``): ``(worker, request, frame, index,
+now)``, returning whether the pool frame is free again. Pushes go to the consistency
+policy; pull, init, done, paused, save and counters are not steps (start-up, evaluation,
+a checkpoint), so the worker gets the whole deadline until its next push.
+"""
+
+import numpy as np
+
+from ..errors import PeerError
+from ..wire import header as H
+from ..wire import protocol as P
+
+
+class Handlers:
+    """One method per request kind (see the module docstring)."""
+
+    def _on_push(self, worker, request, frame, index, now):
+        bucket = request.bucket_index
+        if request.bucket_count != self.pipeline.count:
+            raise PeerError(
+                f"a push in {request.bucket_count} buckets, but this ps cuts its shard "
+                f"in {self.pipeline.count}: every task needs the same --bucket-bytes",
+                **self.describe_worker(worker, "push"))
+        if bucket == 0:
+            self.stepped(worker, now)
+        frame.received(request.count)
+        self.counters["bytes_in"] += H.HEADER_BYTES + request.count * frame.itemsize
+        self.take_learning_rate(request)
+        return self.policy.on_push(self, worker, request.step, frame, index, bucket)
+
+    def _on_rates(self, worker, request, frame, index, now):
+        # Before a push, within its step: each group's learning rate.
+        rates = frame.bytes[H.HEADER_BYTES:H.HEADER_BYTES + 8 * request.count]
+        self.shard.set_learning_rates(rates.view(np.float64))
+        return True
+
+    def _on_sparse(self, worker, request, frame, index, now):
+        return self.sparse.handle(worker, request.kind, index)  # within a step: not a pause
+
+    def _on_skip(self, worker, request, frame, index, now):
+        # The worker found NaN/Inf in its gradient and was told to skip it: count it and
+        # answer with the current parameters (it retries with its next batch).
+        self.counters["nonfinite_skipped"] += 1
+        self.reply(worker)
+        return True
+
+    # Pull, init, done, pause, save, counters are not steps (start-up, evaluation, a
+    # checkpoint): the worker gets the whole deadline until its next push.
+
+    def _on_pull(self, worker, request, frame, index, now):
+        self.last_push[worker] = None
+        if not self.initialized:
+            self.pending_pulls.append((worker, request.kind))
+        else:
+            self._answer_pull(worker, request.kind)
+        return True
+
+    def _on_init(self, worker, request, frame, index, now):
+        self.last_push[worker] = None
+        frame.received()
+        self._finish_replies()
+        self.shard.initialize(frame.payload)
+        self.initialized = True
+        self.pipeline.at_step(self.global_step)
+        self.write_header()
+        for w, k in self.pending_pulls:
+            self._answer_pull(w, k)
+        self.pending_pulls = []
+        return True
+
+    def _on_done(self, worker, request, frame, index, now):
+        self.last_push[worker] = None
+        self.done.add(worker)
+        self.requeue = self.requeue or bool(request.flags & P.FLAG_REQUEUE)
+        self.policy.on_worker_gone(self, worker)
+        self._check_quiescent()
+        return True
+
+    def _on_paused(self, worker, request, frame, index, now):
+        self.last_push[worker] = None
+        self.paused.add(worker)
+        self.policy.on_worker_gone(self, worker)
+        self._check_quiescent()
+        return True
+
+    def _on_save(self, worker, request, frame, index, now):
+        self.last_push[worker] = None
+        self._finish_replies()
+        self.pausing = True
+        self.write_header()
+        self._check_quiescent()
+        return True
+
+    def _on_counters(self, worker, request, frame, index, now):
+        self.last_push[worker] = None
+        tables = self.tables.stats() if self.tables else {}
+        self.comm.send(dict(self.counters, ps_task=self.ps_task, tables=tables),
+                       dest=self.worker_ranks[worker], tag=P.TAG_CONTROL)
+        return True
+
+    def _answer_pull(self, worker, kind):
+        average = kind == P.PULL_AVERAGE and self.shard.average_frame is not None
+        self.reply(worker, self.shard.average_frame if average else None)
