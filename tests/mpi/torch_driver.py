@@ -113,7 +113,10 @@ def main():
     p.add_argument("--num-ps", type=int, default=1)
     p.add_argument("--clip", type=float, default=None)
     p.add_argument("--mode", default="sync")
-    p.add_argument("--bucket-bytes", type=int, default=0)
+    p.add_argument("--bucket-bytes", type=int, default=None, help="default: the session's")
+    p.add_argument("--clip-grad-norm", type=float, default=None,
+                   help="torch.nn.utils.clip_grad_norm_ between backward() and step()")
+    p.add_argument("--clip-from", type=int, default=0, help="... from this step on")
     p.add_argument("--accumulate-from", type=int, default=None,
                    help="from this step on, two backward calls (half batches) per step")
     p.add_argument("--model", default="mlp", choices=["mlp", "bn", "half", "bag"])
@@ -174,6 +177,9 @@ def main():
                     out = out.detach() + model[2].bias  # the first layer gets no gradient
                 loss = torch.nn.functional.cross_entropy(out, y[k])
                 loss.backward()
+            clip = args.clip_grad_norm if s >= args.clip_from else None
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             bucketed = dist.client.bucketed_push
             if bucketed is not None and bucketed.reply_value is None:  # a step under way
                 early += sum(bucketed.next)  # buckets the hooks pushed during backward
@@ -181,13 +187,13 @@ def main():
             time.sleep(args.sleep)
             if sched is not None:
                 sched.step()
-            ref_step(ref, ref_opt, ref_sched, s, workers, args.clip)
+            ref_step(ref, ref_opt, ref_sched, s, workers, args.clip or clip)
         dist.close()
         # Per parameter: |mpitf - torch| / |torch| (norms), the worst of them.
         worst = max(float((a.detach() - b.detach()).norm() / b.detach().norm())
                     for a, b in zip(model.parameters(), ref.parameters()))
         moved = max(float((a.detach() - b.detach()).abs().max())
-                    for a, b in zip(ref.parameters(), build(args.model).parameters()))
+                    for a, b in zip(ref.parameters(), build(args.model, args.hidden).parameters()))
         say(f"worker {k}: step {dist.global_step} maxrel: {worst:.3g} moved: {moved:.3g} "
             f"lr: {opt.param_groups[0]['lr']:.6g}")
         state = model.state_dict()

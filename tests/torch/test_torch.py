@@ -84,6 +84,42 @@ def test_gradient_accumulation_with_buckets():
 
 
 @pytest.mark.slow
+def test_clip_grad_norm_after_backward_keeps_every_bucket_until_step():
+    # torch's clip_grad_norm_ in the loop: the first step sees the gradients change after
+    # backward, so no bucket leaves early and the run is plain torch's with clipping
+    run = drive(2, "--bucket-bytes", 64, "--clip-grad-norm", 0.3, "--optimizer", "sgd",
+                "--steps", 10)
+    (maxrel,), _ = results(run, 10, 1)
+    assert maxrel < 1e-6, run.output
+    assert "mpitf.torch: between backward() and step() the gradients change (first " \
+           "'0.weight'; clip_grad_norm_, a scaling): the 4 buckets leave at step()" in run.stdout
+    assert "buckets pushed during backward: 0" in run.stdout, run.output
+    unclipped = drive(2, "--bucket-bytes", 64, "--optimizer", "sgd", "--steps", 10)
+    assert results(unclipped, 10, 1)[0][0] < 1e-6, unclipped.output  # its own reference
+    assert RESULT.findall(unclipped.stdout)[0][3] != RESULT.findall(run.stdout)[0][3]
+    assert "buckets pushed during backward: 36" in unclipped.stdout  # 4 a step from the 2nd
+    # clipping from step 3 on: buckets had left, so every rank ends naming the parameter
+    late = drive(2, "--bucket-bytes", 64, "--clip-grad-norm", 0.3, "--clip-from", 3,
+                 "--optimizer", "sgd", "--steps", 10)
+    assert late.returncode != 0 and "maxrel" not in late.stdout, late.output
+    assert "the gradient of '0.weight' changed between backward() and step() at step 3, " \
+           "but backward had already pushed it" in late.output, late.output
+    assert "Traceback" not in late.output
+
+
+@pytest.mark.slow
+def test_a_model_over_the_default_bucket_pushes_during_backward_by_default():
+    # 3 MiB (hidden 65536): the session's 2 MiB buckets, the hooks pushing from step 2
+    run = drive(2, "--optimizer", "adamw", "--hidden", 65536, "--steps", 6)
+    (maxrel,), _ = results(run, 6, 1)
+    assert maxrel < 1e-6, run.output
+    found = re.search(r"mpitf.torch: (\d+) buckets leave as backward produces them",
+                      run.stdout)
+    assert found and int(found[1]) >= 2, run.output
+    assert f"buckets pushed during backward: {5 * int(found[1])}" in run.stdout, run.output
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("n,num_ps,mode", [(4, 2, "sync"), (2, 1, "async")])
 def test_clip_norm_equals_torch_clip_grad_norm(n, num_ps, mode):
     # sync: on the aggregated gradient, the two ps agreeing on the norm; async: per push.
