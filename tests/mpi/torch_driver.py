@@ -117,6 +117,7 @@ def main():
     p.add_argument("--clip-grad-norm", type=float, default=None,
                    help="torch.nn.utils.clip_grad_norm_ between backward() and step()")
     p.add_argument("--clip-from", type=int, default=0, help="... from this step on")
+    p.add_argument("--nan-at", type=int, default=None, help="a NaN loss at this step")
     p.add_argument("--accumulate-from", type=int, default=None,
                    help="from this step on, two backward calls (half batches) per step")
     p.add_argument("--model", default="mlp", choices=["mlp", "bn", "half", "bag"])
@@ -176,6 +177,8 @@ def main():
                 if args.brk == "unused" and s == 3:
                     out = out.detach() + model[2].bias  # the first layer gets no gradient
                 loss = torch.nn.functional.cross_entropy(out, y[k])
+                if s == args.nan_at:
+                    loss = loss * float("nan")
                 loss.backward()
             clip = args.clip_grad_norm if s >= args.clip_from else None
             if clip is not None:

@@ -108,6 +108,16 @@ def test_clip_grad_norm_after_backward_keeps_every_bucket_until_step():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("bucket_bytes", [0, 64])
+def test_a_nan_gradient_ends_every_rank_naming_it(bucket_bytes):
+    # one frame, or buckets that left during backward: found at step() either way
+    run = drive(2, "--bucket-bytes", bucket_bytes, "--nan-at", 3, "--steps", 6)
+    assert run.returncode != 0 and "maxrel" not in run.stdout, run.output
+    assert "the gradient of variable '0.weight' holds NaN or Inf at step 3" in run.output
+    assert "Traceback" not in run.output
+
+
+@pytest.mark.slow
 def test_a_model_over_the_default_bucket_pushes_during_backward_by_default():
     # 3 MiB (hidden 65536): the session's 2 MiB buckets, the hooks pushing from step 2
     run = drive(2, "--optimizer", "adamw", "--hidden", 65536, "--steps", 6)
