@@ -113,6 +113,14 @@ def _sgd_scalars(opt, step, t):
     return _sgd, (t(opt.learning_rate(step)),)
 
 
+def _torch_sgd_scalars(opt, step, t):
+    # torch.optim.SGD without momentum or weight decay is plain SGD: its passes (the
+    # gradient times the rate, then subtracted) round as ``_sgd`` does
+    if opt.momentum or opt.weight_decay:
+        return None, ()
+    return _sgd, (t(opt.learning_rate(step)),)
+
+
 def _momentum_scalars(opt, step, t):
     kernel = _nesterov if opt.use_nesterov else _momentum
     return kernel, (t(opt.learning_rate(step)), t(opt.momentum))
@@ -140,6 +148,7 @@ def _ftrl_scalars(opt, step, t):
 # name -> (the slots the kernel takes, in order; scalars(optimizer, step, dtype type))
 FUSED = {
     "sgd": ((), _sgd_scalars),
+    "torch_sgd": ((), _torch_sgd_scalars),
     "momentum": (("momentum",), _momentum_scalars),
     "adam": (("m", "v"), _adam_scalars),
     "adagrad": (("accumulator",), _adagrad_scalars),

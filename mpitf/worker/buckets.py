@@ -198,7 +198,7 @@ class BucketedPush:
     def _describe(self, i, operation="push_pull (bucketed)"):
         return self.link.describe(self.order[i][0], operation)
 
-    def _wait_bucket(self, i):
+    def _wait_bucket(self, i, between=None):
         if self.arrived[i]:
             return
         link, tl = self.link, self.timeline
@@ -208,7 +208,7 @@ class BucketedPush:
                                          lambda _, i=i: self._describe(i))
         else:
             P.wait_all(self.receives[i], link.deadline, lambda _, i=i: self._describe(i),
-                       nbytes=2 * self.reply[i].bytes.nbytes)  # the push and its reply
+                       between, nbytes=2 * self.reply[i].bytes.nbytes)  # push and reply
         self.stage.widen_params(*self.order[i])
         self.arrived[i] = True
         if tl is not None and tl.enabled:
@@ -229,13 +229,17 @@ class BucketedPush:
             all(self.arrived[i] or _test_all(self.receives[i]) for i in range(len(self.order)))
             and _test_all(self.sends))
 
-    def wait(self):
-        """Push what is left, wait for every bucket's reply; return the :class:`Reply`."""
+    def wait(self, between=None):
+        """Push what is left, wait for every bucket's reply; return the :class:`Reply`.
+
+        ``between()``, if given, is called between polls while a reply is awaited (work
+        the worker would otherwise wait through).
+        """
         if self.reply_value is None:
             self.push_rest()
             self._busy.clear()
             for i in range(len(self.order)):
-                self._wait_bucket(i)
+                self._wait_bucket(i, between)
             P.wait_all(self.sends, self.link.deadline, lambda _: self._describe(0))
             self.reply_value = self.replies.finish(widen=False)
         return self.reply_value

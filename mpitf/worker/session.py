@@ -97,6 +97,7 @@ class TrainingSession:
         self.push_ranks = [workers[n[0]] for n in node.nodes] if node else self.client_ranks
         self.releaser = node.leader_rank if node and not node.leader else self.client_ranks[0]
         self.stall = StepClock(server.deadline, adaptive=not server.fixed_deadline)
+        self._nonfinite_check = _Once(self.client.nonfinite_gradient)  # finish_push's
         # With buckets, a model that reports finished layers (``final``) pushes them during
         # backward; a NaN/Inf found after that still ends the job, but cannot be skipped.
         self.layerwise = self.client.bucketed and not config.skip_nonfinite and not tables \
@@ -258,12 +259,19 @@ class TrainingSession:
         return self.client.start_push((state["epoch"], state["cursor"]))
 
     def finish_push(self, handle):
-        """End a :meth:`start_push` step: push the rest, wait for every reply, run hooks."""
-        bad = self.client.nonfinite_gradient()
-        if bad is not None:
-            return self._skip(bad)  # raises: buckets may have left, so nothing can be skipped
+        """End a :meth:`start_push` step: push the rest, wait for every reply, run hooks.
+
+        Buckets have left, so a gradient holding NaN/Inf cannot be skipped, only named:
+        the check runs while the replies travel, in time the worker would spend waiting.
+        """
+        check = self._nonfinite_check
+        check.done = False
         with self.timeline.span("push_pull", step=self.global_step):
-            return self._finish_step(handle.wait())
+            reply = handle.wait(between=check)
+        bad = check()
+        if bad is not None:
+            return self._skip(bad)  # raises (no skip_nonfinite with buckets from backward)
+        return self._finish_step(reply)
 
     def _succeed_chief(self, index):
         """The chief died (ULFM): replica ``index`` has its duties now; take them if it is us.
@@ -438,3 +446,17 @@ class TrainingSession:
         if exc_type is None:
             self.close()
         return False
+
+
+class _Once:
+    """Call ``fn`` on the first call only; every call returns its result (made once)."""
+
+    __slots__ = ("fn", "done", "value")
+
+    def __init__(self, fn):
+        self.fn, self.done, self.value = fn, False, None
+
+    def __call__(self):
+        if not self.done:
+            self.value, self.done = self.fn(), True
+        return self.value

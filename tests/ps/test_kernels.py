@@ -31,6 +31,7 @@ def _optimizers():
     unit = st.floats(0.0, 0.999)
     return st.one_of(
         st.builds(lambda r: make_optimizer("sgd", r), lr),
+        st.builds(lambda r: make_optimizer("torch_sgd", r), lr),  # without momentum or decay
         st.builds(lambda r, m, n: make_optimizer("momentum", r, momentum=m, use_nesterov=n),
                   lr, st.floats(0.0, 2.0), st.booleans()),
         st.builds(lambda r, b1, b2, e: make_optimizer("adam", r, beta1=b1, beta2=b2, epsilon=e),
@@ -87,6 +88,14 @@ def test_every_fused_optimizer_runs_its_kernel_on_host_buffers(name):
     assert not kernels.fused_apply(opt, p[::2], g[::2], opt.make_slots(4, np, F32), 0)
     assert not kernels.fused_apply(opt, p, g, opt.make_slots(8, np, F32), 0,
                                    reply=np.empty(8, np.int16))
+
+
+def test_torch_sgd_runs_the_sgd_kernel_only_without_momentum_or_weight_decay():
+    p, g = np.ones(8, F32), np.ones(8, F32)
+    for options in ({"momentum": 0.9}, {"weight_decay": 0.1}):
+        opt = make_optimizer("torch_sgd", 0.1, **options)
+        assert not kernels.fused_apply(opt, p, g, opt.make_slots(8, np, F32), 0)
+    assert (p == 1).all()  # the reference passes are the caller's to run
 
 
 WIRE = [ml_dtypes.bfloat16, np.float16]
