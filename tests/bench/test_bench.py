@@ -100,6 +100,7 @@ def test_torch_tables_json(mpirun, tmp_path):
     assert row["rows"] == 10_000 and 1 < row["unique_ids"] <= 256 * 26
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_recsys_json(mpirun, tmp_path):
     # the dlrm model through mpitf.torch against plain torch plus a raw round trip (quick)
@@ -230,6 +231,7 @@ def test_report_checks_todays_targets_on_the_default_buckets():
     assert "1.25 x (raw + axpy)" not in lines  # the old one-frame target is gone
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_frameworks_vs_ddp_json(mpirun, tmp_path):
     # 1 ps + 2 workers against torch DDP on the same workers, and the ps's CPU shares

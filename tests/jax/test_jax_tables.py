@@ -53,6 +53,7 @@ def test_a_table_and_a_dense_layer_equal_plain_jax_with_the_sparse_rule(workers,
         assert int(untouched) == 5  # the rows no step looked up kept their values
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_an_id_outside_the_table_ends_every_rank_naming_table_id_and_position():
     run = drive("--bad", "id")

@@ -178,6 +178,7 @@ def test_a_checkpoint_of_another_optimizer_is_refused_unless_reset(digits_file, 
     assert "slots: m, v" in show.stdout and '"name": "adam"' in show.stdout, show.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_ckpt_show_names_each_variables_group(tmp_path):
     ckpt = tmp_path / "ckpt"

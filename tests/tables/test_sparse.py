@@ -446,6 +446,7 @@ def test_a_damaged_table_fails_verification(tmp_path):
     assert any("checksum mismatch in tables/users/rows" in p for p in problems), problems
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_a_checkpoint_whose_table_has_other_rows_is_refused(tmp_path):
     ckpt = tmp_path / "ckpt"
@@ -492,6 +493,7 @@ def test_a_table_larger_than_a_ps_memory_limit_trains_split_over_more_ps(tmp_pat
         assert f["users/rows"].shape == (37 * 100000 // 2, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_ckpt_show_lists_the_tables_and_export_assembles_them_from_every_shard(
         tmp_path, capsys):

@@ -155,6 +155,7 @@ def test_backup_workers_with_buckets(tmp_path):
     assert summary["test_accuracy"] > 0.5, summary
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_embedding_tables_train_alongside_buckets(tmp_path):
     from mpitf.data.ctr import synthetic_ctr
