@@ -310,10 +310,12 @@ class DistributedOptimizer(SessionFrontEnd):
 
     @ends_the_job
     def zero_grad(self, set_to_none=True):
-        """Zero the gradient views in place (they stay bound to the push buffer).
+        """Set the gradients to None (torch's default), or zero their views in place.
 
-        With ``set_to_none`` (torch's default) a parameter that the next backward does not
-        reach is an error at step(), as its None gradient would be in torch.
+        With ``set_to_none`` backward makes each gradient afresh and a hook copies it into
+        the push buffer (:meth:`_adopt`); a parameter that the next backward does not reach
+        is an error at step(), as its None gradient would be in torch. Without, the views
+        stay bound and backward adds into them.
         """
         if self._handle is not None:
             raise ConfigurationError(
