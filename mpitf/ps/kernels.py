@@ -118,7 +118,7 @@ def _torch_sgd_scalars(opt, step, t):
     # gradient times the rate, then subtracted) round as ``_sgd`` does
     if opt.momentum or opt.weight_decay:
         return None, ()
-    return _sgd, (t(opt.learning_rate(step)),)
+    return _sgd_scalars(opt, step, t)
 
 
 def _momentum_scalars(opt, step, t):

@@ -25,63 +25,17 @@ import os
 import torch
 
 from ..errors import ConfigurationError
-from ..models.embedding import EmbeddingTable
 from ..worker.frontend import SessionFrontEnd, ends_the_job
 from ..worker.session import TrainingSession
-from .buffers import buffer_views, check_model
-from .tables import Embedding, _RowTable
+from .buffers import check_model
+from .model import TorchVariables, sparse_message, table_modules, trainable
+from .tables import Embedding
 from .translate import check_table_rule, group_options, learning_rate, rate_groups, translate
 
 __all__ = ["DistributedOptimizer", "share_threads"]
 
 _log = logging.getLogger("mpitf")
 _BATCH = ()  # the session's batch: backward already ran, so there is nothing to feed
-
-
-class _TorchVariables:
-    """The model as the session sees it: names, shapes, dtype, the chief's values, buffers.
-
-    ``tables`` (name -> mpitf.torch table module) are its embedding tables: looked up in
-    the modules' forward (the session's ``lookup``), so one step's buffers hold
-    ``max_ids`` ids of each (``table_batch_size`` 1).
-    """
-
-    table_batch_size = 1
-
-    def __init__(self, named, module, tables):
-        self.named, self.module, self.table_modules = named, module, tables
-        self.loss = None
-
-    def buffers(self):
-        """Return the untrained state_dict entries as numpy views (see .buffers)."""
-        return buffer_views(self.module, {name for name, _ in self.named} | set(
-            self.table_modules))
-
-    def tables(self):
-        """Return the tables' descriptions (the ps holds their rows)."""
-        return [EmbeddingTable(name, m.num_embeddings, m.embedding_dim,
-                               m.weight.detach().numpy().dtype.name, lookups=m.max_ids,
-                               dynamic=m.dynamic)
-                for name, m in self.table_modules.items()]
-
-    def initial_table_rows(self):
-        """Return every fixed table's rows as the chief built them (every ps starts from them).
-
-        A table that grows has none: its rows are drawn on the ps from (seed, table, id).
-        """
-        return {name: m.weight.detach().numpy() for name, m in self.table_modules.items()
-                if m.dynamic is None}
-
-    def variables(self):
-        return [(name, tuple(p.shape), p.detach().numpy().dtype) for name, p in self.named]
-
-    def init(self, rng):
-        """Return the parameters as they are now (the chief's become everyone's)."""
-        return {name: p.detach().numpy() for name, p in self.named}
-
-    def loss_and_grads(self, params, batch, grads):
-        """Return the loss step() was given; backward already wrote the gradients."""
-        return self.loss
 
 
 # what a refusal of a change after backward adds: why, and the two ways out
@@ -95,61 +49,6 @@ def _as_left(grad):
     if grad is None:
         return None
     return grad.data_ptr() if grad.layout == torch.strided else id(grad), grad._version
-
-
-def _tables(model):
-    """Return {state_dict key: module} of the mpitf.torch table modules in ``model``."""
-    return {f"{q}.weight" if q else "weight": m for q, m in model.named_modules()
-            if isinstance(m, _RowTable)}
-
-
-def _trainable(model, optimizer, tables=()):
-    """Return ``[(name, param)]`` of the parameters to train, checked against the optimizer.
-
-    A frozen parameter (``requires_grad`` False) may stay in a param group, as torch skips
-    it: mpitf holds it as the model's state (the chief's), not as a variable. The weights
-    of ``tables`` (names) must be in the optimizer too; they are not dense parameters.
-    """
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    for name, p in named:
-        if name in tables and id(p) not in in_optimizer:
-            raise ConfigurationError(f"table {name!r} is not in the optimizer: add its "
-                                     "weight (model.parameters() holds it)")
-    named = [(n, p) for n, p in named if n not in tables]
-    in_model = {id(p) for _, p in model.named_parameters()}
-    for name, p in named:
-        if id(p) not in in_optimizer:
-            raise ConfigurationError(
-                f"parameter {name!r} requires grad but is not in the optimizer: add it, or "
-                "set its requires_grad to False before wrapping")
-        if p.device.type != "cpu":
-            raise ConfigurationError(
-                f"parameter {name!r} is on {p.device}: mpitf.torch serves CPU tensors only "
-                "(keep the model on the CPU)")
-    if in_optimizer - in_model:
-        raise ConfigurationError(
-            "the optimizer holds parameters that are not trainable parameters of the model")
-    if not named:
-        raise ConfigurationError("the model has no parameter that requires grad")
-    _refuse_sparse(model)
-    return named
-
-
-def _refuse_sparse(model):
-    """Refuse an embedding whose gradient would be a sparse tensor (``sparse=True``)."""
-    for name, module in model.named_modules():
-        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse \
-                and module.weight.requires_grad:
-            raise ConfigurationError(_sparse_message(f"{name}.weight" if name else "weight"))
-
-
-def _sparse_message(name):
-    return (f"parameter {name!r} gets a sparse gradient (a torch.nn.Embedding or "
-            "EmbeddingBag with sparse=True), which mpitf.torch.DistributedOptimizer cannot "
-            "push: use mpitf.torch.EmbeddingBag or mpitf.torch.Embedding (torch's "
-            "arguments), whose rows live on the ps and are updated sparsely, or build it "
-            "with sparse=False (a dense gradient: the whole table every step)")
 
 
 def share_threads(server):
@@ -199,8 +98,8 @@ class DistributedOptimizer(SessionFrontEnd):
     def __init__(self, optimizer, model, server, **session_options):
         self._server = server
         self.optimizer, self.model = optimizer, model
-        tables = _tables(model)
-        self._named = _trainable(model, optimizer, tables)
+        tables = table_modules(model)
+        self._named = trainable(model, optimizer, tables)
         names = {id(p): name for name, p in self._named}
         self.ps_optimizer = translate(optimizer, names)
         if tables:
@@ -211,7 +110,7 @@ class DistributedOptimizer(SessionFrontEnd):
         self._rate_groups = rate_groups(optimizer, names) \
             if len(optimizer.param_groups) > 1 else None
         share_threads(server)
-        self._variables = _TorchVariables(self._named, model, tables)
+        self._variables = TorchVariables(self._named, model, tables)
         self.session = TrainingSession(server, self._variables, self.ps_optimizer,
                                        **session_options)
         self.client = self.session.client
@@ -370,7 +269,7 @@ class DistributedOptimizer(SessionFrontEnd):
                 "before DistributedOptimizer")
         g = p.grad
         if g is not None and g.layout != torch.strided:
-            raise ConfigurationError(_sparse_message(name))
+            raise ConfigurationError(sparse_message(name))
         if g is None or (self._need_all and not self._reached[i]):
             raise ConfigurationError(
                 f"parameter {name!r} requires grad but backward left its gradient None "
@@ -381,8 +280,7 @@ class DistributedOptimizer(SessionFrontEnd):
                 raise ConfigurationError(
                     f"the gradient of {name!r} is {g.dtype} {tuple(g.shape)}, its "
                     f"parameter {grad.dtype} {tuple(grad.shape)}")
-            grad.copy_(g)  # torch's own zero_grad() set it to None: bind it again
-            p.grad = grad
+            self._adopt(i)  # backward's hook did not run for it: bind it now
 
     def _learning_rate(self):
         """Return the learning rate (one group) or each group's, refusing other changes."""
@@ -446,18 +344,24 @@ class DistributedOptimizer(SessionFrontEnd):
         """Return what the loop changed between backward and this first ``step()``, or ''."""
         if self._rates_at_backward is not None and lr != self._rates_at_backward:
             return "the learning rate is set"
-        for (name, p, _, _), left in zip(self._views, self._left):
-            if left is not None and _as_left(p.grad) != left:
-                return f"the gradients change (first {name!r}; clip_grad_norm_, a scaling)"
-        return ""
+        name = self._first_changed()
+        return "" if name is None else \
+            f"the gradients change (first {name!r}; clip_grad_norm_, a scaling)"
 
     def _check_unchanged(self):
         """Refuse a gradient changed after its bucket left during backward (see _learn)."""
+        name = self._first_changed()
+        if name is not None:
+            raise ConfigurationError(
+                f"the gradient of {name!r} changed between backward() and step() at step "
+                f"{self.global_step}, but backward had already pushed it{_EARLY}")
+
+    def _first_changed(self):
+        """Return the first parameter whose gradient changed since backward left it, or None."""
         for (name, p, _, _), left in zip(self._views, self._left):
             if left is not None and _as_left(p.grad) != left:
-                raise ConfigurationError(
-                    f"the gradient of {name!r} changed between backward() and step() at "
-                    f"step {self.global_step}, but backward had already pushed it{_EARLY}")
+                return name
+        return None
 
     def _learn(self, changed):
         """After the first step: let the hooks push unless the loop showed it must not."""

@@ -179,19 +179,14 @@ class Client:
         path free of it.
         """
         xp = self.backend.xp
-        for _, _, (_, b, c) in self.grad_layout.frames:
-            part = self.grads_flat[b:c]
-            if not np.isfinite(float(xp.dot(part, part))):
-                break
-        else:
-            # A partitioned variable's gradient reaches the flat buffer only in push_pull.
-            if all(np.isfinite(float(xp.dot(g, g))) for g in (
-                    self.grads[name].reshape(-1) for name, _ in self.grad_views.split)):
-                return None
+        if all(_finite(xp, self.grads_flat[b:c]) for _, _, (_, b, c) in self.grad_layout.frames) \
+                and all(_finite(xp, self.grads[name].reshape(-1))  # a partitioned variable's
+                        for name, _ in self.grad_views.split):  # reaches it in push_pull
+            return None
         for name, grad in self.grads.items():
             if not bool(xp.isfinite(grad).all()):
                 return name
-        return None  # a sum overflowed, but every element is finite
+        return None  # the dot product overflowed, but every element is finite
 
     def skip_push(self):
         """Tell every ps this worker dropped its gradient; return the fresh parameters."""
@@ -350,3 +345,8 @@ class Client:
     def num_elements(self):
         """Return the number of parameter elements (without headers)."""
         return self.layout.num_elements
+
+
+def _finite(xp, x):
+    """Return False where 1-D ``x`` holds NaN or Inf (or is so large that x . x overflows)."""
+    return np.isfinite(float(xp.dot(x, x)))

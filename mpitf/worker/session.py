@@ -264,8 +264,7 @@ class TrainingSession:
         Buckets have left, so a gradient holding NaN/Inf cannot be skipped, only named:
         the check runs while the replies travel, in time the worker would spend waiting.
         """
-        check = self._nonfinite_check
-        check.done = False
+        check = self._nonfinite_check.reset()
         with self.timeline.span("push_pull", step=self.global_step):
             reply = handle.wait(between=check)
         bad = check()
@@ -455,6 +454,11 @@ class _Once:
 
     def __init__(self, fn):
         self.fn, self.done, self.value = fn, False, None
+
+    def reset(self):
+        """Forget the result: the next call calls ``fn`` again; return self."""
+        self.done = False
+        return self
 
     def __call__(self):
         if not self.done:

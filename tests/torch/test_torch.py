@@ -208,7 +208,7 @@ def test_dtypes_devices_and_buffers_mpitf_holds():
     # as test_what_mpitf_cannot_run_is_refused_before_training[half] shows under mpiexec.
     from mpitf.errors import ConfigurationError
     from mpitf.torch.buffers import buffer_views, check_model
-    from mpitf.torch.optimizer import _trainable
+    from mpitf.torch.model import trainable
 
     def named(m):
         return list(m.named_parameters())
@@ -217,7 +217,7 @@ def test_dtypes_devices_and_buffers_mpitf_holds():
     model[1].bias = torch.nn.Parameter(torch.empty(3, device="meta"))
     with pytest.raises(ConfigurationError, match=r"parameter '1.bias' is on meta: mpitf.torch "
                                                  r"serves CPU tensors only"):
-        _trainable(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        trainable(model, torch.optim.SGD(model.parameters(), lr=0.1))
     model = torch.nn.Sequential(torch.nn.Linear(2, 4).bfloat16())
     with pytest.raises(ConfigurationError, match=r"parameter '0.weight' is torch.bfloat16: "
                                                  r"mpitf.torch trains parameters of one dtype"):

@@ -17,7 +17,7 @@ import mpitf.torch as mt
 from mpitf.errors import ConfigurationError
 from mpitf.testing import run_mpi
 from mpitf.torch.ids import check_ids
-from mpitf.torch.optimizer import _tables, _trainable
+from mpitf.torch.model import table_modules, trainable
 from mpitf.torch.translate import check_table_rule
 from tests.support import REPO
 
@@ -91,13 +91,13 @@ def test_bad_input_ends_every_rank_naming_the_table(bad, words):
 def test_a_torch_embedding_bag_with_sparse_gradients_points_to_mpitf_torch():
     model = torch.nn.Sequential(torch.nn.EmbeddingBag(20, 3, sparse=True))
     with pytest.raises(ConfigurationError) as exc:
-        _trainable(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        trainable(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert "parameter '0.weight' gets a sparse gradient" in str(exc.value)
     assert "use mpitf.torch.EmbeddingBag or mpitf.torch.Embedding" in str(exc.value)
     ours = torch.nn.Sequential(mt.EmbeddingBag(20, 3), torch.nn.Linear(3, 1))
-    named = _trainable(ours, torch.optim.SGD(ours.parameters(), lr=0.1), _tables(ours))
+    named = trainable(ours, torch.optim.SGD(ours.parameters(), lr=0.1), table_modules(ours))
     assert [n for n, _ in named] == ["1.weight", "1.bias"]  # the table is no dense parameter
-    assert list(_tables(ours)) == ["0.weight"]
+    assert list(table_modules(ours)) == ["0.weight"]
 
 
 def _ids(*values):
