@@ -7,12 +7,14 @@ data set, an optimizer and a flag refuse a bad value with the same words.
 
 import math
 import numbers
+import os
 
 from .errors import ConfigurationError
 
 __all__ = [
     "check_batch_size", "check_choice", "check_deadline", "check_int", "check_learning_rate",
     "check_memory_fraction", "check_moving_average_decay", "check_multiple", "check_number",
+    "number_from_environment",
 ]
 
 
@@ -90,3 +92,22 @@ def check_deadline(value):
     if value is None:
         return None
     return check_number("deadline", value, low=0.0, low_open=True)
+
+
+def number_from_environment(name, unit, environ=None):
+    """Return ``$name`` as a float of ``unit``s (>= 0), or None when it is unset or empty.
+
+    Empty counts as unset (``MPITF_X= mpiexec ...`` clears one); anything else that is not
+    a finite number >= 0 is refused naming the variable, where the job reads it.
+    """
+    text = (os.environ if environ is None else environ).get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise ConfigurationError(f"{name}={text!r} is not a number of {unit} (>= 0): give "
+                                 "one, or unset it for the default")
+    return value

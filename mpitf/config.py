@@ -25,6 +25,7 @@ from .checks import (
     check_moving_average_decay,
     check_multiple,
     check_number,
+    number_from_environment,
 )
 from .errors import ConfigurationError
 from .options import check_fields, integer, number, option, values_from_args
@@ -87,15 +88,8 @@ def stall_allowance(slowest_step, steps_seen, deadline=DEFAULT_DEADLINE):
 
 def default_deadline():
     """Return the default deadline: $MPITF_DEADLINE when set, else ``DEFAULT_DEADLINE``."""
-    text = os.environ.get("MPITF_DEADLINE", "").strip()
-    if not text:
-        return DEFAULT_DEADLINE
-    try:
-        value = float(text)
-    except ValueError:
-        raise ConfigurationError(
-            f"MPITF_DEADLINE={text!r} is not a number of seconds") from None
-    return check_deadline(value)
+    value = number_from_environment("MPITF_DEADLINE", "seconds")
+    return DEFAULT_DEADLINE if value is None else check_deadline(value)
 
 
 # -- the configuration ---------------------------------------------------------------------

@@ -17,7 +17,7 @@ from ..cluster.device import device_name, local_rank
 from ..cluster.roles import assign_roles, describe_roles, training_replicas
 from ..config import DEFAULT_DEADLINE, check_deadline
 from ..errors import CollectiveError, ConfigurationError
-from . import ulfm
+from . import spin, ulfm
 from .lifeline import Lifeline
 
 _log = logging.getLogger("mpitf")
@@ -51,6 +51,7 @@ class Server:
                  deadline=DEFAULT_DEADLINE, fixed_deadline=False):
         self.deadline = check_deadline(deadline)
         self.fixed_deadline = bool(fixed_deadline)
+        spin.use_environment()
         world = comm if comm is not None else MPI.COMM_WORLD
         if cluster is None:
             size = world.Get_size()
@@ -77,15 +78,7 @@ class Server:
             ulfm.watch(self.comm)
         job_ids = {job: i for i, job in enumerate(sorted({j for j, _ in self.roles}))}
         self.job_comm = self.comm.Split(job_ids[self.job_name], self.task_index)
-        replicas = training_replicas(self.cluster)
-        self.replica_ranks = [self.roles.index(role) for role in replicas]
-        self.num_replicas = len(replicas)
-        mine = self.roles[self.rank]
-        self.replica_index = replicas.index(mine) if mine in replicas else None
-        comm = self.comm.Split(MPI.UNDEFINED if self.replica_index is None else 0,
-                               self.replica_index or 0)
-        self.replica_comm = None if comm == MPI.COMM_NULL else comm
-        self.chief_index = 0  # the replica with the chief's duties (another after a loss)
+        self._join_replicas()
         self.local_rank, self.local_size = local_rank(self.comm)
         self.exit_code = 0
         me = self.hosts[self.rank]
@@ -97,6 +90,18 @@ class Server:
                                  survivable=self.replica_ranks if self.ulfm else ())
         self.lifeline.watch()
         atexit.register(self.lifeline.mark_exit)
+
+    def _join_replicas(self):
+        """Find the training replicas' ranks and this rank's index; split their communicator."""
+        replicas = training_replicas(self.cluster)
+        self.replica_ranks = [self.roles.index(role) for role in replicas]
+        self.num_replicas = len(replicas)
+        mine = self.roles[self.rank]
+        self.replica_index = replicas.index(mine) if mine in replicas else None
+        comm = self.comm.Split(MPI.UNDEFINED if self.replica_index is None else 0,
+                               self.replica_index or 0)
+        self.replica_comm = None if comm == MPI.COMM_NULL else comm
+        self.chief_index = 0  # the replica with the chief's duties (another after a loss)
 
     def survive(self, ranks):
         """Count ``ranks``' deaths as survivable too (ps tasks with a buddy replica)."""

@@ -20,7 +20,7 @@ import time
 from mpi4py import MPI
 
 from ..errors import DeadlineError
-from .spin import SpinPolicy
+from ..runtime import spin
 
 # Tags. Requests and replies use separate tags so a worker's outstanding reply receive can
 # never match another worker's request.
@@ -82,8 +82,7 @@ def frame_op(mpi_call, frame, peer, tag):
 
 # Polling: MPI moves a message only while this rank is inside an MPI call, so a waiting
 # rank polls: it spins for about as long as its messages take, then sleeps between polls
-# (spin.py says why and how long). One policy per process: only the main thread waits.
-POLICY = SpinPolicy.from_environment()
+# (runtime/spin.py says why and how long, and holds the process's policy).
 
 
 class _Poll:
@@ -94,12 +93,12 @@ class _Poll:
     def __init__(self, deadline, nbytes=0):
         self.start = time.monotonic()
         self.deadline = deadline
-        self.budget = POLICY.budget(nbytes)
+        self.budget = spin.POLICY.budget(nbytes)
 
     def pause(self):
         """Yield or sleep before the next poll; return True once the deadline has passed."""
         elapsed = time.monotonic() - self.start
-        POLICY.pause(elapsed, self.budget)
+        spin.POLICY.pause(elapsed, self.budget)
         return self.deadline is not None and elapsed > self.deadline
 
     def restart(self):
@@ -108,14 +107,14 @@ class _Poll:
 
     def ended(self):
         """Report the wait's length to the policy (it has completed)."""
-        POLICY.ended(time.monotonic() - self.start)
+        spin.POLICY.ended(time.monotonic() - self.start)
 
 
 def wait_all(requests, deadline, describe, between=None, nbytes=0):
     """Wait for all requests with a deadline in seconds (None: none).
 
     ``between()``, if given, is called between two polls (work that must go on meanwhile);
-    ``nbytes``: the bytes the requests move (see :class:`~mpitf.wire.spin.SpinPolicy`).
+    ``nbytes``: the bytes the requests move (see :class:`~mpitf.runtime.spin.SpinPolicy`).
     """
     if MPI.Request.Testall(requests):
         return

@@ -15,6 +15,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ..checks import number_from_environment
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.frame import Frame
@@ -33,9 +34,9 @@ def progress_seconds(link, environ=os.environ):
     itself through shared memory and the thread only takes a core (slower steps on 2
     cores). ``$MPITF_PROGRESS_US`` sets it either way (0: never).
     """
-    given = environ.get("MPITF_PROGRESS_US")
+    given = number_from_environment("MPITF_PROGRESS_US", "microseconds", environ=environ)
     if given is not None:
-        return float(given) / 1e6
+        return given / 1e6
     here = link.host_of(link.comm.Get_rank())
     remote = any(link.host_of(rank) != here for rank in link.ranks)
     return REMOTE_PROGRESS_US / 1e6 if remote else 0.0

@@ -47,10 +47,12 @@ def test_a_bad_flag_ends_every_rank_with_one_message(data, tmp_path, flags, mess
     assert not (tmp_path / "runs").exists() and not ckpt.exists()
 
 
-def test_a_bad_deadline_in_the_environment_is_one_message(data, tmp_path):
+@pytest.mark.parametrize("variable", ["MPITF_DEADLINE", "MPITF_SPIN_MS"])
+def test_a_bad_number_in_the_environment_is_one_message(data, tmp_path, variable):
     run = run_mpi(3, [JOB, "--data", data, "--num-ps", "1", "--steps", "5"], timeout=60,
-                  cwd=str(tmp_path), env={"MPITF_DEADLINE": "soon"})
+                  cwd=str(tmp_path), env={variable: "soon"})
     assert not run.timed_out, run.output
     assert run.returncode == 2, run.output
-    assert run.output.count("MPITF_DEADLINE='soon' is not a number") == 1, run.output
+    assert run.output.count(f"{variable}='soon' is not a number") == 1, run.output
+    assert "Traceback" not in run.output
     assert not (tmp_path / "runs").exists()

@@ -191,3 +191,6 @@ def test_a_progress_thread_drives_buckets_to_a_ps_on_another_node_only():
     assert progress_seconds(link, {"MPITF_PROGRESS_US": "0"}) == 0.0
     link.ranks = [0]
     assert progress_seconds(link, {"MPITF_PROGRESS_US": "100"}) == 100e-6
+    assert progress_seconds(link, {"MPITF_PROGRESS_US": ""}) == 0.0  # empty: unset
+    with pytest.raises(ConfigurationError, match="MPITF_PROGRESS_US='fast' is not a number"):
+        progress_seconds(link, {"MPITF_PROGRESS_US": "fast"})

@@ -1,6 +1,9 @@
-"""The waiting ranks' spin policy (mpitf/wire/spin.py): pure, no MPI."""
+"""The waiting ranks' spin policy (mpitf/runtime/spin.py): pure, no MPI."""
 
-from mpitf.wire.spin import SpinPolicy
+import pytest
+
+from mpitf.errors import ConfigurationError
+from mpitf.runtime.spin import SpinPolicy
 
 
 def test_a_new_policy_spins_the_floor():
@@ -29,6 +32,17 @@ def test_the_spin_never_exceeds_the_cap():
     for _ in range(50):
         policy.ended(0.9 * policy.cap)
     assert policy.budget() == policy.cap
+
+
+@pytest.mark.parametrize("text", ["soon", "-1", "nan", "inf"])
+def test_a_spin_that_is_not_a_number_of_milliseconds_is_refused_by_name(text):
+    with pytest.raises(ConfigurationError, match=f"MPITF_SPIN_MS='{text}' is not a number"):
+        SpinPolicy.from_environment({"MPITF_SPIN_MS": text})
+
+
+def test_an_empty_spin_is_the_adaptive_one():
+    assert SpinPolicy.from_environment({"MPITF_SPIN_MS": " "}).fixed is None
+    assert SpinPolicy.from_environment({"MPITF_SPIN_MS": "0"}).fixed == 0.0
 
 
 def test_mpitf_spin_ms_fixes_the_spin(monkeypatch):

@@ -17,6 +17,9 @@ receiver polls) spins at least as long as copying them takes.
 import os
 import time
 
+from ..checks import number_from_environment
+from ..errors import CollectiveError, ConfigurationError
+
 
 class SpinPolicy:
     """Spin for about twice the recent latency of this rank's messages, then sleep.
@@ -53,10 +56,10 @@ class SpinPolicy:
         self.fixed = fixed
 
     @classmethod
-    def from_environment(cls):
-        """Return the policy ``$MPITF_SPIN_MS`` asks for (adaptive when unset)."""
-        ms = os.environ.get("MPITF_SPIN_MS")
-        return cls(fixed=None if ms is None else float(ms) / 1e3)
+    def from_environment(cls, environ=None):
+        """Return the policy ``$MPITF_SPIN_MS`` asks for (adaptive when unset or empty)."""
+        ms = number_from_environment("MPITF_SPIN_MS", "milliseconds", environ=environ)
+        return cls(fixed=None if ms is None else ms / 1e3)
 
     def budget(self, nbytes=0):
         """Return the seconds a wait for ``nbytes`` in flight spins before it sleeps."""
@@ -78,3 +81,20 @@ class SpinPolicy:
         """Learn from a wait that ended after ``elapsed`` seconds."""
         if elapsed < self.cap:
             self.latency += (elapsed - self.latency) / 4
+
+
+POLICY = SpinPolicy()  # this process's (only its main thread waits): adaptive until a Server
+#   starts and reads $MPITF_SPIN_MS (use_environment), where a bad value ends the job by name
+
+
+def use_environment(environ=None):
+    """Make the policy ``$MPITF_SPIN_MS`` asks for this process's (a Server does, starting).
+
+    A bad value is a :class:`~mpitf.errors.CollectiveError`: every rank reads the same
+    variable, so one says it and all exit.
+    """
+    global POLICY
+    try:
+        POLICY = SpinPolicy.from_environment(environ)
+    except ConfigurationError as exc:
+        raise CollectiveError(exc) from None
