@@ -14,12 +14,10 @@ import argparse
 import math
 import sys
 
-import torch
 from mpi4py import MPI
 
 from mpitf import ClusterSpec, Server, ShardedDataset, abort_on_error, ensure_digits
 from mpitf.data.sharded import load_split
-from mpitf.torch import DistributedOptimizer
 
 
 def parse_args():
@@ -41,7 +39,7 @@ def parse_args():
 
 def build(num_classes):
     """Two 3x3 convolutions with BatchNorm, a 2x2 max-pool and a linear layer (10k weights)."""
-    nn = torch.nn
+    from torch import nn
     return nn.Sequential(
         nn.Unflatten(1, (1, 8, 8)),
         nn.Conv2d(1, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
@@ -68,6 +66,12 @@ def main():
         if server.job_name == "ps":
             server.join()
             sys.exit(server.exit_code)
+        # Imported once the ps has left: a ps never loads torch (~2 s of a core at start-up,
+        # which its node's workers would share).
+        import torch
+
+        from mpitf.torch import DistributedOptimizer
+
         data = ShardedDataset(path, "train", server.replica_index, server.num_replicas,
                               batch_size=args.batch_size, seed=args.seed)
         torch.manual_seed(args.seed)

@@ -3,6 +3,10 @@ loop; each worker also trains it in one process with the ps's update rule (writt
 in numpy) on the W batches' mean gradient and prints how far the two are apart
 (``maxrel: X``). ``--break`` hands step() a bad gradient pytree at step 2."""
 
+from ps_first import serve_if_ps
+
+SERVER = serve_if_ps() if __name__ == "__main__" else None  # a ps serves, exits: no framework
+
 import argparse
 import hashlib
 import math
@@ -13,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpitf import ClusterSpec, Server, abort_on_error
+from mpitf import abort_on_error
 from mpitf.jax import DistributedOptimizer
 
 LR = {"adamw": 0.01, "momentum": 0.05}
@@ -108,13 +112,8 @@ def main():
                         "last layer's matrix at half the rate")
     args = p.parse_args()
     with abort_on_error():
-        import mpi4py.MPI as MPI
-
-        workers = MPI.COMM_WORLD.Get_size() - 1
-        server = Server(ClusterSpec({"ps": 1, "worker": workers}), deadline=30)
-        if server.job_name == "ps":
-            server.join()
-            sys.exit(server.exit_code)
+        server = SERVER
+        workers = server.num_replicas
         k = server.replica_index
         params = init()
         if k != 0:  # the chief's values must win

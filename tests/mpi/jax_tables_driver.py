@@ -7,6 +7,10 @@ are apart (``maxrel``: the dense parameters and every row, read back from the ps
 (``num_embeddings=None``), its ids large int64 values (:func:`key`), its rows drawn on the
 ps and read back before the first step."""
 
+from ps_first import serve_if_ps
+
+SERVER = serve_if_ps() if __name__ == "__main__" else None  # a ps serves, exits: no framework
+
 import argparse
 import sys
 
@@ -15,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import mpitf.jax as mj
-from mpitf import ClusterSpec, Server, abort_on_error
+from mpitf import abort_on_error
 
 ROWS, DIM, BATCH, PER = 40, 4, 8, 3
 UNUSED = 5  # the last rows: no step looks them up
@@ -93,13 +97,8 @@ def main():
     p.add_argument("--grows", action="store_true", help="a table that grows")
     args = p.parse_args()
     with abort_on_error():
-        import mpi4py.MPI as MPI
-
-        workers = MPI.COMM_WORLD.Get_size() - 1
-        server = Server(ClusterSpec({"ps": 1, "worker": workers}), deadline=30)
-        if server.job_name == "ps":
-            server.join()
-            sys.exit(server.exit_code)
+        server = SERVER
+        workers = server.num_replicas
         rng = np.random.default_rng(0)
         params = {"w": jnp.asarray(rng.normal(0, 0.5, (DIM, 3)).astype(np.float32)),
                   "b": jnp.zeros(3)}

@@ -3,6 +3,10 @@ trains the same model with plain torch on the W batches' mean gradient and print
 the two are apart (``maxrel: X``). ``--break`` breaks the parameter alias one way;
 ``--model bn`` puts a BatchNorm layer in (its buffers are checkpointed and shared)."""
 
+from ps_first import serve_if_ps
+
+SERVER = serve_if_ps() if __name__ == "__main__" else None  # a ps serves, exits: no framework
+
 import argparse
 import hashlib
 import sys
@@ -11,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from mpitf import ClusterSpec, Server, abort_on_error
+from mpitf import abort_on_error
 from mpitf.torch import DistributedOptimizer
 
 OPTIMIZERS = {
@@ -127,13 +131,8 @@ def main():
     p.add_argument("--hidden", type=int, default=16)
     args = p.parse_args()
     with abort_on_error():
-        import mpi4py.MPI as MPI
-
-        workers = MPI.COMM_WORLD.Get_size() - args.num_ps
-        server = Server(ClusterSpec({"ps": args.num_ps, "worker": workers}), deadline=30)
-        if server.job_name == "ps":
-            server.join()
-            sys.exit(server.exit_code)
+        server = SERVER
+        workers = server.num_replicas
         k = server.replica_index
         model, ref = build(args.model, args.hidden), build(args.model, args.hidden)
         if k != 0:  # the chief's values must win

@@ -4,6 +4,10 @@ with sparse=True, the same optimizer) on the W batches' mean gradient and prints
 the two are apart (``maxrel``: the dense parameters and the table's rows). ``--bad`` feeds
 one kind of bad input at step 3."""
 
+from ps_first import serve_if_ps
+
+SERVER = serve_if_ps() if __name__ == "__main__" else None  # a ps serves, exits: no framework
+
 import argparse
 import hashlib
 import sys
@@ -12,7 +16,7 @@ import numpy as np
 import torch
 
 import mpitf.torch as mt
-from mpitf import ClusterSpec, Server, abort_on_error
+from mpitf import abort_on_error
 
 ROWS, DIM, BAGS = 50, 4, 10
 OPTIMIZERS = {
@@ -98,13 +102,8 @@ def main():
     p.add_argument("--save-steps", type=int, default=None)
     args = p.parse_args()
     with abort_on_error():
-        import mpi4py.MPI as MPI
-
-        workers = MPI.COMM_WORLD.Get_size() - args.num_ps
-        server = Server(ClusterSpec({"ps": args.num_ps, "worker": workers}), deadline=30)
-        if server.job_name == "ps":
-            server.join()
-            sys.exit(server.exit_code)
+        server = SERVER
+        workers = server.num_replicas
         k = server.replica_index
         torch.manual_seed(0)
         cls = mt.Embedding if args.kind == "embedding" else mt.EmbeddingBag
