@@ -30,6 +30,7 @@ def test_pushpull_json(mpirun, tmp_path):
         assert data["metadata"][k]
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_sparse_json(mpirun, tmp_path):
     # issue 13's command and JSON, on a small table: the bytes on the wire within the bound
