@@ -6,6 +6,7 @@ TensorBoard), checkpoints every N steps or T seconds, at the end and on SIGTERM/
 The replicas are the chief task (if any) and the worker tasks (``server.replica_index``).
 """
 
+import functools
 import inspect
 import logging
 import time
@@ -97,7 +98,8 @@ class TrainingSession:
         self.push_ranks = [workers[n[0]] for n in node.nodes] if node else self.client_ranks
         self.releaser = node.leader_rank if node and not node.leader else self.client_ranks[0]
         self.stall = StepClock(server.deadline, adaptive=not server.fixed_deadline)
-        self._nonfinite_check = _Once(self.client.nonfinite_gradient)  # finish_push's
+        # finish_push's: computed once per step, whether the wait polls it or not
+        self._nonfinite_check = functools.cache(self.client.nonfinite_gradient)
         # With buckets, a model that reports finished layers (``final``) pushes them during
         # backward; a NaN/Inf found after that still ends the job, but cannot be skipped.
         self.layerwise = self.client.bucketed and not config.skip_nonfinite and not tables \
@@ -264,7 +266,8 @@ class TrainingSession:
         Buckets have left, so a gradient holding NaN/Inf cannot be skipped, only named:
         the check runs while the replies travel, in time the worker would spend waiting.
         """
-        check = self._nonfinite_check.reset()
+        check = self._nonfinite_check
+        check.cache_clear()
         with self.timeline.span("push_pull", step=self.global_step):
             reply = handle.wait(between=check)
         bad = check()
@@ -446,21 +449,3 @@ class TrainingSession:
             self.close()
         return False
 
-
-class _Once:
-    """Call ``fn`` on the first call only; every call returns its result (made once)."""
-
-    __slots__ = ("fn", "done", "value")
-
-    def __init__(self, fn):
-        self.fn, self.done, self.value = fn, False, None
-
-    def reset(self):
-        """Forget the result: the next call calls ``fn`` again; return self."""
-        self.done = False
-        return self
-
-    def __call__(self):
-        if not self.done:
-            self.value, self.done = self.fn(), True
-        return self.value
