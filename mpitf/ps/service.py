@@ -27,7 +27,7 @@ from .cuts import Cuts
 from .handlers import Handlers
 from .losses import Losses
 from .pipeline import Pipeline
-from .receive_pool import ReceivePool
+from .receive_pool import receive_pool
 from .replica import Replication
 from .senders import Senders
 from .shard import Shard
@@ -73,8 +73,9 @@ class Service(Handlers, Cuts, Losses):
         capacity = senders.capacity(self.tables.capacity if self.tables else None)
         capacity = max(capacity or 0, self.shard.rules.rates_bytes) or None  # RATES fit
         frames = self.policy.receive_buffers(self.num_workers, self.pipeline.bucketed)
-        self.pool = ReceivePool(self.comm, [Frame.allocate(self.backend, size, wire, capacity)
-                                            for _ in range(frames)], P.TAG_REQUEST)
+        self.pool = receive_pool(self.comm, [Frame.allocate(self.backend, size, wire, capacity)
+                                             for _ in range(frames)], P.TAG_REQUEST,
+                                 self._only_sender(server, config))
         self.sparse = SparseInbox(self, size, wire, capacity) if self.tables else None
         self.global_step = 0
         self.initialized = False
@@ -250,6 +251,16 @@ class Service(Handlers, Cuts, Losses):
                                     f"/job:ps/task:{self.ps_task} waited for its push{how}",
                                     **self.describe_worker(w, "push"))
 
+    def _only_sender(self, server, config):
+        """Return the one rank that may send to this ps (its receives are posted), or None.
+
+        None where others may: more workers or clients, a buddy's workers rerouted to
+        it (replication), a dead worker's requests to be told apart (ULFM).
+        """
+        if len(self.worker_ranks) != 1 or config.ps_replication_steps or server.ulfm:
+            return None
+        return self.worker_ranks[0]
+
     def _serve(self, index, source):
         """Serve the request in pool frame ``index``; return True when the frame is free."""
         frame = self.pool.frames[index]
@@ -314,6 +325,7 @@ class Service(Handlers, Cuts, Losses):
             if self.check_every is not None and self.last_message > self.next_check:
                 self._timeout()  # busy: without this, one silent worker would go unseen
         self._finish_replies()
+        pool.close()
         if replica is not None:
             replica.close()
             replica.ward._finish_replies()

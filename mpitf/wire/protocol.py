@@ -130,23 +130,32 @@ def wait_all(requests, deadline, describe, between=None, nbytes=0):
     poll.ended()
 
 
-def wait_message(comm, tag, poll_every, on_quiet, status, between=None):
-    """Return the next message on ``tag`` from any rank, matched (``MPI_Improbe``).
+def wait_until(ready, poll_every, on_quiet, between=None):
+    """Poll ``ready()`` until it returns something true; return that.
 
-    Every ``poll_every`` seconds (None: never) without one, ``on_quiet()`` is called;
-    ``between()``, if given, between two probes.
+    Every ``poll_every`` seconds (None: never) of polling ``on_quiet()`` is called (it may
+    raise); ``between()``, if given, between two polls.
     """
     poll = _Poll(poll_every)
     while True:
-        message = comm.Improbe(MPI.ANY_SOURCE, tag, status)
-        if message is not None:
+        found = ready()
+        if found:
             poll.ended()
-            return message
+            return found
         if between is not None:
             between()
         if poll.pause():
             on_quiet()
             poll.restart()
+
+
+def wait_message(comm, tag, poll_every, on_quiet, status, between=None):
+    """Return the next message on ``tag`` from any rank, matched (``MPI_Improbe``).
+
+    ``poll_every``, ``on_quiet`` and ``between`` as for :func:`wait_until`.
+    """
+    return wait_until(lambda: comm.Improbe(MPI.ANY_SOURCE, tag, status), poll_every,
+                      on_quiet, between)
 
 
 def recv_object(comm, source, tag, deadline, describe):

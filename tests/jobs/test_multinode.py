@@ -88,12 +88,15 @@ def test_host_named_specs_put_each_task_on_its_node(box, how):
     assert "from /job:ps/replica:0/task:0/device:CPU:0 on node1 (rank 1)" in out
 
 
-def test_requests_that_wait_in_mpi_reach_the_ps_from_other_nodes(box):
-    # The pattern that hung under UCX: several small frames queued before the ps looks.
-    code, out = on_box(box, 3, ["tests/mpi/pool_driver.py", "4"], timeout=60)
+@pytest.mark.parametrize("ranks, how", [(3, "probe"), (2, "posted")])
+def test_requests_that_wait_in_mpi_reach_the_ps_from_other_nodes(box, ranks, how):
+    # The pattern that hung under UCX: several small frames queued before the ps looks,
+    # taken by matched probes (any sender), or by receives posted from the one sender.
+    code, out = on_box(box, ranks, ["tests/mpi/pool_driver.py", "4",
+                                    *(["posted"] if how == "posted" else [])], timeout=60)
     assert code == 0, out
     got = json.loads(re.search(r"^received: (.*)$", out, re.MULTILINE).group(1))
-    assert got == {"1": [100, 101, 102, 103], "2": [200, 201, 202, 203]}
+    assert got == {str(r): [100 * r + k for k in range(4)] for r in range(1, ranks)}
 
 
 def test_sync_and_async_train_across_three_nodes(box, digits_file):
@@ -110,6 +113,16 @@ def test_sync_and_async_train_across_three_nodes(box, digits_file):
         assert summary["step"] >= steps and summary["mode"] == mode  # async may pass it
         assert summary["test_accuracy"] >= floor, summary
         assert summary["bucket_bytes"] == buckets, summary
+
+
+def test_one_worker_across_nodes_trains_through_receives_posted_ahead(box, digits_file):
+    # One worker: the ps posts its receives from that rank ahead (ps/receive_pool.py),
+    # two frames with the link's buckets, over UCX's TCP between the nodes.
+    summary = final(*on_box(box, 2, [JOB, "--data", digits_file, "--num-ps", "1",
+                                     "--mode", "sync", "--steps", 300, "--deadline", "60"]))
+    assert summary["step"] == 300 and summary["workers"] == 1, summary
+    assert summary["bucket_bytes"] == LINK_BUCKET_BYTES, summary
+    assert summary["test_accuracy"] >= 0.9, summary
 
 
 def test_deterministic_sync_across_nodes_has_the_bits_of_one_node(box, digits_file, tmp_path):
