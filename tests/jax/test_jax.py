@@ -95,11 +95,8 @@ def test_a_gradient_pytree_missing_a_leaf_ends_every_rank_naming_it():
 
 @pytest.mark.slow
 @pytest.mark.mpi
-def test_jax_mnist_job_reaches_95_percent(tmp_path):
-    from mpitf.data.datasets import ensure_digits
-
-    data = ensure_digits(str(tmp_path / "digits.h5"))
-    run = run_mpi(3, ["jobs/jax_mnist.py", "--data", data, "--run-dir", tmp_path / "run"],
+def test_jax_mnist_job_reaches_95_percent(tmp_path, digits_file):
+    run = run_mpi(3, ["jobs/jax_mnist.py", "--data", digits_file, "--run-dir", tmp_path / "run"],
                   timeout=180, cwd=str(REPO))
     assert not run.timed_out and run.returncode == 0, run.output
     (line,) = re.findall(r"^final: (.*)$", run.stdout, re.M)

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from mpitf.config import DEFAULT_BUCKET_BYTES
-from mpitf.data.datasets import ensure_digits
 from mpitf.data.sharded import ShardedDataset
 from mpitf.models import build_model
 from mpitf.ps.optimizers import make_optimizer
@@ -26,8 +25,8 @@ METRIC_KEYS = {"step", "time", "loss", "examples_per_sec", "sec_per_batch", "sta
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return ensure_digits(str(tmp_path_factory.mktemp("data") / "digits.h5"))
+def data(digits_file):
+    return digits_file
 
 
 def run_job(n, data, *args, timeout=90):

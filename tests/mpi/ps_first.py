@@ -13,18 +13,27 @@ from mpi4py import MPI
 from mpitf import ClusterSpec, Server, abort_on_error
 
 
-def serve_if_ps(deadline=30):
+def flag(name, default):
+    """Return the value of ``name`` on the command line (read before the driver's parser)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument(name, type=type(default), default=default)
+    return vars(parser.parse_known_args()[0])[name.lstrip("-").replace("-", "_")]
+
+
+def serve_if_ps(deadline=30, sessions=1):
     """Start this rank's Server (``--num-ps`` ps tasks, default 1; the other ranks workers).
 
-    A ps serves until every worker is done and exits; a worker gets the Server.
+    A ps serves ``sessions`` trainings in turn (the workers train that many, one after
+    the other, in one launch) and exits; a worker gets the Server.
     """
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--num-ps", type=int, default=1)
-    num_ps = parser.parse_known_args()[0].num_ps
+    num_ps = flag("--num-ps", 1)
     with abort_on_error():
         workers = MPI.COMM_WORLD.Get_size() - num_ps
         server = Server(ClusterSpec({"ps": num_ps, "worker": workers}), deadline=deadline)
         if server.job_name == "ps":
-            server.join()
+            for _ in range(sessions):
+                server.join()
+                if server.exit_code:
+                    break
             sys.exit(server.exit_code)
     return server

@@ -1,11 +1,15 @@
 """mpitf.torch under mpiexec: 1 ps + W workers train a small torch MLP; each worker also
 trains the same model with plain torch on the W batches' mean gradient and prints how far
 the two are apart (``maxrel: X``). ``--break`` breaks the parameter alias one way;
-``--model bn`` puts a BatchNorm layer in (its buffers are checkpointed and shared)."""
+``--model bn`` puts a BatchNorm layer in (its buffers are checkpointed and shared);
+``--optimizer a,b`` trains with each in turn (each result line ends with its name)."""
 
-from ps_first import serve_if_ps
+from ps_first import flag, serve_if_ps
 
-SERVER = serve_if_ps() if __name__ == "__main__" else None  # a ps serves, exits: no framework
+# ``--optimizer a,b,...``: one training each, in turn, in one launch (the ps serves each)
+SESSIONS = len(flag("--optimizer", "adamw").split(","))
+SERVER = serve_if_ps(sessions=SESSIONS) if __name__ == "__main__" else None  # a ps serves,
+#   exits: it never imports a framework
 
 import argparse
 import hashlib
@@ -131,83 +135,91 @@ def main():
     p.add_argument("--hidden", type=int, default=16)
     args = p.parse_args()
     with abort_on_error():
-        server = SERVER
-        workers = server.num_replicas
-        k = server.replica_index
-        model, ref = build(args.model, args.hidden), build(args.model, args.hidden)
-        if k != 0:  # the chief's values must win
-            with torch.no_grad():
-                for q in model.state_dict().values():
-                    q.add_(1)  # parameters and buffers: the chief's win
-        if args.optimizer in GROUPED:
-            opt, ref_opt = GROUPED[args.optimizer](model), GROUPED[args.optimizer](ref)
+        for name in args.optimizer.split(","):
+            code = train(SERVER, args, name)
+            if code:
+                break
+        sys.exit(code)
+
+
+def train(server, args, optimizer):
+    """Train with ``optimizer`` beside plain torch; print the results; return the exit code."""
+    workers = server.num_replicas
+    k = server.replica_index
+    model, ref = build(args.model, args.hidden), build(args.model, args.hidden)
+    if k != 0:  # the chief's values must win
+        with torch.no_grad():
+            for q in model.state_dict().values():
+                q.add_(1)  # parameters and buffers: the chief's win
+    if optimizer in GROUPED:
+        opt, ref_opt = GROUPED[optimizer](model), GROUPED[optimizer](ref)
+    else:
+        opt = OPTIMIZERS[optimizer](model.parameters())
+        ref_opt = OPTIMIZERS[optimizer](ref.parameters())
+    make = group_scheduler if args.group_schedule else scheduler
+    sched = make(opt) if args.schedule or args.group_schedule else None
+    ref_sched = make(ref_opt) if args.schedule or args.group_schedule else None
+    dist = DistributedOptimizer(opt, model, server, mode=args.mode,
+                                deterministic=args.mode == "sync",
+                                last_step=args.steps, checkpoint_dir=args.checkpoint_dir,
+                                save_checkpoint_steps=args.save_steps, log_every=1,
+                                clip_norm=args.clip, bucket_bytes=args.bucket_bytes,
+                                reset_optimizer_state=args.reset_optimizer_state)
+    if args.brk == "to":
+        model.to(torch.float64)
+    elif args.brk == "load":
+        model.load_state_dict(ref.state_dict())
+    start, early = dist.global_step, 0
+    for s in range(start):  # a resumed run: bring the reference to the same step
+        ref_step(ref, ref_opt, ref_sched, s, workers, args.clip)
+    while not dist.should_stop():
+        s = dist.global_step
+        x, y = batches(s, workers)
+        if args.brk == "torch_zero_grad":
+            opt.zero_grad()  # torch's: sets every .grad to None
         else:
-            opt = OPTIMIZERS[args.optimizer](model.parameters())
-            ref_opt = OPTIMIZERS[args.optimizer](ref.parameters())
-        make = group_scheduler if args.group_schedule else scheduler
-        sched = make(opt) if args.schedule or args.group_schedule else None
-        ref_sched = make(ref_opt) if args.schedule or args.group_schedule else None
-        dist = DistributedOptimizer(opt, model, server, mode=args.mode,
-                                    deterministic=args.mode == "sync",
-                                    last_step=args.steps, checkpoint_dir=args.checkpoint_dir,
-                                    save_checkpoint_steps=args.save_steps, log_every=1,
-                                    clip_norm=args.clip, bucket_bytes=args.bucket_bytes,
-                                    reset_optimizer_state=args.reset_optimizer_state)
-        if args.brk == "to":
-            model.to(torch.float64)
-        elif args.brk == "load":
-            model.load_state_dict(ref.state_dict())
-        start, early = dist.global_step, 0
-        for s in range(start):  # a resumed run: bring the reference to the same step
-            ref_step(ref, ref_opt, ref_sched, s, workers, args.clip)
-        while not dist.should_stop():
-            s = dist.global_step
-            x, y = batches(s, workers)
-            if args.brk == "torch_zero_grad":
-                opt.zero_grad()  # torch's: sets every .grad to None
-            else:
-                dist.zero_grad()
-            if args.accumulate_from is not None and s >= args.accumulate_from:
-                for half in (slice(0, 5), slice(5, 10)):  # gradient accumulation
-                    loss = torch.nn.functional.cross_entropy(model(x[k, half]), y[k, half]) / 2
-                    loss.backward()
-            else:
-                out = model(x[k].to(next(model.parameters()).dtype))
-                if args.brk == "unused" and s == 3:
-                    out = out.detach() + model[2].bias  # the first layer gets no gradient
-                loss = torch.nn.functional.cross_entropy(out, y[k])
-                if s == args.nan_at:
-                    loss = loss * float("nan")
+            dist.zero_grad()
+        if args.accumulate_from is not None and s >= args.accumulate_from:
+            for half in (slice(0, 5), slice(5, 10)):  # gradient accumulation
+                loss = torch.nn.functional.cross_entropy(model(x[k, half]), y[k, half]) / 2
                 loss.backward()
-            clip = args.clip_grad_norm if s >= args.clip_from else None
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            bucketed = dist.client.bucketed_push
-            if bucketed is not None and bucketed.reply_value is None:  # a step under way
-                early += sum(bucketed.next)  # buckets the hooks pushed during backward
-            dist.step(loss)
-            time.sleep(args.sleep)
-            if sched is not None:
-                sched.step()
-            ref_step(ref, ref_opt, ref_sched, s, workers, args.clip or clip)
-        dist.close()
-        # Per parameter: |mpitf - torch| / |torch| (norms), the worst of them.
-        worst = max(float((a.detach() - b.detach()).norm() / b.detach().norm())
-                    for a, b in zip(model.parameters(), ref.parameters()))
-        moved = max(float((a.detach() - b.detach()).abs().max())
-                    for a, b in zip(ref.parameters(), build(args.model, args.hidden).parameters()))
-        say(f"worker {k}: step {dist.global_step} maxrel: {worst:.3g} moved: {moved:.3g} "
-            f"lr: {opt.param_groups[0]['lr']:.6g}")
-        state = model.state_dict()
-        buffers, ref_buffers = untrained(model), untrained(ref)
-        if buffers:  # every worker holds the chief's at close; one worker: near torch's own
-            rel = max(float((a.double() - b.double()).norm() / b.double().norm())
-                      for a, b in zip(buffers, ref_buffers))
-            say(f"worker {k}: buffers {digest(buffers)[:16]} bufrel: {rel:.3g}")
-        if k == 0:
-            say(f"keys: {','.join(state)} digest: {digest(state.values())[:16]}")
-            say(f"buckets pushed during backward: {early}")
-        sys.exit(dist.exit_code)
+        else:
+            out = model(x[k].to(next(model.parameters()).dtype))
+            if args.brk == "unused" and s == 3:
+                out = out.detach() + model[2].bias  # the first layer gets no gradient
+            loss = torch.nn.functional.cross_entropy(out, y[k])
+            if s == args.nan_at:
+                loss = loss * float("nan")
+            loss.backward()
+        clip = args.clip_grad_norm if s >= args.clip_from else None
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        bucketed = dist.client.bucketed_push
+        if bucketed is not None and bucketed.reply_value is None:  # a step under way
+            early += sum(bucketed.next)  # buckets the hooks pushed during backward
+        dist.step(loss)
+        time.sleep(args.sleep)
+        if sched is not None:
+            sched.step()
+        ref_step(ref, ref_opt, ref_sched, s, workers, args.clip or clip)
+    dist.close()
+    # Per parameter: |mpitf - torch| / |torch| (norms), the worst of them.
+    worst = max(float((a.detach() - b.detach()).norm() / b.detach().norm())
+                for a, b in zip(model.parameters(), ref.parameters()))
+    moved = max(float((a.detach() - b.detach()).abs().max())
+                for a, b in zip(ref.parameters(), build(args.model, args.hidden).parameters()))
+    say(f"worker {k}: step {dist.global_step} maxrel: {worst:.3g} moved: {moved:.3g} "
+        f"lr: {opt.param_groups[0]['lr']:.6g} optimizer: {optimizer}")
+    state = model.state_dict()
+    buffers, ref_buffers = untrained(model), untrained(ref)
+    if buffers:  # every worker holds the chief's at close; one worker: near torch's own
+        rel = max(float((a.double() - b.double()).norm() / b.double().norm())
+                  for a, b in zip(buffers, ref_buffers))
+        say(f"worker {k}: buffers {digest(buffers)[:16]} bufrel: {rel:.3g}")
+    if k == 0:
+        say(f"keys: {','.join(state)} digest: {digest(state.values())[:16]}")
+        say(f"buckets pushed during backward: {early}")
+    return dist.exit_code
 
 
 def ref_step(ref, opt, sched, s, workers, clip):
