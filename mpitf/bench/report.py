@@ -205,8 +205,10 @@ def _targets(results):
         lines.append(f"- {name} {goal}: {text}{beside} ({'met' if met else 'MISSED'})")
 
     small = min(r["bytes"] for r in rows)
-    check(f"push+pull of {small} B", [r for r in trained if r["bytes"] == small],
-          "<= 1.5 x raw MPI's time", lambda ratio: (f"{1 / ratio:.2f} x", 1 / ratio <= 1.5))
+    for opt in dict.fromkeys(r["optimizer"] for r in trained):  # each: SGD adds its apply
+        check(f"push+pull of {small} B ({opt})",
+              [r for r in trained if r["bytes"] == small and r["optimizer"] == opt],
+              "<= 1.5 x raw MPI's time", lambda ratio: (f"{1 / ratio:.2f} x", 1 / ratio <= 1.5))
     for opt, goal in (("sgd", 0.85), ("none", 0.95)):
         check(f"ps {opt} from 16 MiB", [r for r in trained if r["optimizer"] == opt and
                                         r["bytes"] >= 16 << 20], f">= {goal} x raw GB/s",
