@@ -315,9 +315,10 @@ def tables_of(out, num_ps):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("optimizer,num_ps,placement,flag", [
-    ("sgd", 1, "mod", "--deterministic"), ("adam", 2, "mod", "--deterministic"),
+    ("sgd", 1, "mod", "--deterministic"),
     ("adagrad", 3, "range", "--deterministic"),
-    # (the fast tier keeps four of the six: 3-4 s each)
+    # (the fast tier keeps three of the six: 3-4 s each)
+    pytest.param("adam", 2, "mod", "--deterministic", marks=pytest.mark.slow),
     pytest.param("momentum", 2, "range", "--deterministic", marks=pytest.mark.slow),
     pytest.param("ftrl", 2, "mod", "--deterministic", marks=pytest.mark.slow),
     # plain sync: with two workers the dense sum g0 + g1 == g1 + g0, and the ps sums the

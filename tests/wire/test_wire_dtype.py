@@ -101,6 +101,7 @@ def test_one_worker_equals_numpy_with_the_wire_roundings(tmp_path):
         assert int(report["wire"]) == H.HEADER_BYTES + 2 * ELEMENTS
 
 
+@pytest.mark.slow  # the fast tier keeps one worker's
 def test_two_workers_deterministic_sync_equal_numpy(tmp_path):
     phases = ["bfloat16:sgd:det:0", "bfloat16:adam:det:64", "float16:sgd:async:64"]
     runs = _run(tmp_path, 3, phases)

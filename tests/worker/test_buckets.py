@@ -132,7 +132,7 @@ def _assert_same_bits(got, want):
     # two workers: a + b == b + a, so plain sync is bitwise too (slow tier: 2.5 s)
     pytest.param("sync", 4, [], marks=pytest.mark.slow),
     ("async", 3, []),
-    ("ssp", 3, ["--staleness", "1"]),
+    pytest.param("ssp", 3, ["--staleness", "1"], marks=pytest.mark.slow),  # async's path
 ])
 def test_buckets_equal_one_frame_bit_for_bit(tmp_path, mode, n, extra):
     # 2 ps; 64-byte buckets cut each shard in two; n - 2 workers (one in async and ssp,
