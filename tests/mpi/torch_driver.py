@@ -169,7 +169,7 @@ def train(server, args, optimizer):
         model.to(torch.float64)
     elif args.brk == "load":
         model.load_state_dict(ref.state_dict())
-    start, early = dist.global_step, 0
+    start, early, clipped = dist.global_step, 0, 0
     for s in range(start):  # a resumed run: bring the reference to the same step
         ref_step(ref, ref_opt, ref_sched, s, workers, args.clip)
     while not dist.should_stop():
@@ -201,7 +201,7 @@ def train(server, args, optimizer):
         time.sleep(args.sleep)
         if sched is not None:
             sched.step()
-        ref_step(ref, ref_opt, ref_sched, s, workers, args.clip or clip)
+        clipped += ref_step(ref, ref_opt, ref_sched, s, workers, args.clip or clip)
     dist.close()
     # Per parameter: |mpitf - torch| / |torch| (norms), the worst of them.
     worst = max(float((a.detach() - b.detach()).norm() / b.detach().norm())
@@ -219,19 +219,22 @@ def train(server, args, optimizer):
     if k == 0:
         say(f"keys: {','.join(state)} digest: {digest(state.values())[:16]}")
         say(f"buckets pushed during backward: {early}")
+    if args.clip or args.clip_grad_norm:  # how often the norm bound changed the gradient
+        say(f"worker {k}: the reference clipped {clipped} of {dist.global_step - start} steps")
     return dist.exit_code
 
 
 def ref_step(ref, opt, sched, s, workers, clip):
+    """One step of plain torch on the mean gradient; return True when ``clip`` bound it."""
     x, y = batches(s, workers)
     opt.zero_grad()
     loss = sum(torch.nn.functional.cross_entropy(ref(x[w]), y[w]) for w in range(workers))
     (loss / workers).backward()
-    if clip is not None:
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+    norm = None if clip is None else float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip))
     opt.step()
     if sched is not None:
         sched.step()
+    return norm is not None and norm > clip
 
 
 if __name__ == "__main__":
