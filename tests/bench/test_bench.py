@@ -105,7 +105,6 @@ def test_torch_tables_json(mpirun, tmp_path):
 @pytest.mark.mpi
 def test_recsys_json(mpirun, tmp_path):
     # the dlrm model through mpitf.torch against plain torch plus a raw round trip (quick)
-    pytest.importorskip("torch")
     out = tmp_path / "rs.json"
     run = mpirun(2, REPO / "benchmarks" / "recsys.py", "--quick", "--json", out, timeout=120)
     assert run.returncode == 0, run.output

@@ -200,7 +200,6 @@ def test_load_split(toy):
 
 
 def test_prepare_digits_atomic(tmp_path):
-    pytest.importorskip("sklearn")
     path = str(tmp_path / "sub" / "digits.h5")
     assert prepare_digits(path) == path
     assert os.listdir(tmp_path / "sub") == ["digits.h5"]  # no .tmp left behind
@@ -236,7 +235,6 @@ def test_default_path_and_ensure_digits(tmp_path, monkeypatch):
     assert default_data_path() == os.path.join(str(tmp_path), "digits.h5")
     monkeypatch.delenv("MPITF_DATA_DIR")
     assert default_data_path() == os.path.expanduser("~/.cache/mpitf/digits.h5")
-    pytest.importorskip("sklearn")
     monkeypatch.setenv("MPITF_DATA_DIR", str(tmp_path))
     path = ensure_digits()
     assert path == str(tmp_path / "digits.h5") and os.path.exists(path)

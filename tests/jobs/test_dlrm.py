@@ -5,12 +5,11 @@ import re
 
 import numpy as np
 import pytest
+import torch  # a test requirement: fail here, loudly, without it
 
 from mpitf.data.ctr import synthetic_ctr
 from mpitf.testing import run_mpi
 from tests.support import REPO
-
-torch = pytest.importorskip("torch")
 
 
 def _final(run):

@@ -287,7 +287,6 @@ def test_mpitf_run_takes_a_host_file(box, tmp_path):
 
 
 def test_mpitf_bench_measures_the_fabric_between_two_nodes(box, tmp_path):
-    pytest.importorskip("matplotlib")
     cmd = box.on_head([sys.executable, "-m", "mpitf.cli.main", "bench", "--suite", "fabric",
                        "--quick", "--hosts", "node1,node3", "--out", tmp_path])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=str(REPO),
@@ -310,12 +309,10 @@ def test_ctr_torch_and_jax_jobs_train_across_nodes(box, digits_file, tmp_path):
                                      "--steps", "300", "--batch-size", "64", "--optimizer",
                                      "adagrad", "--lr", "0.1", "--mode", "sync"]))
     assert summary["test_auc"] > 0.5 + (ceiling - 0.5) * 0.6, (summary, ceiling)  # as on one
-    pytest.importorskip("torch")
     code, out = on_box(box, 3, ["jobs/torch_mnist.py", "--data", digits_file])
     assert code == 0, out
     (acc,) = re.findall(r"^step 300: test accuracy (\S+)$", out, re.MULTILINE)
     assert float(acc) >= 0.95, out
-    pytest.importorskip("jax")
     summary = final(*on_box(box, 3, ["jobs/jax_mnist.py", "--data", digits_file, "--run-dir",
                                      tmp_path / "jax"]))
     assert summary["step"] == 300 and summary["test_accuracy"] >= 0.95, summary

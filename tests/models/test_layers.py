@@ -234,7 +234,6 @@ def _train(model, x, y, steps, lr, batch=32, seed=0):
 
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
-    pytest.importorskip("sklearn")
     from mpitf.data.datasets import prepare_digits
     from mpitf.data.sharded import load_split
 
