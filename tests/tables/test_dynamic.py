@@ -294,6 +294,7 @@ def test_a_table_at_capacity_evicts_keeps_training_and_says_so(tmp_path):
 
 
 @pytest.mark.mpi
+@pytest.mark.slow  # the fast tier refuses bad ids in test_sparse.py
 def test_a_negative_id_where_the_table_takes_none_ends_every_rank(tmp_path):
     run = run_driver(tmp_path, 2, 2, "--steps", 5, "--dynamic", "--no-negative-ids",
                      "--bad-ids", "negative", timeout=60, ok=False)
