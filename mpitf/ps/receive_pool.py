@@ -28,11 +28,16 @@ from mpi4py import MPI
 from ..wire import protocol as P
 
 
-def receive_pool(comm, frames, tag, only_sender=None):
-    """Return the pool for ``frames``: posted receives from ``only_sender``, or probes."""
-    if only_sender is None:
+def receive_pool(comm, frames, tag, senders, rerouted=False, ulfm=False):
+    """Return the pool for ``frames``: receives posted from the one sender, or probes.
+
+    Probes where another rank may speak too: ``senders`` (the ranks that push) are more
+    than one, a lost buddy's workers may be ``rerouted`` here (replication), or a dead
+    worker's requests must be told apart (``ulfm``).
+    """
+    if len(senders) != 1 or rerouted or ulfm:
         return ReceivePool(comm, frames, tag)
-    return PostedReceives(comm, frames, tag, only_sender)
+    return PostedReceives(comm, frames, tag, senders[0])
 
 
 class ReceivePool:

@@ -75,7 +75,8 @@ class Service(Handlers, Cuts, Losses):
         frames = self.policy.receive_buffers(self.num_workers, self.pipeline.bucketed)
         self.pool = receive_pool(self.comm, [Frame.allocate(self.backend, size, wire, capacity)
                                              for _ in range(frames)], P.TAG_REQUEST,
-                                 self._only_sender(server, config))
+                                 self.worker_ranks, bool(config.ps_replication_steps),
+                                 server.ulfm)
         self.sparse = SparseInbox(self, size, wire, capacity) if self.tables else None
         self.global_step = 0
         self.initialized = False
@@ -250,16 +251,6 @@ class Service(Handlers, Cuts, Losses):
                 raise DeadlineError(f"no message for {allowance:.3g} s from a worker while "
                                     f"/job:ps/task:{self.ps_task} waited for its push{how}",
                                     **self.describe_worker(w, "push"))
-
-    def _only_sender(self, server, config):
-        """Return the one rank that may send to this ps (its receives are posted), or None.
-
-        None where others may: more workers or clients, a buddy's workers rerouted to
-        it (replication), a dead worker's requests to be told apart (ULFM).
-        """
-        if len(self.worker_ranks) != 1 or config.ps_replication_steps or server.ulfm:
-            return None
-        return self.worker_ranks[0]
 
     def _serve(self, index, source):
         """Serve the request in pool frame ``index``; return True when the frame is free."""

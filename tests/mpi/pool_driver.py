@@ -7,8 +7,8 @@ enters it first, so the frames have all arrived (unexpected) before it receives 
 then takes them with one pool frame. It prints ``received: {source: [values...]}``.
 With receives posted ahead with ANY_SOURCE, MPICH's UCX netmod left the second frame from
 another node waiting forever (mpitf/ps/receive_pool.py). ``posted`` (two ranks): the pool
-of one sender, made before the barrier, so the first frame lands in a posted receive and
-the others wait in MPI.
+of one sender, made before the barrier, so a frame may land in a posted receive or wait in
+MPI until the receive is posted again.
 """
 
 import json
@@ -17,7 +17,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from mpitf.ps.receive_pool import receive_pool
+from mpitf.ps.receive_pool import ReceivePool, receive_pool
 from mpitf.runtime.backend import numpy_backend
 from mpitf.wire import protocol as P
 from mpitf.wire.frame import Frame
@@ -38,9 +38,11 @@ def main():
         comm.Barrier()
         return
     frames = [Frame.allocate(numpy_backend(), 16, np.int32)]
-    pool = receive_pool(comm, frames, P.TAG_REQUEST, 1) if posted else None
+    if posted:  # before the barrier: frames land in a posted receive or wait for one
+        pool = receive_pool(comm, frames, P.TAG_REQUEST, [1])
     comm.Barrier()
-    pool = pool or receive_pool(comm, frames, P.TAG_REQUEST)
+    if not posted:
+        pool = ReceivePool(comm, frames, P.TAG_REQUEST)  # matched probes, any sender
     got = {}
     for _ in range(count * (comm.size - 1)):
         index = pool.wait_next(20.0, quiet, 20.0, str)

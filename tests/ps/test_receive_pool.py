@@ -2,24 +2,32 @@
 
 import json
 import re
-from types import SimpleNamespace
 
+import numpy as np
 import pytest
+from mpi4py import MPI
 
-from mpitf.ps.service import Service
+from mpitf.ps.receive_pool import PostedReceives, receive_pool
+from mpitf.runtime.backend import numpy_backend
 from mpitf.testing import run_mpi
+from mpitf.wire import protocol as P
+from mpitf.wire.frame import Frame
 from tests.support import REPO
 
 
-@pytest.mark.parametrize("workers, replication, ulfm, sender", [
-    ([3], 0, False, 3),  # one worker: its receives are posted ahead
-    ([3, 4], 0, False, None),  # two may speak: matched probes
-    ([3], 5, False, None),  # a buddy's workers may be rerouted here
-    ([3], 0, True, None)])  # a dead worker's requests are told apart by probe
-def test_a_ps_posts_receives_only_where_one_rank_may_send(workers, replication, ulfm, sender):
-    svc = SimpleNamespace(worker_ranks=workers)
-    assert Service._only_sender(svc, SimpleNamespace(ulfm=ulfm),
-                                SimpleNamespace(ps_replication_steps=replication)) == sender
+@pytest.mark.parametrize("senders, rerouted, ulfm, posted", [
+    ([0], False, False, True),  # one worker: its receives are posted ahead
+    ([0, 1], False, False, False),  # two may speak: matched probes
+    ([0], True, False, False),  # a buddy's workers may be rerouted here
+    ([0], False, True, False)])  # a dead worker's requests are told apart by probe
+def test_a_ps_posts_receives_only_where_one_rank_may_send(senders, rerouted, ulfm, posted):
+    frames = [Frame.allocate(numpy_backend(), 4, np.float32)]
+    pool = receive_pool(MPI.COMM_SELF, frames, P.TAG_REQUEST, senders, rerouted, ulfm)
+    try:
+        assert isinstance(pool, PostedReceives) == posted
+        assert not posted or (pool.source == 0 and len(pool.posted) == 1)
+    finally:
+        pool.close()
 
 
 @pytest.mark.mpi
