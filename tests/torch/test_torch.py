@@ -19,9 +19,8 @@ from tests.support import REPO
 pytestmark = pytest.mark.mpi
 
 DRIVER = "tests/mpi/torch_driver.py"
-RESULT = re.compile(r"worker (\d+): step (\d+) maxrel: (\S+) moved: (\S+) lr: ([0-9.e+-]+)")
-RESULT_OF = re.compile(r"worker (?P<worker>\d+): step (?P<step>\d+) maxrel: (?P<maxrel>\S+) "
-                       r"moved: (?P<moved>\S+) lr: (?P<lr>\S+) optimizer: (?P<name>\w+)$", re.M)
+RESULT = re.compile(r"worker (?P<worker>\d+): step (?P<step>\d+) maxrel: (?P<maxrel>\S+) "
+                    r"moved: (?P<moved>\S+) lr: (?P<lr>\S+) optimizer: (?P<name>\w+)$", re.M)
 CLIPPED = re.compile(r"the reference clipped (\d+ of \d+) steps")
 DIGEST = re.compile(r"digest: (\w+)")
 BUFFERS = re.compile(r"worker \d+: buffers (\w+) bufrel: ([0-9.e+-]+)")
@@ -35,12 +34,12 @@ def drive(n, *args, timeout=60):
 
 def results(run, steps, workers):
     assert run.returncode == 0, run.output
-    found = RESULT.findall(run.stdout)
-    assert sorted(int(w) for w, *_ in found) == list(range(workers)), run.output
-    for _, step, _, moved, _ in found:
-        assert int(step) == steps
-        assert float(moved) > 0.01  # training moved the parameters
-    return [float(r[2]) for r in found], float(found[0][4])
+    found = list(RESULT.finditer(run.stdout))
+    assert sorted(int(m["worker"]) for m in found) == list(range(workers)), run.output
+    for m in found:
+        assert int(m["step"]) == steps
+        assert float(m["moved"]) > 0.01  # training moved the parameters
+    return [float(m["maxrel"]) for m in found], float(found[0]["lr"])
 
 
 @pytest.mark.slow
@@ -50,14 +49,14 @@ def test_one_worker_equals_torch_optim_with_its_lr_scheduler():
             "rmsprop": 0.003}
     run = drive(2, "--optimizer", ",".join(base), "--schedule", "--steps", 30, timeout=120)
     assert run.returncode == 0, run.output
-    found = {m.group("name"): m for m in RESULT_OF.finditer(run.stdout)}
+    found = {m["name"]: m for m in RESULT.finditer(run.stdout)}
     assert sorted(found) == sorted(base), run.output
     for name, m in found.items():
-        assert m.group("worker") == "0" and m.group("step") == "30", run.output
-        assert float(m.group("moved")) > 0.01, name  # training moved the parameters
-        assert float(m.group("maxrel")) < 1e-6, (name, run.output)  # torch fuses some ops
+        assert m["worker"] == "0" and m["step"] == "30", run.output
+        assert float(m["moved"]) > 0.01, name  # training moved the parameters
+        assert float(m["maxrel"]) < 1e-6, (name, run.output)  # torch fuses some ops
         # LambdaLR's factor after 30 steps: the rate the ps applied followed it.
-        assert float(m.group("lr")) == pytest.approx(base[name] * 0.97**30, rel=1e-5), name
+        assert float(m["lr"]) == pytest.approx(base[name] * 0.97**30, rel=1e-5), name
     assert run.stdout.count("keys: 0.weight,0.bias,2.weight,2.bias") == len(base)  # names
 
 
