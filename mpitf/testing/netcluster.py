@@ -3,7 +3,9 @@
 Each node is a Linux network namespace with one veth link into a bridge; every process
 started on it gets its own host name (UTS), its own ``/dev/shm``, IPC and PIDs, so MPI
 finds no shared memory between nodes and moves their bytes over TCP, as between the nodes
-of a cluster. A link may be shaped to a rate (``tc ... tbf``). The bridge lives in a
+of a cluster. A link may be shaped to a rate (``tc ... tbf``). The nodes share this
+machine's cores, each taking its share (cores // nodes, at least 1) as the default thread
+count of its processes (``OMP_NUM_THREADS``, ``NPROC``). The bridge lives in a
 *head* namespace of its own, where ``mpiexec`` runs: every address the box uses is inside
 namespaces this module made, and nothing of it touches the machine's own network.
 
@@ -64,7 +66,12 @@ NODE = """#!/bin/sh
 # Runs COMMAND on node HOST of box {name}: its network namespace, with a host name,
 # /dev/shm, IPC, PIDs and TMPDIR of its own (so no shared memory crosses nodes).
 TMPDIR="{state}/tmp-$1"
-export TMPDIR
+# The nodes share this machine's cores: unless mpiexec's caller chose, a node's processes
+# take the node's share of them ({threads}) as their thread count (torch's OpenMP, XLA's
+# NPROC), as on a node of that many cores; each taking every core oversubscribes them all.
+OMP_NUM_THREADS="${{OMP_NUM_THREADS:-{threads}}}"
+NPROC="${{NPROC:-{threads}}}"
+export TMPDIR OMP_NUM_THREADS NPROC
 mkdir -p "$TMPDIR"
 ip netns exec "{name}-$1" unshare --uts --mount --ipc --pid --fork --mount-proc \\
     sh -c 'hostname "$0" && mount -t tmpfs -o mode=1777 tmpfs /dev/shm && exec sh -c "$1"' \\
@@ -151,6 +158,8 @@ class Box:
         self.rates = self._rates(rate)
         self.state = STATE_ROOT / name
         self.head = f"{name}-head"
+        # each node's share of this machine's cores: its processes' default thread count
+        self.threads = max(1, len(os.sched_getaffinity(0)) // nodes)
 
     def _rates(self, rate):
         """Return {node: rate} from ``rate`` (one for all, or ``node=rate,...``)."""
@@ -237,7 +246,7 @@ class Box:
                         "tbf", "rate", self.rates[node], "burst", BURST, "latency", "10ms")
         for path, text in ((self.launcher, LAUNCHER), (self.state / "node", NODE)):
             path.write_text(text.format(name=self.name, nodes=" ".join(self.nodes),
-                                        state=self.state))
+                                        state=self.state, threads=self.threads))
             path.chmod(0o755)
 
     def down(self):

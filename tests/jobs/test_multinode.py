@@ -62,6 +62,20 @@ def test_each_node_has_its_own_host_name_and_shared_memory(box):
         assert f"on {host} (rank" in out
 
 
+def test_each_node_takes_its_share_of_the_cores_as_its_thread_count(box):
+    # Three nodes on this machine's cores: each taking all of them (torch's default)
+    # oversubscribed them, and a torch job on the box used 2.3 x the CPU time it needs.
+    share = max(1, len(os.sched_getaffinity(0)) // 3)
+    probe = box.mpiexec(3, [sys.executable, "-c", "import os; print(os.environ['OMP_NUM_"
+                                                  "THREADS'], os.environ['NPROC'])"])
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NPROC")}
+    for given, expected in (({}, f"{share} {share}"), ({"OMP_NUM_THREADS": "7"}, f"7 {share}")):
+        proc = subprocess.run(probe, capture_output=True, text=True, timeout=60,
+                              env=dict(env, **given))
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split("\n")[:3] == [expected] * 3, proc.stdout
+
+
 def placement(out):
     """Return {task: host} from the rank table a job prints."""
     return dict(re.findall(r"^\s+\d+\s+(/job:\w+/replica:0/task:\d)\s+(node\d)$", out,

@@ -6,6 +6,7 @@ Where this machine cannot run it, the tests skip; with MPITF_TEST_SLURM=1 they f
 About 20 s in all, most of it Slurm's delay before a requeued job starts again.
 """
 
+import contextlib
 import fcntl
 import json
 import os
@@ -59,9 +60,10 @@ def _slurmctld_alive():
 def slurm_env():
     """Start the local Slurm; give the environment for its clients; stop it if a test started it.
 
-    Several pytest sessions may share this Slurm: each holds a shared lock on a file while it
-    uses it, and the last one out stops the daemons, if a test session (not a person) started
-    them. MPITF_SLURM_KEEP=1 leaves them running.
+    Several pytest sessions (the suite's two xdist workers among them) may share this Slurm:
+    each holds a shared lock on a file while it uses it, one at a time starts (or finds) the
+    daemons under a second lock, and the last one out stops them, if a test session (not a
+    person) started them. MPITF_SLURM_KEEP=1 leaves them running.
     """
     if sys.platform != "linux" or not hasattr(os, "geteuid") or os.geteuid() != 0:
         _unavailable("needs root on Linux")
@@ -70,16 +72,16 @@ def slurm_env():
     os.makedirs(SLURM_ROOT, exist_ok=True)
     marker = Path(SLURM_ROOT, "started-by-pytest")
     env = dict(os.environ, SLURM_TEST_ROOT=SLURM_ROOT)
-    with open(Path(SLURM_ROOT, "pytest.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one session starts or stops Slurm at a time
-        started_here = not _slurmctld_alive()
-        try:
-            res = subprocess.run(["bash", str(START)], env=env, capture_output=True, text=True,
-                                 timeout=300)
-        except subprocess.TimeoutExpired:
-            pytest.fail("start-slurm.sh did not finish in 300 s")
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_SH)
+    with open(Path(SLURM_ROOT, "pytest.lock"), "w") as using, \
+            open(Path(SLURM_ROOT, "pytest-turn.lock"), "w") as turn:
+        fcntl.flock(using, fcntl.LOCK_SH)  # held while this session uses Slurm
+        with _locked(turn):  # one session at a time starts or stops it
+            started_here = not _slurmctld_alive()
+            try:
+                res = subprocess.run(["bash", str(START)], env=env, capture_output=True,
+                                     text=True, timeout=300)
+            except subprocess.TimeoutExpired:
+                pytest.fail("start-slurm.sh did not finish in 300 s")
         if res.returncode == EXIT_CANNOT:
             _unavailable(res.stderr.strip())
         assert res.returncode == 0, f"start-slurm.sh failed:\n{res.stdout}\n{res.stderr}"
@@ -89,12 +91,25 @@ def slurm_env():
         yield env
         if os.environ.get("MPITF_SLURM_KEEP") == "1" or not marker.exists():
             return
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return  # another session still uses it and will stop it
-        subprocess.run(["bash", str(STOP)], env=env, capture_output=True, timeout=120)
-        marker.unlink(missing_ok=True)
+        with _locked(turn):
+            try:
+                fcntl.flock(using, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                # another session still uses it and stops it: leave before our turn ends,
+                # so that the last session out finds itself alone
+                fcntl.flock(using, fcntl.LOCK_UN)
+                return
+            subprocess.run(["bash", str(STOP)], env=env, capture_output=True, timeout=120)
+            marker.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _locked(file):
+    fcntl.flock(file, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(file, fcntl.LOCK_UN)
 
 
 def _job_env(slurm_env, tmp_path):
