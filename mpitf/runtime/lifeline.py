@@ -117,18 +117,23 @@ class Lifeline:
         except OSError:
             pass
 
-    def dead_peer_message(self):
+    def dead_peer_message(self, settle=0.0):
         """Return a message naming a same-node peer that died without finishing, or None.
 
         An MPI call that fails because its peer vanished reports an error stack; this names
-        the rank instead.
+        the rank instead. ``settle``: seconds to keep looking, since a killed peer's memory
+        is gone (a copy from it fails) a moment before it shows as dead in ``/proc``.
         """
-        for r, pid in sorted(self.peers.items()):
-            if r in self.survivable:  # its death is no error: what failed after it is
-                continue
-            if not _alive(pid) and self._read_marker(r) is None:
-                return self._dead(r, pid)
-        return None
+        end = time.monotonic() + settle
+        while True:
+            for r, pid in sorted(self.peers.items()):
+                if r in self.survivable:  # its death is no error: what failed after it is
+                    continue
+                if not _alive(pid) and self._read_marker(r) is None:
+                    return self._dead(r, pid)
+            if time.monotonic() >= end:
+                return None
+            time.sleep(0.01)
 
     def _note_uncaught(self, exc_type, exc, tb):
         self.uncaught = True

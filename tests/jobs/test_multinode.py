@@ -62,18 +62,21 @@ def test_each_node_has_its_own_host_name_and_shared_memory(box):
         assert f"on {host} (rank" in out
 
 
-def test_each_node_takes_its_share_of_the_cores_as_its_thread_count(box):
+def test_each_node_takes_its_share_of_the_cores_as_its_thread_count(box, tmp_path):
     # Three nodes on this machine's cores: each taking all of them (torch's default)
     # oversubscribed them, and a torch job on the box used 2.3 x the CPU time it needs.
     share = max(1, len(os.sched_getaffinity(0)) // 3)
-    probe = box.mpiexec(3, [sys.executable, "-c", "import os; print(os.environ['OMP_NUM_"
-                                                  "THREADS'], os.environ['NPROC'])"])
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NPROC")}
     for given, expected in (({}, f"{share} {share}"), ({"OMP_NUM_THREADS": "7"}, f"7 {share}")):
-        proc = subprocess.run(probe, capture_output=True, text=True, timeout=60,
-                              env=dict(env, **given))
+        out = tmp_path / f"given{len(given)}"
+        out.mkdir()
+        # each rank writes a file: the ranks' output lines may interleave on mpiexec's
+        probe = (f"import os; open('{out}/' + os.environ['PMI_RANK'], 'w').write("
+                 "os.environ['OMP_NUM_THREADS'] + ' ' + os.environ['NPROC'])")
+        proc = subprocess.run(box.mpiexec(3, [sys.executable, "-c", probe]),
+                              capture_output=True, text=True, timeout=60, env=dict(env, **given))
         assert proc.returncode == 0, proc.stderr
-        assert proc.stdout.split("\n")[:3] == [expected] * 3, proc.stdout
+        assert [(out / str(r)).read_text() for r in range(3)] == [expected] * 3
 
 
 def placement(out):
