@@ -90,10 +90,7 @@ def abort_on_error():
         from . import lifeline
 
         watching = lifeline.active()
-        # An MPI error may be a peer's death not yet visible (a copy from a killed rank's
-        # memory fails first): look a little longer before printing the error stack.
-        settle = 1.0 if type(exc).__module__ == "mpi4py.MPI" else 0.0
-        dead = watching.dead_peer_message(settle) if watching is not None else None
+        dead = watching.dead_peer_message() if watching is not None else None
         if dead is not None:  # the real cause: an MPI error stack would only obscure it
             report(dead)
             _abort(EXIT_ERROR)

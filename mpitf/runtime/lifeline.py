@@ -117,23 +117,18 @@ class Lifeline:
         except OSError:
             pass
 
-    def dead_peer_message(self, settle=0.0):
+    def dead_peer_message(self):
         """Return a message naming a same-node peer that died without finishing, or None.
 
         An MPI call that fails because its peer vanished reports an error stack; this names
-        the rank instead. ``settle``: seconds to keep looking, since a killed peer's memory
-        is gone (a copy from it fails) a moment before it shows as dead in ``/proc``.
+        the rank instead.
         """
-        end = time.monotonic() + settle
-        while True:
-            for r, pid in sorted(self.peers.items()):
-                if r in self.survivable:  # its death is no error: what failed after it is
-                    continue
-                if not _alive(pid) and self._read_marker(r) is None:
-                    return self._dead(r, pid)
-            if time.monotonic() >= end:
-                return None
-            time.sleep(0.01)
+        for r, pid in sorted(self.peers.items()):
+            if r in self.survivable:  # its death is no error: what failed after it is
+                continue
+            if not _alive(pid) and self._read_marker(r) is None:
+                return self._dead(r, pid)
+        return None
 
     def _note_uncaught(self, exc_type, exc, tb):
         self.uncaught = True
@@ -279,12 +274,21 @@ def _collect_garbage(base, settle=60.0):
             shutil.rmtree(path, ignore_errors=True)
 
 
+_PF_EXITING = 0x4  # the kernel's flag, in /proc/PID/stat's ninth field, for a task in exit
+
+
 def _alive(pid):
-    """Return True if ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    """Return True if ``pid`` runs (a zombie, dead but not yet reaped, does not).
+
+    Nor does a process that is exiting: a killed rank's memory is gone (an MPI copy from
+    it fails) a moment before it is a zombie, and a peer whose copy failed must find it
+    dead to name it.
+    """
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0] not in ("Z", "X") and not int(fields[6]) & _PF_EXITING
+    except (OSError, IndexError, ValueError):
         pass
     try:
         os.kill(pid, 0)
