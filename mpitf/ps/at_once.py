@@ -67,7 +67,8 @@ class AtOnce:
             frame.received(request[3])
         if flags & P.FLAG_LEARNING_RATE:
             svc.take_learning_rate(request)
-        pipe.finish(svc.stall.steady, svc.describe_reply)  # before the parameters change
+        if pipe.whole:  # a reply still reading the parameters (settle found it under way)
+            pipe.finish(svc.stall.steady, svc.describe_reply)  # before they change
         grad = frame.payload  # the shard's size, but for a ward's (a buddy's pool frame):
         if len(grad) != svc.shard.size:  # a view made only then, not one every push
             grad = grad[:svc.shard.size]

@@ -89,16 +89,19 @@ class Shard:
                 views = self._views[(lo, hi)] = self._views_of(lo, hi)
         parts, average, params = views
         if len(parts) == 1:  # one rule (no groups, or one group here): the gradient as it is
-            opt, _, _, p, slots, reply, widened = parts[0]
-            opt.apply(p, grad, slots, step, self.pool, reply, widened)
+            parts[0][0](grad, step)
         else:  # a rule per range: each range's own options, the same kernels
-            for opt, a, b, p, slots, reply, widened in parts:
-                opt.apply(p, grad[a:b], slots, step, self.pool, reply, widened)
+            for update, a, b in parts:
+                update(grad[a:b], step)
         if average is not None:
             self.average.apply(average, params, step)
 
     def _views_of(self, lo, hi):
-        """Return ``(parts, average, params)``: each rule's views of ``[lo, hi)``, and all's."""
+        """Return ``(parts, average, params)`` for ``[lo, hi)``, made once per range.
+
+        ``parts``: ``(update, a, b)`` per rule, its update bound to its views of ``[a, b)``
+        within the range; then the average's and the parameters' views of the range.
+        """
         wire = self.widened is not None
 
         def cut(a, x, y):
@@ -107,10 +110,11 @@ class Shard:
         parts = []
         for a, b, opt in self.rules.parts(lo, hi):
             x, y = lo + a, lo + b
-            parts.append((opt, a, b, cut(self.params, x, y),
-                          {k: cut(v, x, y) for k, v in self.slots.items()},
-                          cut(self.reply.payload, x, y) if wire else None,
-                          cut(self.widened, x, y) if wire else None))
+            update = opt.bind(cut(self.params, x, y),
+                              {k: cut(v, x, y) for k, v in self.slots.items()}, self.pool,
+                              cut(self.reply.payload, x, y) if wire else None,
+                              cut(self.widened, x, y) if wire else None)
+            parts.append((update, a, b))
         average = (cut(self.average_frame.payload, lo, hi) if self.average is not None
                    else None)
         return tuple(parts), average, cut(self.params, lo, hi)

@@ -167,6 +167,31 @@ def test_dtype_follows_buffer(name, dtype):
         assert np.all(params < 1)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", ["sgd", "momentum"])
+def test_bound_update_equals_apply_bit_for_bit(name, dtype):
+    """``bind`` (every push of a shard) updates as ``apply`` does, a schedule's rate per step."""
+    sched = {"schedule": "exponential_decay", "initial_learning_rate": 0.3,
+             "decay_steps": 2, "decay_rate": 0.7}
+    opt = make_optimizer(name, learning_rate=sched)
+    p0, grads = _data(11, n=1024)
+    applied, bound = p0.astype(dtype), p0.astype(dtype)
+    slots_a, slots_b = (opt.make_slots(1024, np, dtype) for _ in range(2))
+    update = opt.bind(bound, slots_b)
+    for step, g in enumerate(grads):
+        opt.apply(applied, g.astype(dtype), slots_a, step)
+        update(g.astype(dtype), step)
+    assert np.array_equal(bound, applied)
+    assert not np.array_equal(bound, p0.astype(dtype))
+
+
+def test_bound_sgd_refuses_a_gradient_of_another_size():
+    opt = make_optimizer("sgd")
+    update = opt.bind(np.zeros(8, np.float32), {})
+    with pytest.raises(ValueError, match="expecting grad of 8 elements, got 9"):
+        update(np.zeros(9, np.float32), 0)
+
+
 def test_shape_mismatch_raises():
     opt = make_optimizer("sgd")
     with pytest.raises(ValueError, match="shape"):
