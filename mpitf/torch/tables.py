@@ -18,6 +18,7 @@ import torch
 from torch.nn import functional as F
 
 from ..errors import ConfigurationError
+from . import rowgrad
 from .ids import check_ids, growth_of
 from .rowgrad import RowGather, bag_weights
 
@@ -92,6 +93,7 @@ class _RowTable(torch.nn.Module):
         """
         self.table_name, self._front = name, front
         self.weight.data = torch.empty((0, self.embedding_dim), dtype=self.weight.dtype)
+        rowgrad.warm_up()  # numba, for the backward: now, not in the first step
 
     def _local(self):
         """Refuse a forward of a table that grows before a DistributedOptimizer binds it."""

@@ -8,6 +8,8 @@ the dense parameters and the table's rows (read back from the ps).
 """
 
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -156,6 +158,27 @@ def test_before_wrapping_the_modules_are_torch_s_own():
     with pytest.raises(ConfigurationError, match="max_norm or scale_grad_by_freq"):
         mt.EmbeddingBag(20, 3, max_norm=1.0)
     assert np.all(bag.weight.detach().numpy()[2] == 0)
+
+
+def test_numba_is_loaded_for_a_table_s_backward_only():
+    # numba's import is 0.5 s of every torch process's start: a model without tables
+    # never loads it; a table's backward pass compiles on its first use (or its binding).
+    code = """if True:
+        import sys
+        import numpy as np
+        import mpitf.torch
+        from mpitf.torch import rowgrad
+        print("numba" in sys.modules)
+        grad, out, acc = np.ones((2, 3)), np.zeros((1, 3)), np.zeros(3)
+        rowgrad.bag_grad_rows(grad, np.zeros(0, np.int64), np.zeros(0), np.zeros(2, np.int64),
+                              acc.reshape(1, 3), out)
+        compiled = getattr(rowgrad.bag_grad_rows, "py_func", None) is rowgrad._sum_rows
+        print("numba" in sys.modules, compiled, out.tolist())
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True, cwd=str(REPO)).stdout.split("\n")
+    assert out[0] == "False"
+    assert out[1] == "True True [[2.0, 2.0, 2.0]]", out
 
 
 @pytest.mark.parametrize("mode,last,pad,weighted", [
