@@ -30,7 +30,7 @@ _LAZY = {
     "Hook": "worker.hooks",
     "EventWriter": "worker.summaries",
     "make_optimizer": "ps.optimizers",
-    "ExponentialDecay": "ps.optimizers",
+    "ExponentialDecay": "ps.schedules",
     "ShardedDataset": "data.sharded",
     "default_data_path": "data.datasets",
     "ensure_digits": "data.datasets",

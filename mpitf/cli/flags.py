@@ -216,7 +216,8 @@ def check_output_paths(config):
 
 def optimizer_from_config(config):
     """Build the optimizer a :class:`~mpitf.config.JobConfig` asks for."""
-    from ..ps.optimizers import ExponentialDecay, make_optimizer
+    from ..ps.optimizers import make_optimizer
+    from ..ps.schedules import ExponentialDecay
 
     lr = config.lr
     if config.lr_decay is not None:

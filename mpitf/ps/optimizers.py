@@ -21,12 +21,12 @@ import math
 
 import numpy as np
 
-from mpitf.config import check_learning_rate, check_number
+from mpitf.config import check_number
 from mpitf.errors import ConfigurationError
 from mpitf.runtime.backend import array_module
 
 from .average import ExponentialMovingAverage
-from .schedules import SCHEDULES
+from .schedules import make_schedule
 
 # Below this many elements a host buffer takes the ufunc passes: there they cost what the
 # fused kernel costs, within a few µs (less for SGD), and a ps whose buffers are all this
@@ -47,85 +47,11 @@ def _fused_apply(*args):
     return fused_apply(*args)
 
 __all__ = [
-    "FUSED_MIN_SIZE", "Adagrad", "Adam", "ExponentialDecay", "ExponentialMovingAverage",
-    "GradientDescent", "Momentum", "NoOp", "Optimizer", "array_module", "make_optimizer",
-    "make_schedule",
+    "FUSED_MIN_SIZE", "Adagrad", "Adam", "ExponentialMovingAverage", "GradientDescent",
+    "Momentum", "NoOp", "Optimizer", "array_module", "make_optimizer",
 ]
 
 _SCRATCH = "_scratch"
-
-
-# --------------------------------------------------------------------- schedules
-
-
-class ExponentialDecay:
-    """Decay the learning rate exponentially with the global step.
-
-    As ``tf.train.exponential_decay``:
-    ``lr = initial_learning_rate * decay_rate ** (step / decay_steps)``, with the
-    exponent floored when ``staircase`` is true.
-    """
-
-    kind = "exponential_decay"
-
-    def __init__(self, initial_learning_rate, decay_steps, decay_rate, staircase=False):
-        check_learning_rate(initial_learning_rate, "initial_learning_rate", allow_zero=True)
-        check_number("exponential_decay: decay_steps", decay_steps, low=0.0, low_open=True)
-        check_number("exponential_decay: decay_rate", decay_rate, low=0.0, low_open=True)
-        self.initial_learning_rate = float(initial_learning_rate)
-        steps = float(decay_steps)
-        self.decay_steps = int(steps) if steps.is_integer() else steps
-        self.decay_rate = float(decay_rate)
-        self.staircase = bool(staircase)
-
-    def __call__(self, step):
-        """Return the learning rate at global step ``step``."""
-        p = step / self.decay_steps
-        if self.staircase:
-            p = math.floor(p)
-        return self.initial_learning_rate * self.decay_rate**p
-
-    def config(self):
-        """Return a JSON-able dict that :func:`make_schedule` turns back into this schedule."""
-        return {
-            "schedule": self.kind,
-            "initial_learning_rate": self.initial_learning_rate,
-            "decay_steps": self.decay_steps,
-            "decay_rate": self.decay_rate,
-            "staircase": self.staircase,
-        }
-
-    def __eq__(self, other):
-        return type(other) is type(self) and other.config() == self.config()
-
-    def __repr__(self):
-        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "schedule")
-        return f"ExponentialDecay({args})"
-
-
-_SCHEDULES = {ExponentialDecay.kind: ExponentialDecay, **SCHEDULES}
-
-
-def make_schedule(learning_rate):
-    """Turn a float, a schedule, or a schedule's config dict into a schedule or a float.
-
-    Returns a float for a constant rate, otherwise a callable ``step -> lr``
-    with a ``config()`` method.
-    """
-    if hasattr(learning_rate, "config") and callable(learning_rate):
-        return learning_rate
-    if isinstance(learning_rate, dict):
-        cfg = dict(learning_rate)
-        kind = cfg.pop("schedule", None)
-        if kind not in _SCHEDULES:
-            raise ConfigurationError(
-                f"unknown learning-rate schedule {kind!r}; expected one of {sorted(_SCHEDULES)}"
-            )
-        try:
-            return _SCHEDULES[kind](**cfg)
-        except TypeError as exc:
-            raise ConfigurationError(f"bad arguments for schedule {kind!r}: {exc}") from None
-    return check_learning_rate(learning_rate, allow_zero=True)
 
 
 # -------------------------------------------------------------------- optimizers

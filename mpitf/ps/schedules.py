@@ -1,9 +1,10 @@
 """Learning-rate schedules the ps runs as configuration (``{"schedule": kind, ...}``).
 
-Each is a callable ``step -> lr`` with ``config()`` (what :func:`~mpitf.ps.optimizers.
-make_schedule` turns back into it), as :class:`~mpitf.ps.optimizers.ExponentialDecay`.
-Every decay takes ``warmup_steps``: the rate rises linearly to ``initial_learning_rate``
-over those steps (``lr * (step + 1) / warmup_steps``), then the decay runs from step 0.
+Each is a callable ``step -> lr`` with ``config()`` (what :func:`make_schedule` turns back
+into it). TensorFlow's :class:`ExponentialDecay` takes its arguments as
+``tf.train.exponential_decay``; every other decay takes ``warmup_steps``: the rate rises
+linearly to ``initial_learning_rate`` over those steps (``lr * (step + 1) / warmup_steps``),
+then the decay runs from step 0.
 """
 
 import bisect
@@ -12,8 +13,53 @@ import math
 from mpitf.config import check_learning_rate, check_number
 from mpitf.errors import ConfigurationError
 
-__all__ = ["SCHEDULES", "ConstantWithWarmup", "CosineDecay", "LinearDecay",
-           "PiecewiseConstant", "PolynomialDecay", "StepDecay"]
+__all__ = ["SCHEDULES", "ConstantWithWarmup", "CosineDecay", "ExponentialDecay", "LinearDecay",
+           "PiecewiseConstant", "PolynomialDecay", "StepDecay", "make_schedule"]
+
+
+class ExponentialDecay:
+    """Decay the learning rate exponentially with the global step.
+
+    As ``tf.train.exponential_decay``:
+    ``lr = initial_learning_rate * decay_rate ** (step / decay_steps)``, with the
+    exponent floored when ``staircase`` is true.
+    """
+
+    kind = "exponential_decay"
+
+    def __init__(self, initial_learning_rate, decay_steps, decay_rate, staircase=False):
+        check_learning_rate(initial_learning_rate, "initial_learning_rate", allow_zero=True)
+        check_number("exponential_decay: decay_steps", decay_steps, low=0.0, low_open=True)
+        check_number("exponential_decay: decay_rate", decay_rate, low=0.0, low_open=True)
+        self.initial_learning_rate = float(initial_learning_rate)
+        steps = float(decay_steps)
+        self.decay_steps = int(steps) if steps.is_integer() else steps
+        self.decay_rate = float(decay_rate)
+        self.staircase = bool(staircase)
+
+    def __call__(self, step):
+        """Return the learning rate at global step ``step``."""
+        p = step / self.decay_steps
+        if self.staircase:
+            p = math.floor(p)
+        return self.initial_learning_rate * self.decay_rate**p
+
+    def config(self):
+        """Return a JSON-able dict that :func:`make_schedule` turns back into this schedule."""
+        return {
+            "schedule": self.kind,
+            "initial_learning_rate": self.initial_learning_rate,
+            "decay_steps": self.decay_steps,
+            "decay_rate": self.decay_rate,
+            "staircase": self.staircase,
+        }
+
+    def __eq__(self, other):
+        return type(other) is type(self) and other.config() == self.config()
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "schedule")
+        return f"ExponentialDecay({args})"
 
 
 class _Schedule:
@@ -161,5 +207,28 @@ class PiecewiseConstant:
         return f"PiecewiseConstant(boundaries={self.boundaries!r}, values={self.values!r})"
 
 
-SCHEDULES = {cls.kind: cls for cls in (ConstantWithWarmup, CosineDecay, PolynomialDecay,
-                                       LinearDecay, StepDecay, PiecewiseConstant)}
+SCHEDULES = {cls.kind: cls for cls in (ExponentialDecay, ConstantWithWarmup, CosineDecay,
+                                       PolynomialDecay, LinearDecay, StepDecay,
+                                       PiecewiseConstant)}
+
+
+def make_schedule(learning_rate):
+    """Turn a float, a schedule, or a schedule's config dict into a schedule or a float.
+
+    Returns a float for a constant rate, otherwise a callable ``step -> lr``
+    with a ``config()`` method.
+    """
+    if hasattr(learning_rate, "config") and callable(learning_rate):
+        return learning_rate
+    if isinstance(learning_rate, dict):
+        cfg = dict(learning_rate)
+        kind = cfg.pop("schedule", None)
+        if kind not in SCHEDULES:
+            raise ConfigurationError(
+                f"unknown learning-rate schedule {kind!r}; expected one of {sorted(SCHEDULES)}"
+            )
+        try:
+            return SCHEDULES[kind](**cfg)
+        except TypeError as exc:
+            raise ConfigurationError(f"bad arguments for schedule {kind!r}: {exc}") from None
+    return check_learning_rate(learning_rate, allow_zero=True)

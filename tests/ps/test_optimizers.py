@@ -11,13 +11,12 @@ from numpy.testing import assert_allclose
 from mpitf.errors import ConfigurationError
 from mpitf.ps.optimizers import (
     Adam,
-    ExponentialDecay,
     ExponentialMovingAverage,
     Optimizer,
     array_module,
     make_optimizer,
-    make_schedule,
 )
+from mpitf.ps.schedules import ExponentialDecay, make_schedule
 
 N, STEPS = 257, 7
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from mpitf.errors import ConfigurationError
-from mpitf.ps.optimizers import make_optimizer, make_schedule
+from mpitf.ps.optimizers import make_optimizer
+from mpitf.ps.schedules import make_schedule
 
 
 def torch_rates(make, steps, lr=0.1):

@@ -16,7 +16,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mpitf.models import build_model
-from mpitf.ps.optimizers import ExponentialDecay, make_optimizer
+from mpitf.ps.optimizers import make_optimizer
+from mpitf.ps.schedules import ExponentialDecay
 from mpitf.runtime.backend import numpy_backend
 from mpitf.testing import run_mpi
 from mpitf.worker.hooks import Hook, LoggingHook
