@@ -51,7 +51,7 @@ def _cuda_problem():
 def _module_fixtures_on_one_worker(items):
     """Mark the tests that share a module-scoped fixture as one xdist group.
 
-    The suite runs on two pytest-xdist workers (``--dist loadgroup``, pyproject.toml), each
+    The suite runs on three pytest-xdist workers (``--dist loadgroup``, pyproject.toml), each
     test wherever a worker is free; a module's fixture (a built wheel, a Slurm on a box)
     is then made once, by the worker that runs that module's tests.
     """
