@@ -196,11 +196,14 @@ class GradientDescent(Optimizer):
             return super().bind(params, slots, pool, reply, widened)
         lr, rate, size = np.zeros((), params.dtype), self.learning_rate, params.size
         multiply, subtract = np.multiply, np.subtract
+        if isinstance(self._lr, float) and type(self).learning_rate is Optimizer.learning_rate:
+            lr[()], rate = self._lr, None  # a constant rate (no schedule, none pushed): once
 
         def update(grad, step):
             if grad.size != size:
                 raise ValueError(f"expecting grad of {size} elements, got {grad.size} (sgd)")
-            lr[()] = rate(step)
+            if rate is not None:
+                lr[()] = rate(step)
             multiply(grad, lr, grad)
             subtract(params, grad, params)
         return update

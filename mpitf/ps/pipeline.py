@@ -75,6 +75,12 @@ class Pipeline:
         if requests:
             self.newest = requests[-1]
 
+    def sent(self, request, worker):
+        """Keep a whole-frame reply just started, unless it has left at once (a small one)."""
+        self.newest = request
+        if not request.Test():
+            self.whole.append((request, worker))
+
     def progress(self):
         """Let MPI move the replies in flight (before work that makes no MPI call).
 

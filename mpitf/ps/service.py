@@ -296,6 +296,8 @@ class Service(Handlers, Cuts, Losses):
     def run(self):
         """Serve until every worker is done; return the process exit code."""
         pool, replica = self.pool, self.replica
+        if self.at_once is not None and self.at_once.runs_loop():
+            self.at_once.run()  # one sender: the same work, a shorter loop
         while len(self.done) < self.num_workers or (
                 replica is not None and replica.adopted and
                 len(replica.ward.done) < self.num_workers):
@@ -317,6 +319,8 @@ class Service(Handlers, Cuts, Losses):
                 self._timeout()  # busy: without this, one silent worker would go unseen
         self._finish_replies()
         pool.close()
+        if self.at_once is not None:
+            self.at_once.close()
         if replica is not None:
             replica.close()
             replica.ward._finish_replies()

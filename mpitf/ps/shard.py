@@ -62,6 +62,10 @@ class Shard:
         self.average_frame = Frame.allocate(backend, size, dtype) if average is not None else None
         self._views = {}  # (lo, hi) -> (params, slots, average, reply, widened) views, made once
         self._whole = self._views[(0, size)] = self._views_of(0, size)  # every push's, unbucketed
+        parts = self._whole[0]
+        # A one-frame push's update: the rule's own bound update where one rule covers the
+        # shard and no average follows it (a call less at 4 KiB), else :meth:`apply`.
+        self.apply_whole = parts[0][0] if len(parts) == 1 and average is None else self.apply
 
     @classmethod
     def from_config(cls, config, assignment, backend, server):

@@ -130,16 +130,23 @@ def pack_reply(words, step, ps, flags, pushes_applied, stale_dropped, max_stalen
 _new = tuple.__new__
 
 
+# The eight words as a plain tuple, without names: for the per-step paths that index them.
+read_words = _WORDS.unpack_from
+
+
 def unpack_request(words):
     """Return the :class:`RequestHeader` in the int64 array ``words``."""
     return _new(RequestHeader, _WORDS.unpack_from(words))
 
 
 def learning_rate_of(request):
-    """Return the learning rate a :class:`RequestHeader` carries, or None if it has none."""
-    if not request.flags & P.FLAG_LEARNING_RATE:
+    """Return the learning rate a request's words carry, or None if they have none.
+
+    ``request``: a :class:`RequestHeader` or the plain words of :func:`read_words`.
+    """
+    if not request[4] & P.FLAG_LEARNING_RATE:  # flags
         return None
-    return _F64.unpack(_I64.pack(request.learning_rate))[0]
+    return _F64.unpack(_I64.pack(request[6]))[0]  # the rate's float64 bits
 
 
 def split_position(word):

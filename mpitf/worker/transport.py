@@ -103,6 +103,7 @@ class FlatTransport:
         self.round = None  # a push's persistent requests, once known (see send_push)
         self.counts = [c - b for _, b, c in frames.segments]  # per ps: a push's elements
         self.on_gpu = backend.is_gpu  # a host push has no stream to synchronise
+        self.device_frames = [f for f in frames.grads if f.unpublished]  # headers to copy
 
     @staticmethod
     def allocate(node, backend, params_size, grads_size, dtype):
@@ -129,9 +130,11 @@ class FlatTransport:
             self.stage.narrow_grads()
         link, counts, rate = self.link, self.counts, self.rates.learning_rate
         epoch, cursor = data_position
+        steps, flags, ward_flags = link.steps, link.flags, link.ward_flags
         for p, frame in enumerate(self.frames.grads):
-            H.pack_request(frame.header, P.PUSH, link.steps[p], link.worker, counts[p],
-                           link.flags | link.ward_flags[p], epoch, cursor, rate)
+            H.pack_request(frame.header, P.PUSH, steps[p], link.worker, counts[p],
+                           flags | ward_flags[p], epoch, cursor, rate)
+        for frame in self.device_frames:  # a host frame's header is the one MPI reads
             frame.commit()
         if self.on_gpu:
             self.backend.synchronize()  # MPI must see the finished gradient

@@ -166,13 +166,16 @@ def test_dtype_follows_buffer(name, dtype):
         assert np.all(params < 1)
 
 
+SCHEDULE = {"schedule": "exponential_decay", "initial_learning_rate": 0.3, "decay_steps": 2,
+            "decay_rate": 0.7}
+
+
+@pytest.mark.parametrize("rate", [0.3, SCHEDULE], ids=["constant", "schedule"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("name", ["sgd", "momentum"])
-def test_bound_update_equals_apply_bit_for_bit(name, dtype):
+def test_bound_update_equals_apply_bit_for_bit(name, dtype, rate):
     """``bind`` (every push of a shard) updates as ``apply`` does, a schedule's rate per step."""
-    sched = {"schedule": "exponential_decay", "initial_learning_rate": 0.3,
-             "decay_steps": 2, "decay_rate": 0.7}
-    opt = make_optimizer(name, learning_rate=sched)
+    opt = make_optimizer(name, learning_rate=rate)
     p0, grads = _data(11, n=1024)
     applied, bound = p0.astype(dtype), p0.astype(dtype)
     slots_a, slots_b = (opt.make_slots(1024, np, dtype) for _ in range(2))

@@ -23,6 +23,8 @@ def test_request_header_round_trip_in_place():
     got = H.unpack_request(words)
     assert (got.epoch, got.cursor, H.learning_rate_of(got)) == (2**23 - 1, 2**40 - 1, 0.125)
     assert (got.bucket_index, got.bucket_count) == (3, 5)
+    words_only = H.read_words(words)  # the per-step paths' plain tuple, read by index
+    assert words_only == tuple(got) and H.learning_rate_of(words_only) == 0.125
     with pytest.raises(ValueError, match="past 2\\*\\*40 examples"):
         H.pack_request(words, P.PUSH, 7, 2, 1000, cursor=2**40)
 
