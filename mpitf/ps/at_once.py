@@ -9,8 +9,8 @@ anything else (a stale or early step, a chunked frame, a bucket) goes the genera
 A ps with one sender (:class:`~mpitf.ps.receive_pool.PostedReceives`: one worker, no
 rerouting) runs :meth:`AtOnce.run` instead of the service's loop: each request's words
 are read once, and a push this path takes goes straight to :meth:`AtOnce.push`; anything
-else goes to ``Service._serve`` as before. A host reply goes out by a persistent send,
-its header packed in place. What a 4 KiB round trip pays on the ps is the Python between
+else goes to ``Service._serve`` as before. A host reply goes out by a persistent send of
+this path's own. What a 4 KiB round trip pays on the ps is the Python between
 a push landing and its reply leaving; the notes after it overlap the worker's own work.
 """
 
@@ -33,9 +33,10 @@ class AtOnce:
         self.svc = svc
         self.sync = type(svc.policy) is SyncReplicas
         # A host reply frame with nothing to publish beside it (a moving average) goes out
-        # by a persistent send per worker, restarted each push, its header packed here;
-        # else the frame's own way (write_header, isend_published). A ward (a lost ps's
-        # shard, whose replies name its buddy's step) learns its buddy after this.
+        # by a persistent send per worker, restarted each push without the test the frame's
+        # own send makes first (every earlier reply has been finished); else the frame's
+        # way (isend_published), as does a ward's (a lost ps's shard), which learns its
+        # buddy after this.
         shard = svc.shard
         self.plain = not shard.reply.unpublished and shard.average_frame is None
         self.sends = {}  # worker -> its persistent reply send (plain frames)
@@ -129,26 +130,20 @@ class AtOnce:
     def _reply(self, worker):
         """Send ``worker`` the parameters just updated, behind a fresh reply header."""
         svc = self.svc
-        pipe, counters, reply = svc.pipeline, svc.counters, svc.shard.reply
+        pipe, reply, rank = svc.pipeline, svc.shard.reply, svc.worker_ranks[worker]
+        svc.write_header()
         if self.plain and svc.buddy is None and worker not in svc.chunked_workers:
-            counters["global_step"] = svc.global_step
-            H.pack_reply(reply.header, svc.global_step, svc.ps_task,
-                         (P.FLAG_PAUSE if svc.pausing else 0) | svc.chief_flags,
-                         counters["pushes_applied"], counters["stale_dropped"],
-                         counters["max_staleness"], counters["max_lead"])
             send = self.sends.get(worker)
-            if send is None:  # every earlier reply has left (push finished them)
-                send = self.sends[worker] = P.frame_op(
-                    svc.comm.Send_init, reply.bytes, svc.worker_ranks[worker], pipe.reply_tag)
-            send.Start()
+            if send is None:
+                send = self.sends[worker] = P.frame_op(svc.comm.Send_init, reply.bytes, rank,
+                                                       pipe.reply_tag)
+            send.Start()  # no test first, as the frame's own send makes: push finished them
             pipe.sent(send, worker)
         else:
-            svc.write_header()
             chunk_bytes = svc.chunk_bytes if worker in svc.chunked_workers else None
-            pipe.add(reply.isend_published(svc.comm, svc.worker_ranks[worker],
-                                           pipe.reply_tag, chunk_bytes), worker, pipe.WHOLE)
-            pipe.settle()
-        counters["bytes_out"] += reply.bytes.nbytes
+            for request in reply.isend_published(svc.comm, rank, pipe.reply_tag, chunk_bytes):
+                pipe.sent(request, worker)
+        svc.counters["bytes_out"] += reply.bytes.nbytes
 
     def _note(self, frame, request, worker):
         """Note a push's arrival: its worker seen, its data position, one step, its bytes."""

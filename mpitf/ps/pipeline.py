@@ -76,7 +76,11 @@ class Pipeline:
             self.newest = requests[-1]
 
     def sent(self, request, worker):
-        """Keep a whole-frame reply just started, unless it has left at once (a small one)."""
+        """Keep a whole-frame reply just started, unless it has left at once (a small one).
+
+        Tested once, right after its start, so that the next push, which must finish every
+        reply before it changes the parameters, finds nothing left to wait for.
+        """
         self.newest = request
         if not request.Test():
             self.whole.append((request, worker))
@@ -90,15 +94,6 @@ class Pipeline:
         """
         if self.newest is not None:
             self.newest.Test()
-
-    def settle(self):
-        """Forget the whole-frame replies that have left (a small one leaves at once).
-
-        Called once a reply is out, so that the next push, which must finish every reply
-        before it changes the parameters, finds nothing left to wait for.
-        """
-        if self.whole and MPI.Request.Testall([r for r, _ in self.whole]):
-            self.whole = []
 
     def finish(self, deadline, describe, bucket=None):
         """Wait for the replies that read ``bucket``'s slice or the header (None: all)."""
