@@ -20,9 +20,13 @@ def flag(name, default):
     return vars(parser.parse_known_args()[0])[name.lstrip("-").replace("-", "_")]
 
 
-def serve_if_ps(deadline=30, sessions=1):
+def serve_if_ps(deadline=45, sessions=1):
     """Start this rank's Server (``--num-ps`` ps tasks, default 1; the other ranks workers).
 
+    ``deadline``: how long a rank waits on a silent peer, start-up included: a ps of
+    embedding tables compiles their numba kernels before it answers anything, 20-30 s of
+    a loaded core on a fresh clone's empty cache (a pull waited out 30 s once so, in a
+    fresh clone's full suite); below the tests' own 60-90 s, so a hang still fails named.
     A ps serves ``sessions`` trainings in turn (the workers train that many, one after
     the other, in one launch) and exits; a worker gets the Server.
     """
