@@ -59,24 +59,57 @@ def frame_segments(sizes, dtype):
 def bucket_ranges(slices, size, bucket_bytes, itemsize):
     """Return a shard's buckets as element ranges ``(lo, hi)`` in push order.
 
-    ``slices`` (with ``offset`` and ``size``) cover a shard of ``size`` elements. Buckets
-    are cut between slices (a slice is never split, so every variable stays contiguous)
-    once they reach ``bucket_bytes`` (0 or None: one bucket). Memory order follows the
-    variables; backward produces the last layers' gradients first, so buckets are pushed
-    from the end of the shard: the last one pushed starts the shard, right behind the
-    header slot, and carries the reply header back.
+    ``slices`` (with ``name``, ``offset`` and ``size``) cover a shard of ``size`` elements.
+    Backward produces the last layers' gradients first, so buckets are filled and pushed
+    from the end of the shard, and cut between modules (a variable's name up to its last
+    ``.`` or ``/``: a layer's weight and bias are ready together). A bucket closes before
+    the module that would take it over ``bucket_bytes`` (0 or None: one bucket); a module
+    larger than that has buckets of its own, cut between its variables (a slice is never
+    split, so every variable stays contiguous). So no bucket waits for a layer that
+    backward reaches after its own, and the last one pushed, whose round trip nothing
+    overlaps, holds one module or at most ``bucket_bytes``. It starts the shard, right
+    behind the header slot, and carries the reply header back.
     """
     if not bucket_bytes or size * itemsize <= bucket_bytes:
         return [(0, size)]
-    ranges, lo = [], 0
-    for s in sorted(slices, key=lambda s: s.offset):
-        end = s.offset + s.size
-        if (end - lo) * itemsize >= bucket_bytes:
-            ranges.append((lo, end))
-            lo = end
-    if lo < size:
-        ranges.append((lo, size))
-    return ranges[::-1]
+    ranges, hi, filled = [], size, 0
+
+    def close(at):  # end the bucket being filled at element ``at``
+        nonlocal hi, filled
+        if filled:
+            ranges.append((at, hi))
+            hi, filled = at, 0
+
+    for module in _modules(sorted(slices, key=lambda s: s.offset, reverse=True)):
+        nbytes = sum(s.size for s in module) * itemsize
+        top = module[0].offset + module[0].size
+        if nbytes <= bucket_bytes:
+            if filled + nbytes > bucket_bytes:
+                close(top)
+            filled += nbytes
+            continue
+        close(top)
+        for s in module:
+            if filled + s.size * itemsize > bucket_bytes:
+                close(s.offset + s.size)
+            filled += s.size * itemsize
+        close(module[-1].offset)
+    if hi > 0:
+        ranges.append((0, hi))
+    return ranges
+
+
+def _modules(slices):
+    """Group consecutive slices by module (the name up to its last ``.`` or ``/``)."""
+    groups, last = [], None
+    for s in slices:
+        cut = max(s.name.rfind("."), s.name.rfind("/"))
+        module = s.name[:cut] if cut >= 0 else s.name  # a top-level variable: its own
+        if module != last or not groups:
+            groups.append([])
+        groups[-1].append(s)
+        last = module
+    return groups
 
 
 class FlatLayout:

@@ -32,7 +32,7 @@ def _placement(num_ps):
     return replica_device_setter(spec).place(build_model("mlp", 64, 10).variables())
 
 
-def test_buckets_are_cut_between_variables_and_pushed_last_layers_first():
+def test_buckets_are_cut_between_modules_and_pushed_last_layers_first():
     placement = _placement(1)  # one ps: hidden1/weights, biases, softmax weights, biases
     slices = placement.slices_for_ps(0)
     size = placement.shard_sizes[0]
@@ -40,8 +40,13 @@ def test_buckets_are_cut_between_variables_and_pushed_last_layers_first():
                                                     (9600, 10)]
     assert bucket_ranges(slices, size, 0, 4) == [(0, size)]
     assert bucket_ranges(slices, size, size * 4, 4) == [(0, size)]  # huge: one bucket
-    # 1 KiB: a bucket closes once it holds 1 KiB; the rest is the first one pushed
-    assert bucket_ranges(slices, size, 1024, 4) == [(9600, 9610), (8192, 9600), (0, 8192)]
+    # 33 KiB: softmax_linear (5,160 bytes) fills the first bucket; hidden1 (33,280 bytes)
+    # would take it over, so it is the last one pushed, weights and biases together
+    assert bucket_ranges(slices, size, 33 * 1024, 4) == [(8320, 9610), (0, 8320)]
+    # 6 KiB: hidden1 is larger than a bucket, so it is cut between its variables into
+    # buckets of its own; its biases do not wait in softmax_linear's bucket for it
+    assert bucket_ranges(slices, size, 6 * 1024, 4) == [(8320, 9610), (8192, 8320),
+                                                        (0, 8192)]
     ranges = bucket_ranges(slices, size, 64, 4)
     assert ranges == [(9600, 9610), (8320, 9600), (8192, 8320), (0, 8192)]
     # every bucket a frame with its own header slot; variables stay contiguous views
