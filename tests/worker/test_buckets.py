@@ -62,6 +62,29 @@ def test_buckets_are_cut_between_modules_and_pushed_last_layers_first():
     assert layout.num_elements == size
 
 
+def _torch_mlp_slices():
+    """A torch MLP 784-512-512-10's parameters on one ps, as torch names them."""
+    spec = ClusterSpec({"ps": ["h:0"], "worker": ["h:9"]})
+    variables = [("0.weight", (512, 784)), ("0.bias", (512,)), ("2.weight", (512, 512)),
+                 ("2.bias", (512,)), ("4.weight", (10, 512)), ("4.bias", (10,))]
+    placement = replica_device_setter(spec).place([(n, s, "float32") for n, s in variables])
+    return placement.slices_for_ps(0), placement.shard_sizes[0]
+
+
+def test_a_layer_leaves_with_its_bias_and_the_last_bucket_is_the_first_layer():
+    slices, size = _torch_mlp_slices()
+    first = 784 * 512 + 512  # the first layer: 1.6 MB, larger than a bucket would share
+    # 2 MiB: the last two layers (1.07 MB) leave as soon as backward has the second
+    # layer's gradients; the first layer, weight and bias, is the last bucket
+    assert bucket_ranges(slices, size, DEFAULT_BUCKET_BYTES, 4) == [(first, size), (0, first)]
+    # 1 MiB: the second layer (1.05 MB) is larger than a bucket: cut between its weight
+    # and bias, in buckets of its own, the third layer's not waiting for it
+    second = first + 512 * 512
+    assert bucket_ranges(slices, size, 1 << 20, 4) == [
+        (second + 512, size), (second, second + 512), (first, second),
+        (784 * 512, first), (0, 784 * 512)]
+
+
 def test_the_bucket_word_travels_in_the_request_header():
     words = np.zeros(H.HEADER_WORDS, np.int64)
     H.pack_request(words, 1, 7, 2, 100, bucket=3, buckets=5)
