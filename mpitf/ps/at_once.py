@@ -158,4 +158,3 @@ class AtOnce:
         for send in self.sends.values():
             send.Free()
         self.sends.clear()
-

@@ -5,6 +5,8 @@ Between placement (who owns what) and transport (what MPI sends): given a placem
 and hands out the model's variables as views into any buffer of that layout.
 """
 
+from itertools import groupby
+
 import numpy as np
 
 from ..errors import ConfigurationError
@@ -80,7 +82,9 @@ def bucket_ranges(slices, size, bucket_bytes, itemsize):
             ranges.append((at, hi))
             hi, filled = at, 0
 
-    for module in _modules(sorted(slices, key=lambda s: s.offset, reverse=True)):
+    in_push_order = sorted(slices, key=lambda s: s.offset, reverse=True)
+    for _, group in groupby(in_push_order, key=_module_of):  # consecutive: one module
+        module = list(group)
         nbytes = sum(s.size for s in module) * itemsize
         top = module[0].offset + module[0].size
         if nbytes <= bucket_bytes:
@@ -99,17 +103,10 @@ def bucket_ranges(slices, size, bucket_bytes, itemsize):
     return ranges
 
 
-def _modules(slices):
-    """Group consecutive slices by module (the name up to its last ``.`` or ``/``)."""
-    groups, last = [], None
-    for s in slices:
-        cut = max(s.name.rfind("."), s.name.rfind("/"))
-        module = s.name[:cut] if cut >= 0 else s.name  # a top-level variable: its own
-        if module != last or not groups:
-            groups.append([])
-        groups[-1].append(s)
-        last = module
-    return groups
+def _module_of(s):
+    """Return the module of slice ``s``: its name up to the last ``.`` or ``/`` (or all)."""
+    cut = max(s.name.rfind("."), s.name.rfind("/"))
+    return s.name[:cut] if cut >= 0 else s.name  # a top-level variable is its own
 
 
 class FlatLayout:
