@@ -28,6 +28,7 @@ from .checks import (
     number_from_environment,
 )
 from .errors import ConfigurationError
+from .modes import DEFAULT_LOCAL_STEPS, MODES, mode_of
 from .options import check_fields, integer, number, option, values_from_args
 
 __all__ = [
@@ -63,7 +64,6 @@ DEFAULT_BUCKET_BYTES = 2 << 20
 # a push costs the link's ideal plus one bucket (16 MiB over 1 Gbit/s: 1.05 x the ideal in
 # 1 MiB buckets, 1.13 in 2 MiB; benchmarks/README.md, "Across nodes").
 LINK_BUCKET_BYTES = 1 << 20
-MODES = ("sync", "async", "ssp")
 WIRE_DTYPES = ("float32", "bfloat16", "float16")  # --wire-dtype
 # Global steps between TensorBoard histograms (--summary-every); see docs/design.md for the cost.
 DEFAULT_SUMMARY_EVERY = 100
@@ -114,7 +114,8 @@ def default_bucket_bytes(across_nodes):
 
 def _one_frame_or_buckets(config):
     """The default bucket size: one frame where an option needs the whole push at once."""
-    one = config.clip_norm is not None or config.clients is not None or config.aggregate_per_node
+    one = config.clip_norm is not None or config.clients is not None or \
+        config.aggregate_per_node or config.consistency.applies_locally
     return 0 if one else default_bucket_bytes(config.across_nodes)
 
 
@@ -127,8 +128,13 @@ class TrainingConfig:
     """
 
     mode: str = option(
-        "sync", "--mode", choices=MODES,
-        help="sync replicas, async, or bounded staleness (ssp)")
+        "sync", "--mode", choices=tuple(MODES),
+        help="sync replicas, async, bounded staleness (ssp), or local SGD (local: each worker "
+             "steps on its own, the ps averages the parameters every --local-steps steps)")
+    local_steps: int = option(
+        None, "--local-steps", check=integer(1), label="local_steps (--local-steps)",
+        help="local: the optimizer steps each worker takes between two averagings "
+             f"(default: {DEFAULT_LOCAL_STEPS})")
     last_step: int = option(
         None, "--steps", flag_default=300, check=integer(0), label="last_step (--steps)",
         help="stop at this global step")
@@ -250,9 +256,27 @@ class TrainingConfig:
             changes.setdefault(name, None)
         return dataclasses.replace(self, **changes)
 
+    @property
+    def consistency(self):
+        """Return the :class:`~mpitf.modes.Mode` of ``mode``: what depends on it, once."""
+        return mode_of(self.mode, self.local_steps)
+
     # -- the options that refuse each other: each message names both and the one to drop --
 
     def _refuse_combinations(self):
+        if self.local_steps is not None and not self.consistency.applies_locally:
+            raise ConfigurationError(
+                f"local_steps (--local-steps) needs mode 'local', got {self.mode!r}: give "
+                "--mode local or drop --local-steps")
+        if self.consistency.applies_locally:
+            self._refuse(f"mode {self.mode!r} (--mode)", (
+                (self.bucket_bytes, f"bucket_bytes={self.bucket_bytes} (--bucket-bytes): a "
+                 "worker pushes its parameters in one frame per ps"),
+                (self.replicas_to_aggregate is not None,
+                 "replicas_to_aggregate (--replicas-to-aggregate): every worker's parameters "
+                 "are averaged"),
+                (self.wire_dtype != "float32", f"wire_dtype {self.wire_dtype} "
+                 "(--wire-dtype): parameters travel in float32")))
         if self.deterministic and self.mode != "sync":
             raise ConfigurationError(
                 f"deterministic (--deterministic) needs mode 'sync', got {self.mode!r}: in "

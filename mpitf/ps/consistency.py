@@ -1,7 +1,13 @@
 """Consistency modes: small policies that decide what the ps does with each pushed gradient.
 
-The service loop is the same for every mode; a policy only answers "a push arrived" and
-"a worker left", calling back into the service to apply, reply, drop or release a frame.
+The service loop is the same for every mode; a policy answers "a push arrived" (first
+:meth:`admit`: is it for a step the ps takes now, or stale, or early; then ``on_push``)
+and "a worker left" (``on_worker_gone``, ``on_worker_lost``), calling back into the
+service to apply and reply (:meth:`~mpitf.ps.service.Service.apply_and_reply`), drop or
+release a frame. It also says what else depends on its mode: ``mode`` (the
+:class:`~mpitf.modes.Mode` the workers see too: where clipping happens, cut steps),
+``applies_gradients`` (the optimizer's update, or an average put in place),
+:meth:`applies_at_once` (the one-frame path), ``receive_buffers`` and ``is_waiting``.
 With node-local aggregation a push stands for several replicas (``weights``, from
 :class:`~mpitf.ps.senders.Senders`); sync divides by their total.
 """
@@ -9,6 +15,7 @@ With node-local aggregation a push stands for several replicas (``weights``, fro
 
 from ..config import check_int
 from ..errors import ConfigurationError, PeerError
+from ..modes import MODES
 
 
 class SyncReplicas:
@@ -22,6 +29,8 @@ class SyncReplicas:
     """
 
     name = "sync"
+    mode = MODES["sync"]
+    applies_gradients = True
 
     def __init__(self, replicas_to_aggregate, total_num_replicas, weights=None):
         if not 1 <= replicas_to_aggregate <= total_num_replicas:
@@ -42,23 +51,35 @@ class SyncReplicas:
         """Return how many gradients complete a step now (fewer once workers have left)."""
         return min(self.replicas_to_aggregate, svc.num_active)
 
-    def on_push(self, svc, worker, step, frame, index, bucket=0):
-        """Handle one pushed gradient (bucket); return True when its frame may be reused now.
+    def applies_at_once(self):
+        """Return True when each push is its step: one gradient, not a node's sum."""
+        return self.replicas_to_aggregate == 1 and self.weights is None
+
+    def admit(self, svc, worker, step, bucket=0):
+        """Return True for a push of the bucket's current step; drop an older one (False).
+
+        A dropped push is answered with the parameters and changes nothing; a push of a
+        step the ps has not reached is a broken worker's, and raises.
+        """
+        pipe = svc.pipeline
+        g = pipe.steps[bucket]
+        if step == g:
+            if bucket == pipe.last:
+                svc.note_staleness(0)
+            return True
+        if step < g:
+            svc.drop(worker, g - step, bucket)
+            return False
+        raise PeerError(f"push for step {step} but the ps is at step {g}",
+                        **svc.describe_worker(worker, "push"))
+
+    def on_push(self, svc, worker, frame, index, bucket=0):
+        """Handle one admitted gradient (bucket); return True when its frame may be reused.
 
         Each bucket is aggregated and applied on its own, as TF aggregates each variable;
         a bucket's step is how often it was applied, and the step completes with the last.
         """
-        pipe = svc.pipeline
-        g = pipe.steps[bucket]
-        if step < g:
-            svc.drop(worker, g - step, bucket)
-            return True
-        if step > g:
-            raise PeerError(f"push for step {step} but the ps is at step {g}",
-                            **svc.describe_worker(worker, "push"))
-        if bucket == pipe.last:
-            svc.note_staleness(0)
-        lo, hi = pipe.ranges[bucket]
+        lo, hi = svc.pipeline.ranges[bucket]
         return self.gather(svc, worker, frame.payload[:hi - lo], index, bucket)
 
     def gather(self, svc, worker, grad, index, bucket):
@@ -69,8 +90,8 @@ class SyncReplicas:
         """
         waiting = self.waiting.setdefault(bucket, [])
         if not waiting and self.needed(svc) == 1 and self.weights is None:
-            svc.apply(grad, (worker,), bucket)  # one gradient: no need to copy it first
-            svc.reply(worker, bucket=bucket)
+            # one gradient: applied from its frame, no need to copy it first
+            svc.apply_and_reply(grad, (worker,), bucket, self.steps(svc))
             return True
         accum = self.accumulator(svc, bucket)
         if not waiting:
@@ -80,6 +101,10 @@ class SyncReplicas:
         waiting.append(worker)
         self.maybe_step(svc, bucket)
         return True
+
+    def steps(self, svc):
+        """Return the global steps the next apply advances: one."""
+        return 1
 
     def accumulator(self, svc, bucket):
         """Return the bucket's part of the step's sum (made on the first gradient to sum)."""
@@ -104,9 +129,7 @@ class SyncReplicas:
         if count > 1:
             svc.xp.divide(accum, count, out=accum)
         self.waiting[bucket] = []
-        svc.apply(accum, waiting, bucket)
-        for w in waiting:
-            svc.reply(w, bucket=bucket)
+        svc.apply_and_reply(accum, waiting, bucket, self.steps(svc))
 
     def on_worker_gone(self, svc, worker):
         """A worker finished or paused: a step may now complete with fewer gradients."""
@@ -154,6 +177,10 @@ class DeterministicSync(SyncReplicas):
 
     def receive_buffers(self, num_workers, bucketed=False):
         return 2 if bucketed else num_workers + 1
+
+    def applies_at_once(self):
+        """Return False: a step's gradients wait for their turn in their frames."""
+        return False
 
     def gather(self, svc, worker, grad, index, bucket):
         """Hold ``worker``'s gradient for the step; True when its frame is free (copied)."""
@@ -216,6 +243,8 @@ class Async:
     """Apply each gradient on arrival and answer with the current parameters."""
 
     name = "async"
+    mode = MODES["async"]
+    applies_gradients = True
 
     def receive_buffers(self, num_workers, bucketed=False):
         """Return how many receive frames the ps needs: one (two with buckets).
@@ -228,19 +257,25 @@ class Async:
         """
         return 2 if bucketed else 1
 
-    def on_push(self, svc, worker, step, frame, index, bucket=0):
-        """Apply the gradient (bucket) now; return True (the frame is free again)."""
-        pipe = svc.pipeline
-        if bucket == pipe.last:
-            svc.note_staleness(svc.global_step - step)
-        lo, hi = pipe.ranges[bucket]
-        svc.apply(frame.payload[:hi - lo], (worker,), bucket)
-        self.after_apply(svc, worker, bucket)
+    def applies_at_once(self):
+        """Return True: each push is applied alone and answered at once."""
         return True
 
-    def after_apply(self, svc, worker, bucket):
-        """Answer the worker at once."""
-        svc.reply(worker, bucket=bucket)
+    def admit(self, svc, worker, step, bucket=0):
+        """Return True: every push is applied, however stale (its staleness is counted)."""
+        if bucket == svc.pipeline.last:
+            svc.note_staleness(svc.global_step - step)
+        return True
+
+    def on_push(self, svc, worker, frame, index, bucket=0):
+        """Apply the gradient (bucket) now; return True (the frame is free again)."""
+        lo, hi = svc.pipeline.ranges[bucket]
+        self.after_apply(svc, worker, frame.payload[:hi - lo], bucket)
+        return True
+
+    def after_apply(self, svc, worker, grad, bucket):
+        """Apply ``grad`` and answer the worker at once."""
+        svc.apply_and_reply(grad, (worker,), bucket)
 
     def on_worker_gone(self, svc, worker):
         """Nothing waits on other workers in async mode."""
@@ -263,6 +298,7 @@ class BoundedStaleness(Async):
     """
 
     name = "ssp"
+    mode = MODES["ssp"]
 
     def __init__(self, staleness):
         self.staleness = check_int("staleness", staleness, 0)
@@ -273,21 +309,26 @@ class BoundedStaleness(Async):
         active = [self.clock.get(w, 0) for w in svc.unblocked_workers()]
         return min(active) if active else None
 
-    def on_push(self, svc, worker, step, frame, index, bucket=0):
+    def applies_at_once(self):
+        """Return False: a reply may be held back."""
+        return False
+
+    def on_push(self, svc, worker, frame, index, bucket=0):
         """Record the worker's lead over the slowest, then apply as async does."""
         slowest = self._slowest(svc) if bucket == svc.pipeline.last else None
         if slowest is not None:
             svc.note_lead(self.clock.get(worker, 0) - slowest)
-        return super().on_push(svc, worker, step, frame, index, bucket)
+        return super().on_push(svc, worker, frame, index, bucket)
 
-    def after_apply(self, svc, worker, bucket):
-        """Advance the worker's clock after its last bucket; answer it unless too far ahead.
+    def after_apply(self, svc, worker, grad, bucket):
+        """Apply, then after the last bucket advance the worker's clock; answer unless ahead.
 
         Earlier buckets are answered at once: the worker waits for the last one.
         """
         if bucket != svc.pipeline.last:
-            svc.reply(worker, bucket=bucket)
+            svc.apply_and_reply(grad, (worker,), bucket)
             return
+        svc.apply(grad, (worker,), bucket)
         self.clock[worker] = self.clock.get(worker, 0) + 1
         self.held.append(worker)
         self.release(svc)
@@ -318,29 +359,50 @@ class BoundedStaleness(Async):
         return worker in self.held
 
 
+def _sync(config, num_workers, total_num_replicas, weights):
+    sync = DeterministicSync if config.deterministic else SyncReplicas
+    if weights is not None:
+        if (total_num_replicas or sum(weights)) != sum(weights):
+            raise ConfigurationError(
+                f"node-local aggregation needs pushes for every replica: {sum(weights)} of "
+                f"{total_num_replicas} replicas")
+        return sync(len(weights), len(weights), list(weights))
+    total = total_num_replicas or num_workers
+    if total != num_workers:
+        raise ConfigurationError(
+            f"total_num_replicas is {total} but the cluster has {num_workers} workers")
+    return sync(config.replicas_to_aggregate or total, total)
+
+
+def _local(config, num_workers, total_num_replicas, weights):
+    from .local import LocalAverage  # built on SyncReplicas, above
+
+    return LocalAverage(num_workers, config.consistency)
+
+
+POLICIES = {  # mode name -> (config, workers, total_num_replicas, weights) -> its policy
+    "sync": _sync,
+    "async": lambda config, *_: Async(),
+    "ssp": lambda config, *_: BoundedStaleness(config.staleness),
+    "local": _local,
+}
+
+
 def make_policy(config, num_workers, total_num_replicas=None, weights=None):
     """Return the policy object for ``config`` (a :class:`~mpitf.config.TrainingConfig`).
 
-    Its ``mode`` picks the policy ("sync", "async" or "ssp"); sync takes its
+    Its ``mode`` picks the policy (:data:`POLICIES`); sync takes its
     ``replicas_to_aggregate`` (None: every worker) and ``deterministic``, ssp its
-    ``staleness``. ``total_num_replicas`` is the number of replicas (None: all workers);
-    ``weights`` (node-local aggregation, sync only) the replicas each worker's push sums.
+    ``staleness``, local its ``local_steps``. ``total_num_replicas`` is the number of
+    replicas (None: all workers); ``weights`` (node-local aggregation, sync only) the
+    replicas each worker's push sums.
     """
-    sync = DeterministicSync if config.deterministic else SyncReplicas
-    if weights is not None:
-        if config.mode != "sync" or (total_num_replicas or sum(weights)) != sum(weights):
-            raise ConfigurationError(
-                f"node-local aggregation needs sync mode and pushes for every replica: mode "
-                f"{config.mode!r}, {sum(weights)} of {total_num_replicas} replicas")
-        return sync(len(weights), len(weights), list(weights))
-    if config.mode == "sync":
-        total = total_num_replicas or num_workers
-        if total != num_workers:
-            raise ConfigurationError(
-                f"total_num_replicas is {total} but the cluster has {num_workers} workers")
-        return sync(config.replicas_to_aggregate or total, total)
-    if config.mode == "async":
-        return Async()
-    if config.mode == "ssp":
-        return BoundedStaleness(config.staleness)
-    raise ConfigurationError(f"unknown mode {config.mode!r}: use 'sync', 'async' or 'ssp'")
+    make = POLICIES.get(config.mode)
+    if make is None:
+        raise ConfigurationError(f"unknown mode {config.mode!r}: use one of "
+                                 f"{', '.join(map(repr, POLICIES))}")
+    if weights is not None and make is not _sync:
+        raise ConfigurationError(
+            f"node-local aggregation needs sync mode and pushes for every replica: mode "
+            f"{config.mode!r}, {sum(weights)} of {total_num_replicas} replicas")
+    return make(config, num_workers, total_num_replicas, weights)

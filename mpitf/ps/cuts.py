@@ -47,9 +47,10 @@ class Cuts:
 
         Async: the pushes in flight when the ps died count on the buddy's own shard or on
         the copy, not always on both, so the two counts drift by a step or two; the cut,
-        and the step the workers see, is the buddy's. Sync steps stay together.
+        and the step the workers see, is the buddy's. Where the policy's steps stay
+        together (sync, local SGD), the copy's own.
         """
-        if self.buddy is None or self.config.mode == "sync":
+        if self.buddy is None or self.policy.mode.steps_together:
             return self.global_step
         return self.buddy.global_step
 

@@ -17,6 +17,7 @@ Learning rates that a worker sends (mpitf.torch's schedulers) come per group, in
 import fnmatch
 
 from mpitf.errors import ConfigurationError
+from mpitf.runtime.backend import array_module
 from mpitf.wire.header import HEADER_BYTES
 
 __all__ = ["ElementRules", "Grouped"]
@@ -125,6 +126,10 @@ class Grouped:
         cfg["groups"] = groups
         return cfg
 
+    def bind_shard(self, slices, params):
+        """Return ``update(grad, step)`` over ``params``, a flat shard (see :func:`bind_shard`)."""
+        return bind_shard(self, slices, params)
+
     def __eq__(self, other):
         return type(other) is type(self) and other.config() == self.config()
 
@@ -197,3 +202,23 @@ class ElementRules:
         """Return ``[(a, b, optimizer)]``: the ranges within ``[lo, hi)``, from ``lo``."""
         return [(max(a, lo) - lo, min(b, hi) - lo, opt) for a, b, opt in self.ranges
                 if a < hi and b > lo]
+
+
+def bind_shard(optimizer, slices, params):
+    """Return ``update(grad, step)``: ``optimizer``'s rules applied to ``params`` in place.
+
+    ``params`` is a flat shard whose variables ``slices`` lays out, held outside a ps: a
+    local SGD worker's copy (:mod:`mpitf.worker.local`), which so takes the steps the ps
+    would, with the same kernels, its slots its own.
+    """
+    xp = array_module(params)
+    size = len(params)
+    rules = ElementRules(optimizer, slices, size)
+    slots = rules.make_slots(size, xp, params.dtype)
+    parts = [(opt.bind(params[a:b], {k: v[a:b] for k, v in slots.items()}), a, b)
+             for a, b, opt in rules.parts(0, size)]
+
+    def update(grad, step):
+        for apply, a, b in parts:
+            apply(grad[a:b], step)
+    return update

@@ -2,9 +2,11 @@
 
 ``Service._serve`` reads a request's header, does what every request shares, and calls
 the handler its kind names (``Service._handlers``): ``(worker, request, frame, index,
-now)``, returning whether the pool frame is free again. Pushes go to the consistency
-policy; pull, init, done, paused, save and counters are not steps (start-up, evaluation,
-a checkpoint), so the worker gets the whole deadline until its next push.
+now)``, returning whether the pool frame is free again. A push goes to the consistency
+policy, which first admits it (or drops a stale one: then nothing changes, not even the
+learning rate it carries), then applies and answers it, or holds it for its step. Pull,
+init, done, paused, save and counters are not steps (start-up, evaluation, a
+checkpoint), so the worker gets the whole deadline until its next push.
 """
 
 import numpy as np
@@ -28,8 +30,11 @@ class Handlers:
             self.stepped(worker, now)
         frame.received(request.count)
         self.counters["bytes_in"] += H.HEADER_BYTES + request.count * frame.itemsize
+        policy = self.policy
+        if not policy.admit(self, worker, request.step, bucket):
+            return True  # dropped and answered: a stale push changes nothing, its rate neither
         self.take_learning_rate(request)
-        return self.policy.on_push(self, worker, request.step, frame, index, bucket)
+        return policy.on_push(self, worker, frame, index, bucket)
 
     def _on_rates(self, worker, request, frame, index, now):
         # Before a push, within its step: each group's learning rate.

@@ -138,6 +138,12 @@ class Optimizer(abc.ABC):
             self.apply(params, grad, slots, step, pool, reply, widened)
         return update
 
+    def bind_shard(self, slices, params):
+        """Return ``update(grad, step)`` over a flat shard held elsewhere (local SGD's)."""
+        from .groups import bind_shard
+
+        return bind_shard(self, slices, params)
+
     @abc.abstractmethod
     def reference_update(self, xp, params, grad, slots, step):
         """Update ``params`` in place (each optimizer's arithmetic)."""

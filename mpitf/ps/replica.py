@@ -173,8 +173,6 @@ class Replication:
         if rank == self.buddy_rank:
             self.buddy_alive = False
         if rank != self.ward_rank:
-            if rank == self.buddy_rank and self.adopted:
-                return
             return
         try:
             self._take_copies()  # a last whole copy may wait in MPI's queue
@@ -185,19 +183,8 @@ class Replication:
             raise PeerError(f"died before its first copy reached its buddy "
                             f"/job:ps/task:{svc.ps_task}: its shard is lost",
                             **svc.server.peer(rank, "training"))
-        ward = self.ward
         self.copy_step = self.images[self.current].give(self.theirs)
-        # the shard goes on at the survivors' step (the steps since its copy are lost):
-        # sync steps and checkpoint cuts stay aligned across the ps
-        ward.global_step = ward.counters["global_step"] = svc.global_step
-        ward.shard.restored()
-        ward.pipeline.at_step(svc.global_step)
-        ward.initialized = True
-        ward.pool = svc.pool  # one pool: the ward's requests carry FLAG_WARD
-        ward.done |= svc.done
-        ward.lost |= svc.lost
-        ward.chief, ward.chief_flags = svc.chief, svc.chief_flags
-        ward.write_header()
+        self.ward.adopt()
         self.adopted = True
         peer = svc.server.peer(rank, "")
         self.pending_log = (rank, peer["host"])  # said once a re-routed request names the cost

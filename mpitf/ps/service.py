@@ -37,15 +37,23 @@ _log = logging.getLogger("mpitf")
 
 
 class Service(Handlers, Cuts, Losses):
-    """One ps task serving the workers of a cluster under a consistency policy."""
+    """One ps task serving the workers of a cluster under a consistency policy.
 
-    def __init__(self, server, config, assignment, backend=None):
+    ``buddy``: this is a ward, the idle copy of the shard of the ps before ``buddy`` (a
+    :class:`Service`), which ``buddy`` serves from its own pool once that ps is lost
+    (:meth:`adopt`; see :mod:`mpitf.ps.replica`).
+    """
+
+    def __init__(self, server, config, assignment, backend=None, buddy=None):
         self.server = server
         self.comm = server.comm
         self.config = config  # the TrainingConfig the chief trains by
         self.assignment = assignment  # this ps's PsAssignment: its slices, optimizer, ...
         self.deadline = assignment.deadline
-        self.ps_task = server.task_index
+        self.is_ward = buddy is not None  # True: this serves a lost ps's shard from a copy
+        self.buddy = buddy  # (a ward) the Service of the ps that serves it
+        self.ps_task = server.task_index if buddy is None else \
+            (buddy.ps_task - 1) % assignment.num_ps
         self.chief = assignment.chief_rank
         senders = self.senders = Senders(server.replica_ranks, config.clients, assignment.nodes)
         self.worker_ranks, self.worker_of = senders.ranks, senders.index
@@ -58,6 +66,8 @@ class Service(Handlers, Cuts, Losses):
         self.policy = make_policy(config, self.num_workers, assignment.total_num_replicas,
                                   senders.weights)
         self.pipeline = Pipeline(assignment.slices, size, config.bucket_bytes, wire.itemsize)
+        if buddy is not None:  # its replies go to workers re-routed to the buddy
+            self.pipeline.reply_tag = P.TAG_REPLY_WARD
         self.tables = None  # embedding tables (ps/sparse.py): rows pulled and pushed by id
         if assignment.sparse:
             if self.backend.name != "numpy":
@@ -73,10 +83,10 @@ class Service(Handlers, Cuts, Losses):
         capacity = senders.capacity(self.tables.capacity if self.tables else None)
         capacity = max(capacity or 0, self.shard.rules.rates_bytes) or None  # RATES fit
         frames = self.policy.receive_buffers(self.num_workers, self.pipeline.bucketed)
-        self.pool = receive_pool(self.comm, [Frame.allocate(self.backend, size, wire, capacity)
-                                             for _ in range(frames)], P.TAG_REQUEST,
-                                 self.worker_ranks, bool(config.ps_replication_steps),
-                                 server.ulfm)
+        self.pool = buddy.pool if buddy is not None else receive_pool(  # a ward's: FLAG_WARD
+            self.comm, [Frame.allocate(self.backend, size, wire, capacity)
+                        for _ in range(frames)], P.TAG_REQUEST, self.worker_ranks,
+            bool(config.ps_replication_steps), server.ulfm)
         self.sparse = SparseInbox(self, size, wire, capacity) if self.tables else None
         self.global_step = 0
         self.initialized = False
@@ -99,9 +109,23 @@ class Service(Handlers, Cuts, Losses):
                              nonfinite_skipped=0, staleness_histogram={}, max_staleness=0,
                              max_lead=0, bytes_in=0, bytes_out=0, **senders.counters())
         self.replica = None  # the buddy ring (ps/replica.py), with --ps-replication-steps
-        self.is_ward = False  # True: this serves a lost ps's shard from its buddy's copy
-        self.buddy = None  # (a ward) the Service of the ps that serves it
+        # What the policy decides about an apply: the update rule (the optimizer's, or an
+        # average put in place), whether the ps clips, and the one-frame update that needs
+        # nothing beside it (no buckets, tables, clipping or timeline; one rule).
+        policy = self.policy
+        self.update = self.shard.apply if policy.applies_gradients else self.shard.assign
+        self.clip_norm = config.clip_norm if policy.mode.clips_on_ps else None
+        self.whole_update = self.shard.apply_whole if (
+            policy.applies_gradients and not self.pipeline.bucketed and self.tables is None
+            and self.clip_norm is None and not self.timeline.enabled) else None
+        # A host reply frame with nothing to publish beside it (a moving average) goes out
+        # by a persistent send per worker (see apply_and_reply); not a ward's (a lost ps's
+        # shard), whose replies go to whoever is re-routed to it.
+        self.plain_replies = not self.shard.reply.unpublished and buddy is None and \
+            self.shard.average_frame is None and not self.pipeline.bucketed
+        self.sends = {}  # worker -> its persistent reply send (plain_replies)
         self.at_once = AtOnce.for_service(self)  # one-frame pushes applied as they land
+        self.serve = self._serve if self.at_once is None else self.at_once.serve
         self._handlers = {P.PUSH: self._on_push, P.RATES: self._on_rates,
                           P.SPARSE_PULL: self._on_sparse, P.SPARSE_PUSH: self._on_sparse,
                           P.SKIP: self._on_skip, P.PULL: self._on_pull,
@@ -147,35 +171,74 @@ class Service(Handlers, Cuts, Losses):
                 self.sparse.discard(worker)
         self.reply(worker, bucket=bucket)
 
-    def apply(self, grad, workers, bucket=0):
+    def apply(self, grad, workers, bucket=0, steps=1):
         """Apply a gradient (or ``workers``' mean) to a bucket's slice, after its readers.
 
-        A push's last bucket completes the step, with the sparse pushes of ``workers``
-        (embedding tables; their sum divided by as many), applied once the replies have
-        left (:meth:`SparseInbox.flush`, before the next request is read).
+        The one way a push changes the shard, whichever path it took. The policy's update
+        rule (the optimizer's, or local SGD's average put in place) advances the global
+        step by ``steps`` once the last bucket is in. A push's last bucket completes the
+        step, with the sparse pushes of ``workers`` (embedding tables; their sum divided
+        by as many), applied once the replies have left (:meth:`SparseInbox.flush`,
+        before the next request is read).
         """
         pipe = self.pipeline
+        if pipe.bucketed or pipe.whole:  # replies still reading what changes now
+            pipe.finish(self.stall.steady, self.describe_reply, bucket)
+        step = self.global_step
+        if self.whole_update is not None:  # one frame and nothing beside the update (4 KiB)
+            size = self.shard.size
+            if len(grad) != size:  # a ward's push lands in its buddy's larger pool frame:
+                grad = grad[:size]  # a view made only then, not one every push
+            self.whole_update(grad, step)
+            pipe.steps[0] += steps
+            self.global_step = step + steps
+            self.counters["pushes_applied"] += 1
+            self.write_header()
+            return
         last = bucket == pipe.last
-        pipe.finish(self.stall.steady, self.describe_reply, bucket)
         start = time.perf_counter()
         lo, hi = pipe.ranges[bucket]
-        if self.config.clip_norm is not None and self.config.mode == "sync":  # one bucket
+        if self.clip_norm is not None:  # the policy clips here: one bucket
             if grad.dtype != self.shard.dtype:  # one worker's, in a 16-bit wire dtype
                 grad = self.shard.widen(grad, lo, hi)
-            clip_by_global_norm((grad,), self.config.clip_norm, self.server.job_comm)
-        self.shard.apply(grad, self.global_step, lo, hi)
+            clip_by_global_norm((grad,), self.clip_norm, self.server.job_comm)
+        self.update(grad, step, lo, hi)
         if self.tables and last:
-            self.sparse.apply(workers, self.global_step)
+            self.sparse.apply(workers, step)
         if self.timeline.enabled:
-            self.timeline.add("apply", start, time.perf_counter(), step=self.global_step,
-                              bucket=bucket)
-        pipe.steps[bucket] += 1
+            self.timeline.add("apply", start, time.perf_counter(), step=step, bucket=bucket)
+        pipe.steps[bucket] += steps
         if last:
-            self.global_step += 1
+            self.global_step = step + steps
             self.counters["pushes_applied"] += 1
             self.write_header(hi if pipe.bucketed else None)
         else:
             self.shard.publish(lo, hi)
+
+    def apply_and_reply(self, grad, workers, bucket=0, steps=1):
+        """Apply ``grad`` (see :meth:`apply`) and answer each of ``workers`` with the result.
+
+        What every policy does with a step's gradient, and all the one-frame path does.
+        A plain host reply to a worker that does not stage goes out by a persistent send
+        of its own, restarted without a test first: :meth:`apply` finished every reply.
+        """
+        self.apply(grad, workers, bucket, steps)
+        if not self.plain_replies or bucket != self.pipeline.last:
+            for w in workers:
+                self.reply(w, bucket=bucket)
+            return
+        pipe, comm, reply, sends = self.pipeline, self.comm, self.shard.reply, self.sends
+        for w in workers:
+            send = sends.get(w)
+            if send is None:
+                if w in self.chunked_workers:
+                    self.reply(w, bucket=bucket)
+                    continue
+                send = sends[w] = P.frame_op(comm.Send_init, reply.bytes, self.worker_ranks[w],
+                                             pipe.reply_tag)
+            send.Start()
+            pipe.sent(send, w)
+            self.counters["bytes_out"] += reply.bytes.nbytes
 
     def reply(self, worker, frame=None, bucket=None):
         """Send the parameters (or ``frame``, or one bucket's) to ``worker``, not blocking."""
@@ -196,6 +259,22 @@ class Service(Handlers, Cuts, Losses):
         lr = H.learning_rate_of(request)
         if lr is not None:
             self.shard.optimizer.set_learning_rate(lr)
+
+    def adopt(self):
+        """(A ward) serve the lost ps's shard from now, restored from its copy.
+
+        It goes on at the buddy's step (the steps since its copy are lost): sync steps and
+        checkpoint cuts stay aligned across the ps. It knows the workers as the buddy does.
+        """
+        buddy = self.buddy
+        self.global_step = self.counters["global_step"] = buddy.global_step
+        self.shard.restored()
+        self.pipeline.at_step(buddy.global_step)
+        self.initialized = True
+        self.done |= buddy.done
+        self.lost |= buddy.lost
+        self.chief, self.chief_flags = buddy.chief, buddy.chief_flags
+        self.write_header()
 
     # -- internals -----------------------------------------------------------------------
 
@@ -261,8 +340,6 @@ class Service(Handlers, Cuts, Losses):
         worker = self.worker_of.get(source)
         if worker is None:
             raise PeerError(f"request from rank {source}, which is not a worker")
-        if self.at_once is not None and self.at_once.takes(request):
-            return self.at_once.push(frame, index, request, worker)
         now = self.last_seen[worker] = self.last_message = time.monotonic()
         self.senders.note_positions(self.positions, worker, request, frame)
         if request.flags & P.FLAG_CHUNKED:
@@ -281,7 +358,7 @@ class Service(Handlers, Cuts, Losses):
             raise PeerError("a request for a lost ps's shard, which this ps does not hold",
                             **self._describe_sender(source))
         replica.note_rerouted(request.step)
-        return replica.ward._serve(index, source)
+        return replica.ward.serve(index, source)
 
     def _chunked(self, worker, source, request, frame):
         """Note a worker that stages; receive the rest of its push or init (chunk 0 came)."""
@@ -294,10 +371,12 @@ class Service(Handlers, Cuts, Losses):
                                nbytes if request.kind == P.PUSH else None)
 
     def run(self):
-        """Serve until every worker is done; return the process exit code."""
-        pool, replica = self.pool, self.replica
-        if self.at_once is not None and self.at_once.runs_loop():
-            self.at_once.run()  # one sender: the same work, a shorter loop
+        """Serve until every worker is done; return the process exit code.
+
+        The one loop over the receive pool, whatever the pool: each request goes to
+        :attr:`serve` (the one-frame path's reader where it has one, else :meth:`_serve`).
+        """
+        pool, replica, sparse, serve = self.pool, self.replica, self.sparse, self.serve
         while len(self.done) < self.num_workers or (
                 replica is not None and replica.adopted and
                 len(replica.ward.done) < self.num_workers):
@@ -308,10 +387,10 @@ class Service(Handlers, Cuts, Losses):
             except MPI.Exception as exc:
                 self.lose_failed(exc)
                 continue
-            if self._serve(index, pool.source):
+            if serve(index, pool.source):
                 pool.release(index)
-            if self.sparse is not None:
-                self.sparse.flush()  # the step's replies have left: now its sparse apply
+            if sparse is not None:
+                sparse.flush()  # the step's replies have left: now its sparse apply
             if replica is not None:
                 replica.after_step()  # a copy to the buddy every K steps
                 replica.poll()  # the ward's copies
@@ -319,8 +398,9 @@ class Service(Handlers, Cuts, Losses):
                 self._timeout()  # busy: without this, one silent worker would go unseen
         self._finish_replies()
         pool.close()
-        if self.at_once is not None:
-            self.at_once.close()
+        for send in self.sends.values():  # every reply has been finished
+            send.Free()
+        self.sends.clear()
         if replica is not None:
             replica.close()
             replica.ward._finish_replies()
@@ -342,10 +422,7 @@ def _replication(service, config, assignment):
                              bool(assignment.sparse), bool(assignment.nodes))
     ps_ranks = server.ranks_of("ps")
     server.survive(ps_ranks)  # a ps's death is no error now (its buddy serves its shard)
-    ward = Service(server, config, assignment.ward)
-    ward.ps_task = (service.ps_task - 1) % assignment.num_ps
-    ward.is_ward, ward.buddy = True, service
-    ward.pipeline.reply_tag = P.TAG_REPLY_WARD
+    ward = Service(server, config, assignment.ward, buddy=service)
     return Replication(service, ward, config.ps_replication_steps, ps_ranks)
 
 

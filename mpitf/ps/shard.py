@@ -85,12 +85,7 @@ class Shard:
         The optimizers work element by element, so a slice's update is the same arithmetic
         as the whole shard's on those elements (bit for bit).
         """
-        if hi is None:  # the whole shard (lo is 0)
-            views = self._whole
-        else:
-            views = self._views.get((lo, hi))
-            if views is None:
-                views = self._views[(lo, hi)] = self._views_of(lo, hi)
+        views = self._range(lo, hi)
         parts, average, params = views
         if len(parts) == 1:  # one rule (no groups, or one group here): the gradient as it is
             parts[0][0](grad, step)
@@ -99,6 +94,26 @@ class Shard:
                 update(grad[a:b], step)
         if average is not None:
             self.average.apply(average, params, step)
+
+    def assign(self, values, step, lo=0, hi=None):
+        """Put ``values`` in place of elements ``[lo, hi)`` (local SGD's average).
+
+        The update rule of a policy that averages parameters instead of applying a
+        gradient; the moving average, if any, follows as after an optimizer's step.
+        """
+        _, average, params = self._range(lo, hi)
+        params[...] = values
+        if average is not None:
+            self.average.apply(average, params, step)
+
+    def _range(self, lo, hi):
+        """Return the views of ``[lo, hi)`` (None: the whole shard), made once per range."""
+        if hi is None:  # the whole shard (lo is 0)
+            return self._whole
+        views = self._views.get((lo, hi))
+        if views is None:
+            views = self._views[(lo, hi)] = self._views_of(lo, hi)
+        return views
 
     def _views_of(self, lo, hi):
         """Return ``(parts, average, params)`` for ``[lo, hi)``, made once per range.

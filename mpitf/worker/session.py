@@ -28,6 +28,7 @@ from .buffers import model_buffers
 from .client import Client
 from .embedding import Embeddings
 from .hooks import CheckpointSaverHook, LoggingHook, StopAtStepHook
+from .local import LocalSteps
 from .node import NodeGroup
 from .profile import ProfileHook
 
@@ -43,7 +44,8 @@ class TrainingSession:
             ``loss_and_grads(params, batch, grads)`` (see :mod:`mpitf.models`); with
             ``buffers()``, its untrained state is the chief's (:mod:`.buffers`).
         optimizer: an :class:`~mpitf.ps.optimizers.Optimizer`; it runs on the ps.
-        mode: "sync", "async" or "ssp" (bounded staleness); default: the config's.
+        mode: "sync", "async", "ssp" (bounded staleness) or "local" (local SGD); default:
+            the config's.
         dataset: a :class:`~mpitf.data.sharded.ShardedDataset`; its position is checkpointed.
         hooks: more :class:`Hook` objects.
         partitioner: how large variables are split over ps tasks (see :mod:`mpitf.placement`).
@@ -70,14 +72,15 @@ class TrainingSession:
         self.model = model
         self.dataset = dataset
         self.mode = config.mode
+        self.consistency = config.consistency  # what the mode decides here (mpitf.modes)
         self.checkpoint_dir = config.checkpoint_dir
         self.clients = config.clients  # in-graph: the replicas that talk to the ps
         workers = server.replica_ranks
         self.client_ranks = [workers[i] for i in self.clients or range(len(workers))]
         self.num_workers = len(self.client_ranks)
         self.batch_size = config.batch_size or getattr(dataset, "batch_size", 1)
-        r = config.replicas_to_aggregate or self.num_workers
-        self.examples_per_global_step = self.batch_size * (r if self.mode == "sync" else 1)
+        self.examples_per_global_step = self.consistency.examples_per_step(
+            self.batch_size, self.num_workers, config.replicas_to_aggregate)
         self.timeline = Timeline(server.rank, server.device, bool(config.timeline))
         self.signals = CheckpointSignals().install()
         self._stop = False
@@ -142,6 +145,9 @@ class TrainingSession:
                 total_num_replicas=self.num_workers, sparse=sparse)
         self.global_step = self.last_reply.global_step
         self.optimizer = optimizer
+        # local SGD: this worker runs the optimizer; the ps averages (worker/local.py)
+        self.local = LocalSteps(self.client, optimizer) \
+            if self.consistency.applies_locally else None
         # A worker waiting on a reply cannot tell a silent ps from a ps waiting (sync) on a
         # silent worker; the ps can. Its allowance (the clock's, scaled) runs out first, so
         # the message names the right rank.
@@ -212,22 +218,39 @@ class TrainingSession:
         if bad is not None:
             return self._skip(bad)
         self.skips_in_a_row = 0
-        if self.config.clip_norm is not None and self.mode != "sync":  # sync: on the ps
+        if self.config.clip_norm is not None and not self.consistency.clips_on_ps:
             clip_by_global_norm(self.client.grads.values(), self.config.clip_norm)
         self._save_if_due()
+        if self.local is not None:
+            return self._local_step(state)
         with tl.span("push_pull", step=self.global_step):
             if self.embeddings is not None:
                 self.embeddings.push()  # before the dense push: the ps applies both at once
             reply = self.client.push_pull((state["epoch"], state["cursor"])).wait()
         return self._finish_step(reply)
 
+    def _local_step(self, state):
+        """Local SGD: step this worker's parameters; push them when the mode says (every K)."""
+        with self.timeline.span("apply", step=self.global_step):
+            self.local.step(self.global_step)
+        step = self.global_step + 1
+        if not self.consistency.pushes_after(step, self.config.last_step):
+            return self._finish_step(None)
+        with self.timeline.span("push_pull", step=self.global_step):
+            reply = self.local.push(step, (state["epoch"], state["cursor"])).wait()
+        return self._finish_step(reply)
+
     def _finish_step(self, reply):
-        self.last_reply = reply
-        if reply.chief is not None and reply.chief != self.server.chief_index:
-            self._succeed_chief(reply.chief)
-        self.global_step = reply.global_step
+        """End a step with the ps's ``reply`` (None: a local step, answered by no one)."""
+        if reply is None:
+            self.global_step += 1
+        else:
+            self.last_reply = reply
+            if reply.chief is not None and reply.chief != self.server.chief_index:
+                self._succeed_chief(reply.chief)
+            self.global_step = reply.global_step
         self.steps_run += 1
-        if reply.pause:
+        if reply is not None and reply.pause:
             self._pause(relay=True)
         for hook in self.hooks:
             hook.after_run(self, self.loss)
@@ -316,6 +339,10 @@ class TrainingSession:
                 f"(at step {self.global_step}; {self.nonfinite_skipped} skipped in all): the "
                 "parameters have likely diverged; lower the learning rate, or raise "
                 "max_nonfinite_skips (--max-nonfinite-skips)")
+        if self.local is not None:  # nothing was sent: the step is taken again, here
+            for hook in self.hooks:
+                hook.after_skip(self, variable)
+            return self.loss
         self._save_if_due()
         if self.embeddings is not None:
             self.embeddings.lookups = {}  # the skipped step's rows are not pushed
@@ -331,6 +358,8 @@ class TrainingSession:
         """Chief, before a push or skip: send SAVE to every ps if a signal or the saver asks."""
         if not (self.server.is_chief and self.checkpoint_dir):
             return
+        if not self.consistency.pushes_after(self.global_step + 1, self.config.last_step):
+            return  # a cut lands with a push (local SGD's every K steps)
         if self.signals.requested or (self.saver is not None and self.saver.due(self)):
             self._send_save(self.global_step + 1)
 
