@@ -341,3 +341,25 @@ def test_checkpoint_of_other_shapes_is_refused_naming_the_variable(tmp):
     verify = subprocess.run([sys.executable, "-m", "mpitf.cli.main", "ckpt", "verify", str(root)],
                             capture_output=True, text=True, timeout=60, cwd=str(REPO))
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_local_sgd_stopped_at_an_average_resumes_to_the_uninterrupted_bits(tmp):
+    # Local SGD (K = 4): the workers' optimizer steps between averages are their own, the
+    # cut holds the ps's average. A run stopped at step 20 (an average: its final cut) and
+    # resumed to 40 averages at the same steps as one run of 40, so it ends on its bits
+    # (plain SGD: no optimizer slots to start afresh on the workers).
+    extra = ["--local-steps", "4", "--checkpoint-every", "10"]
+    ref = run_job(tmp, ckpt=tmp / "ref-ckpt", steps=40, mode="local",
+                  extra=[*extra, "--export", tmp / "ref.npz"])
+    assert ref.returncode == 0, ref.output
+    assert [int(s) for _, s in CHECKPOINT.findall(ref.stdout)] == [12, 20, 32, 40]  # averages
+    root = tmp / "ckpt"
+    first = run_job(tmp, ckpt=root, steps=20, mode="local", extra=extra)
+    assert first.returncode == 0 and latest_step(root) == 20, first.output
+    resumed = run_job(tmp, ckpt=root, steps=40, mode="local",
+                      extra=[*extra, "--export", tmp / "out.npz"])
+    assert resumed.returncode == 0, resumed.output
+    (_, step), = RESTORED.findall(resumed.stdout)
+    assert int(step) == 20 and final_summary(resumed)["step"] == 40
+    assert final_summary(resumed)["mode"] == "local"
+    assert_bitwise_equal(load_npz(tmp / "out.npz"), load_npz(tmp / "ref.npz"))

@@ -64,6 +64,11 @@ def job(n, data, tmp_path, *flags, env=None):
      "deterministic (--deterministic) needs mode 'sync', got 'async'"),
     (["--mode", "ssp", "--deterministic"],
      "deterministic (--deterministic) needs mode 'sync', got 'ssp'"),
+    (["--local-steps", "4"],
+     "local_steps (--local-steps) needs mode 'local', got 'sync': give --mode local or drop "
+     "--local-steps"),
+    (["--mode", "local", "--local-steps", "0"],
+     "local_steps (--local-steps) must be >= 1, got 0"),
     (["--replicas-to-aggregate", "0"],
      "replicas_to_aggregate (leave it out for every worker) must be >= 1, got 0"),
     (["--skip-nonfinite", "--max-nonfinite-skips", "0"],

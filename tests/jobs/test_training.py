@@ -65,6 +65,21 @@ def test_sync_reaches_95_percent_and_writes_run_files(data, tmp_path):
 
 
 @pytest.mark.slow
+def test_local_sgd_reaches_sync_accuracy_with_a_third_of_the_pushes(data, tmp_path):
+    # Local SGD (--mode local --local-steps 4): each worker takes its own optimizer steps
+    # and the ps averages the parameters every 4, so 300 steps of 2 workers push 150 times
+    # where sync pushes 600; the averaged model is as good (Lin et al., ICLR 2020).
+    sync = final(run_job(3, data, "--num-ps", 1, "--steps", 300, "--mode", "sync",
+                         "--run-dir", tmp_path / "sync", timeout=60))
+    local = final(run_job(3, data, "--num-ps", 1, "--steps", 300, "--mode", "local",
+                          "--local-steps", 4, "--run-dir", tmp_path / "local", timeout=60))
+    assert local["mode"] == "local" and local["step"] == 300 and local["workers"] == 2
+    assert local["test_accuracy"] >= sync["test_accuracy"] - 0.01, (local, sync)
+    assert local["pushes_received"] == 2 * 300 // 4 <= sync["pushes_received"] / 3, (local, sync)
+    assert local["stale_dropped"] == 0 and local["bucket_bytes"] == 0  # one frame: parameters
+
+
+@pytest.mark.slow
 def test_async_reaches_93_percent(data, tmp_path):
     # Async applies every push at the full rate, however stale, as TensorFlow's does (no
     # bound: that is --mode ssp), so the last raw parameters carry the last pushes' noise:
