@@ -134,7 +134,7 @@ def test_training_session_passes_options_straight_into_the_config():
 # -- every check ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("field, value, message", [
-    ("mode", "fast", "unknown mode 'fast': use 'sync', 'async' or 'ssp'"),
+    ("mode", "fast", "unknown mode 'fast': use 'sync', 'async', 'ssp' or 'local'"),
     ("last_step", -1, "last_step .* >= 0"),
     ("last_step", 2.5, "last_step .* integer"),
     ("batch_size", 0, "batch_size must be >= 1"),
