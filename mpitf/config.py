@@ -277,7 +277,7 @@ class TrainingConfig:
                  "are averaged"),
                 (self.wire_dtype != "float32", f"wire_dtype {self.wire_dtype} "
                  "(--wire-dtype): parameters travel in float32")))
-        if self.deterministic and self.mode != "sync":
+        if self.deterministic and not self.consistency.sums_gradients:
             raise ConfigurationError(
                 f"deterministic (--deterministic) needs mode 'sync', got {self.mode!r}: in "
                 f"{self.mode} mode the order of updates depends on timing; drop one of them")
@@ -288,8 +288,8 @@ class TrainingConfig:
                 "leave bucket_bytes at 0 to clip")
         if self.aggregate_per_node:
             self._refuse("aggregate_per_node (--aggregate-per-node)", (
-                (self.mode != "sync", f"mode {self.mode!r} (--mode): it sums each step's "
-                 "gradients, which only sync mode has"),
+                (not self.consistency.sums_gradients, f"mode {self.mode!r} (--mode): it "
+                 "sums each step's gradients, which only sync mode has"),
                 (self.bucket_bytes, f"bucket_bytes={self.bucket_bytes} (--bucket-bytes): a "
                  "node pushes one frame per ps"),
                 (self.skip_nonfinite, "skip_nonfinite (--skip-nonfinite): a node pushes whole"),

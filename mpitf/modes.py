@@ -22,6 +22,8 @@ class Mode:
         steps_together: every worker's push of a step lands in that step, so a buddy's
             copy of a lost ps's shard counts steps as the buddy does (a checkpoint cut's
             step is its own).
+        sums_gradients: a step is the sum of several pushes' gradients (what deterministic
+            summation and a node's shared sum need).
         applies_locally: the workers run the optimizer and push their parameters, which
             the ps averages; otherwise they push gradients and the ps applies them.
         local_steps: the optimizer steps a worker takes between two pushes.
@@ -30,6 +32,7 @@ class Mode:
     name = "async"
     clips_on_ps = False
     steps_together = False
+    sums_gradients = False
     applies_locally = False
     local_steps = 1
 
@@ -53,6 +56,7 @@ class _Sync(Mode):
     name = "sync"
     clips_on_ps = True
     steps_together = True
+    sums_gradients = True
 
     def examples_per_step(self, batch_size, num_workers, replicas_to_aggregate):
         """Return the batches of the gradients a step aggregates."""

@@ -94,6 +94,11 @@ class TrainingSession:
                                           partitioner=partitioner)
         self.placement = placement.place(model.variables())
         tables = model.tables() if hasattr(model, "tables") else ()
+        if tables and self.consistency.applies_locally:
+            raise ConfigurationError(
+                f"mode {config.mode!r} (--mode) does not support embedding tables: their rows "
+                "live on the ps, which averages parameters only every --local-steps; drop one "
+                "of them")
         self.node = node = NodeGroup.for_session(server, config, tables)  # or None
         self.client = Client.from_config(server, self.placement, config, node, tables,
                                          timeline=self.timeline)
