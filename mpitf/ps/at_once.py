@@ -67,8 +67,9 @@ class AtOnce:
             if request[4] & P.FLAG_LEARNING_RATE:
                 svc.take_learning_rate(request)
             svc.apply_and_reply(frame.payload, self.alone[worker])
-        now = svc.last_seen[worker] = svc.last_message = time.monotonic()
-        svc.positions[svc.senders.replica_of[worker]] = H.split_position(request[5])
+        state = svc.state
+        now = state.last_seen[worker] = state.last_message = time.monotonic()
+        state.positions[svc.senders.replica_of[worker]] = H.split_position(request[5])
         svc.stepped(worker, now)
-        svc.counters["bytes_in"] += H.HEADER_BYTES + request[3] * frame.itemsize
+        state.counters["bytes_in"] += H.HEADER_BYTES + request[3] * frame.itemsize
         return True

@@ -49,7 +49,7 @@ class SyncReplicas:
 
     def needed(self, svc):
         """Return how many gradients complete a step now (fewer once workers have left)."""
-        return min(self.replicas_to_aggregate, svc.num_active)
+        return min(self.replicas_to_aggregate, svc.state.num_active)
 
     def applies_at_once(self):
         """Return True when each push is its step: one gradient, not a node's sum."""
@@ -65,7 +65,7 @@ class SyncReplicas:
         g = pipe.steps[bucket]
         if step == g:
             if bucket == pipe.last:
-                svc.note_staleness(0)
+                svc.state.note_staleness(0)
             return True
         if step < g:
             svc.drop(worker, g - step, bucket)
@@ -143,11 +143,11 @@ class SyncReplicas:
         the survivors only (``needed`` counts the active workers).
         """
         if self.weights is not None:
-            raise PeerError(f"a node's leader died at step {svc.global_step}: its node's "
+            raise PeerError(f"a node's leader died at step {svc.state.global_step}: its node's "
                             "replicas wait on it, so the job ends",
                             **svc.describe_worker(worker, "training"))
         before = self.needed(svc)
-        after = min(self.replicas_to_aggregate, svc.num_active - 1)
+        after = min(self.replicas_to_aggregate, svc.state.num_active - 1)
         return (f"sync steps now aggregate {after} gradient{'s' if after != 1 else ''} "
                 f"(replicas_to_aggregate was {before})")
 
@@ -214,7 +214,7 @@ class DeterministicSync(SyncReplicas):
 
     def on_worker_lost(self, svc, worker):
         """Raise: a step needs every worker's gradient, so the job ends."""
-        raise PeerError(f"a worker died at step {svc.global_step}: deterministic sync "
+        raise PeerError(f"a worker died at step {svc.state.global_step}: deterministic sync "
                         "needs every worker's gradient in every step, so the job ends",
                         **svc.describe_worker(worker, "training"))
 
@@ -264,7 +264,7 @@ class Async:
     def admit(self, svc, worker, step, bucket=0):
         """Return True: every push is applied, however stale (its staleness is counted)."""
         if bucket == svc.pipeline.last:
-            svc.note_staleness(svc.global_step - step)
+            svc.state.note_staleness(svc.state.global_step - step)
         return True
 
     def on_push(self, svc, worker, frame, index, bucket=0):
@@ -306,7 +306,7 @@ class BoundedStaleness(Async):
         self.held = []
 
     def _slowest(self, svc):
-        active = [self.clock.get(w, 0) for w in svc.unblocked_workers()]
+        active = [self.clock.get(w, 0) for w in svc.state.unblocked_workers()]
         return min(active) if active else None
 
     def applies_at_once(self):
@@ -317,7 +317,7 @@ class BoundedStaleness(Async):
         """Record the worker's lead over the slowest, then apply as async does."""
         slowest = self._slowest(svc) if bucket == svc.pipeline.last else None
         if slowest is not None:
-            svc.note_lead(self.clock.get(worker, 0) - slowest)
+            svc.state.note_lead(self.clock.get(worker, 0) - slowest)
         return super().on_push(svc, worker, frame, index, bucket)
 
     def after_apply(self, svc, worker, grad, bucket):
@@ -350,7 +350,7 @@ class BoundedStaleness(Async):
 
     def on_worker_gone(self, svc, worker):
         """The slowest may have left: release whoever it held back (never a dead one)."""
-        if worker in svc.lost:
+        if worker in svc.state.lost:
             self.held = [w for w in self.held if w != worker]
         self.release(svc)
 

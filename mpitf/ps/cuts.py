@@ -11,7 +11,7 @@ from ..ckpt import cut
 class Cuts:
     """The Service's checkpoint duties (see the module docstring)."""
 
-    def _restore(self, ckpt_dir):
+    def _restore(self, state, ckpt_dir):
         """Load this ps's part of the checkpoint in ``ckpt_dir``; serve from its step."""
         shard = self.shard
         average = shard.average_frame.payload if shard.average is not None else None
@@ -23,26 +23,26 @@ class Cuts:
         if restored["missing_average"]:
             shard.start_average()
         shard.restored()
-        self.global_step = restored["global_step"]
-        self.pipeline.at_step(self.global_step)
-        self.positions = restored["positions"]
-        self.initialized = True
+        state.global_step = restored["global_step"]
+        self.pipeline.at_step(state.global_step)
+        state.positions = restored["positions"]
+        state.initialized = True
         self.write_header()
 
-    def _save(self):
+    def _save(self, state):
         """Write this ps's part of the cut (every worker paused at the same step)."""
         if self.sparse is not None:
             self.sparse.flush()
         shard = self.shard
         average = shard.average_frame.payload if shard.average is not None else None
-        cut.save_shard(self.comm, self.chief, self.config.checkpoint_dir, self.ps_task,
-                       self.assignment.num_ps, self.cut_step(), shard.slices, self.backend,
-                       shard.params, shard.saved_slots(), average, self.positions,
-                       self.paused, self.counters,
-                       self.tables.saved(self.global_step) if self.tables else None,
+        cut.save_shard(self.comm, state.chief, self.config.checkpoint_dir, self.ps_task,
+                       self.assignment.num_ps, self.cut_step(state), shard.slices, self.backend,
+                       shard.params, shard.saved_slots(), average, state.positions,
+                       state.paused, state.counters,
+                       self.tables.saved(state.global_step) if self.tables else None,
                        peer=self.server.peer)
 
-    def cut_step(self):
+    def cut_step(self, state):
         """Return the step replies and checkpoint cuts name: a served copy's is its buddy's.
 
         Async: the pushes in flight when the ps died count on the buddy's own shard or on
@@ -51,15 +51,15 @@ class Cuts:
         together (sync, local SGD), the copy's own.
         """
         if self.buddy is None or self.policy.mode.steps_together:
-            return self.global_step
-        return self.buddy.global_step
+            return state.global_step
+        return self.buddy.state.global_step
 
-    def _check_quiescent(self):
+    def _check_quiescent(self, state):
         """Save once every worker is paused or done, then let them go on."""
-        if self.pausing and all(w in self.done or w in self.paused
+        if state.pausing and all(w in state.done or w in state.paused
                                 for w in range(self.num_workers)):
             self._finish_replies()
-            self._save()
-            self.pausing = False
-            self.paused.clear()
+            self._save(state)
+            state.pausing = False
+            state.paused.clear()
             self.write_header()

@@ -41,19 +41,19 @@ class LocalAverage(SyncReplicas):
         parameters of an older step, or of another step than the others', are a worker
         run with other options.
         """
-        if step <= svc.global_step or self.round_step not in (None, step):
+        if step <= svc.state.global_step or self.round_step not in (None, step):
             expected = (f"step {self.round_step}, as the others did" if self.round_step
-                        else f"a step past {svc.global_step}")
+                        else f"a step past {svc.state.global_step}")
             raise PeerError(
                 f"parameters of step {step} pushed for an average, but the ps expected "
                 f"{expected}: every worker needs the same --local-steps ({self.mode.local_steps})",
                 **svc.describe_worker(worker, "push"))
         self.round_step = step
         if bucket == svc.pipeline.last:
-            svc.note_staleness(0)
+            svc.state.note_staleness(0)
         return True
 
     def steps(self, svc):
         """Return the local steps this average stands for (and start the next one)."""
         step, self.round_step = self.round_step, None
-        return step - svc.global_step
+        return step - svc.state.global_step

@@ -99,9 +99,9 @@ class Replication:
     def after_step(self):
         """Send a copy to the buddy if K steps were applied since the last (or none yet)."""
         svc = self.svc
-        if not (self.buddy_alive and svc.initialized):
+        if not (self.buddy_alive and svc.state.initialized):
             return
-        if self.sent_step is not None and svc.global_step - self.sent_step < self.steps:
+        if self.sent_step is not None and svc.state.global_step - self.sent_step < self.steps:
             return
         try:
             if self.sending is not None:
@@ -113,10 +113,10 @@ class Replication:
             self.buddy_alive = False  # the pool sees the loss too, and says it
             return
         svc.pipeline.finish(svc.stall.steady, svc.describe_reply)  # replies read the params
-        self.out.take(self.mine, svc.global_step)
+        self.out.take(self.mine, svc.state.global_step)
         self.sending = svc.comm.Isend([self.out.buffer, MPI.BYTE], self.buddy_rank,
                                       P.TAG_REPLICA)
-        self.sent_step = svc.global_step
+        self.sent_step = svc.state.global_step
 
     # -- receiving ---------------------------------------------------------------------------
 
@@ -127,7 +127,7 @@ class Replication:
         try:
             self._take_copies()
         except MPI.Exception as exc:
-            self.svc.lose_failed(exc)
+            self.svc.lose_failed(self.svc.state, exc)
 
     def watch(self):
         """Between the pool's probes: take the ward's copies; a death MPI knows of (5 ms).
@@ -149,7 +149,7 @@ class Replication:
         group.Free()
         if known > self.known_failed:
             self.known_failed = known
-            self.svc._take_failures(None)
+            self.svc._take_failures(self.svc.state, None)
 
     def _take_copies(self):
         comm = self.svc.comm
@@ -232,7 +232,7 @@ class Replication:
             try:  # fails once the buddy's death is known (a send to it may never end)
                 svc.comm.Iprobe(self.buddy_rank, P.TAG_REPLICA_END)
             except MPI.Exception as exc:
-                svc.lose_failed(exc)
+                svc.lose_failed(svc.state, exc)
             if not self.buddy_alive:  # the buddy died (the poll heard of it): give it up
                 return
             if svc.deadline is not None and time.monotonic() - start > svc.deadline:

@@ -32,6 +32,7 @@ from .replica import Replication
 from .senders import Senders
 from .shard import Shard
 from .sparse_inbox import SparseInbox
+from .state import ServiceState
 
 _log = logging.getLogger("mpitf")
 
@@ -54,10 +55,10 @@ class Service(Handlers, Cuts, Losses):
         self.buddy = buddy  # (a ward) the Service of the ps that serves it
         self.ps_task = server.task_index if buddy is None else \
             (buddy.ps_task - 1) % assignment.num_ps
-        self.chief = assignment.chief_rank
         senders = self.senders = Senders(server.replica_ranks, config.clients, assignment.nodes)
         self.worker_ranks, self.worker_of = senders.ranks, senders.index
         self.num_workers = len(self.worker_ranks)
+        self.state = ServiceState(self.num_workers, assignment.chief_rank, senders.counters())
         self.backend = backend or get_backend()
         self.xp = self.backend.xp
         size = assignment.shard_size
@@ -79,7 +80,6 @@ class Service(Handlers, Cuts, Losses):
                                        self.shard.rules.default, config.seed, self.num_workers)
         self.timeline = Timeline(server.rank, server.device, bool(config.timeline))
         self.chunk_bytes = assignment.chunk_bytes
-        self.chunked_workers = set()  # workers that stage through host memory, in chunks
         capacity = senders.capacity(self.tables.capacity if self.tables else None)
         capacity = max(capacity or 0, self.shard.rules.rates_bytes) or None  # RATES fit
         frames = self.policy.receive_buffers(self.num_workers, self.pipeline.bucketed)
@@ -88,26 +88,10 @@ class Service(Handlers, Cuts, Losses):
                         for _ in range(frames)], P.TAG_REQUEST, self.worker_ranks,
             bool(config.ps_replication_steps), server.ulfm)
         self.sparse = SparseInbox(self, size, wire, capacity) if self.tables else None
-        self.global_step = 0
-        self.initialized = False
-        self.pending_pulls = []
-        self.done, self.paused = set(), set()
-        self.lost = set()  # workers that died (ULFM): done, and their pushes never come
-        self.chief_flags = 0  # replies' flags naming the chief's successor (P.CHIEF_SHIFT)
-        self.requeue = False
-        self.pausing = False
-        self.positions = {}
-        self.last_seen = {w: time.monotonic() for w in range(self.num_workers)}
         # Stall detection: the gaps between a worker's pushes are its steps; a worker with
-        # no push since start-up or a pause (None) gets the whole deadline.
+        # no push since start-up or a pause (state.last_push None) gets the whole deadline.
         self.stall = StepClock.for_ps(self.deadline, assignment.adaptive, self.num_workers)
-        self.last_push = [None] * self.num_workers
         self.check_every = None if self.deadline is None else min(1.0, self.deadline / 10)
-        self.next_check = 0.0
-        self.last_message = 0.0  # when the last request arrived (any worker)
-        self.counters = dict(global_step=0, pushes_applied=0, stale_dropped=0,
-                             nonfinite_skipped=0, staleness_histogram={}, max_staleness=0,
-                             max_lead=0, bytes_in=0, bytes_out=0, **senders.counters())
         self.replica = None  # the buddy ring (ps/replica.py), with --ps-replication-steps
         # What the policy decides about an apply: the update rule (the optimizer's, or an
         # average put in place), whether the ps clips, and the one-frame update that needs
@@ -133,40 +117,19 @@ class Service(Handlers, Cuts, Losses):
                           P.DONE: self._on_done, P.PAUSED: self._on_paused,
                           P.SAVE: self._on_save, P.COUNTERS: self._on_counters}
         if assignment.restore:
-            self._restore(assignment.restore)
+            self._restore(self.state, assignment.restore)
 
     # -- what policies call -------------------------------------------------------------
-
-    @property
-    def num_active(self):
-        """Return the number of workers that have not finished."""
-        return self.num_workers - len(self.done)
-
-    def unblocked_workers(self):
-        """Return the workers still training (neither finished nor paused)."""
-        return [w for w in range(self.num_workers) if w not in self.done and w not in self.paused]
 
     def describe_worker(self, worker, operation):
         """Return keyword arguments naming a worker for a PeerError."""
         return self.server.peer(self.worker_ranks[worker], operation)
 
-    def note_staleness(self, staleness):
-        """Count a gradient of the given staleness (steps behind the ps) in the histogram."""
-        counters = self.counters
-        hist = counters["staleness_histogram"]
-        hist[staleness] = hist.get(staleness, 0) + 1
-        if staleness > counters["max_staleness"]:
-            counters["max_staleness"] = staleness
-
-    def note_lead(self, lead):
-        """Record how far a worker ran ahead of the slowest (bounded staleness)."""
-        self.counters["max_lead"] = max(self.counters["max_lead"], lead)
-
     def drop(self, worker, staleness, bucket=0):
         """Drop a stale gradient (a bucket of it), count it, and answer with the parameters."""
         if bucket == self.pipeline.last:
-            self.counters["stale_dropped"] += 1
-            self.note_staleness(staleness)
+            self.state.counters["stale_dropped"] += 1
+            self.state.note_staleness(staleness)
             if self.tables:
                 self.sparse.discard(worker)
         self.reply(worker, bucket=bucket)
@@ -181,18 +144,18 @@ class Service(Handlers, Cuts, Losses):
         by as many), applied once the replies have left (:meth:`SparseInbox.flush`,
         before the next request is read).
         """
-        pipe = self.pipeline
+        pipe, state = self.pipeline, self.state
         if pipe.bucketed or pipe.whole:  # replies still reading what changes now
             pipe.finish(self.stall.steady, self.describe_reply, bucket)
-        step = self.global_step
+        step = state.global_step
         if self.whole_update is not None:  # one frame and nothing beside the update (4 KiB)
             size = self.shard.size
             if len(grad) != size:  # a ward's push lands in its buddy's larger pool frame:
                 grad = grad[:size]  # a view made only then, not one every push
             self.whole_update(grad, step)
             pipe.steps[0] += steps
-            self.global_step = step + steps
-            self.counters["pushes_applied"] += 1
+            state.global_step = step + steps
+            state.counters["pushes_applied"] += 1
             self.write_header()
             return
         last = bucket == pipe.last
@@ -209,8 +172,8 @@ class Service(Handlers, Cuts, Losses):
             self.timeline.add("apply", start, time.perf_counter(), step=step, bucket=bucket)
         pipe.steps[bucket] += steps
         if last:
-            self.global_step = step + steps
-            self.counters["pushes_applied"] += 1
+            state.global_step = step + steps
+            state.counters["pushes_applied"] += 1
             self.write_header(hi if pipe.bucketed else None)
         else:
             self.shard.publish(lo, hi)
@@ -228,27 +191,29 @@ class Service(Handlers, Cuts, Losses):
                 self.reply(w, bucket=bucket)
             return
         pipe, comm, reply, sends = self.pipeline, self.comm, self.shard.reply, self.sends
+        counters = self.state.counters
         for w in workers:
             send = sends.get(w)
             if send is None:
-                if w in self.chunked_workers:
+                if w in self.state.chunked_workers:
                     self.reply(w, bucket=bucket)
                     continue
                 send = sends[w] = P.frame_op(comm.Send_init, reply.bytes, self.worker_ranks[w],
                                              pipe.reply_tag)
             send.Start()
             pipe.sent(send, w)
-            self.counters["bytes_out"] += reply.bytes.nbytes
+            counters["bytes_out"] += reply.bytes.nbytes
 
     def reply(self, worker, frame=None, bucket=None):
         """Send the parameters (or ``frame``, or one bucket's) to ``worker``, not blocking."""
-        chunk_bytes = self.chunk_bytes if worker in self.chunked_workers else None
+        chunk_bytes = self.chunk_bytes if worker in self.state.chunked_workers else None
         tag, span, reads = self.pipeline.reply_to(bucket if frame is None else None)
         frame = frame or self.shard.reply
         requests = frame.isend_published(self.comm, self.worker_ranks[worker], tag,
                                          chunk_bytes, span)
         self.pipeline.add(requests, worker, reads)
-        self.counters["bytes_out"] += frame.bytes.nbytes if span is None else span[1] - span[0]
+        self.state.counters["bytes_out"] += \
+            frame.bytes.nbytes if span is None else span[1] - span[0]
 
     def release(self, index):
         """Give pool frame ``index`` back to the receives (a held gradient was used)."""
@@ -266,25 +231,26 @@ class Service(Handlers, Cuts, Losses):
         It goes on at the buddy's step (the steps since its copy are lost): sync steps and
         checkpoint cuts stay aligned across the ps. It knows the workers as the buddy does.
         """
-        buddy = self.buddy
-        self.global_step = self.counters["global_step"] = buddy.global_step
+        state, theirs = self.state, self.buddy.state
+        state.global_step = state.counters["global_step"] = theirs.global_step
         self.shard.restored()
-        self.pipeline.at_step(buddy.global_step)
-        self.initialized = True
-        self.done |= buddy.done
-        self.lost |= buddy.lost
-        self.chief, self.chief_flags = buddy.chief, buddy.chief_flags
+        self.pipeline.at_step(theirs.global_step)
+        state.initialized = True
+        state.done |= theirs.done
+        state.lost |= theirs.lost
+        state.chief, state.chief_flags = theirs.chief, theirs.chief_flags
         self.write_header()
 
     # -- internals -----------------------------------------------------------------------
 
     def write_header(self, hi=None):
         """Refresh the reply header (none in flight) and publish the payload (up to ``hi``)."""
-        c, reply, average = self.counters, self.shard.reply, self.shard.average_frame
-        c["global_step"] = step = self.cut_step()
+        state, reply, average = self.state, self.shard.reply, self.shard.average_frame
+        c = state.counters
+        c["global_step"] = step = self.cut_step(state)
         H.pack_reply(reply.header, step, self.ps_task,
-                     (P.FLAG_PAUSE if self.pausing else 0) | self.chief_flags, c["pushes_applied"],
-                     c["stale_dropped"], c["max_staleness"], c["max_lead"])
+                     (P.FLAG_PAUSE if state.pausing else 0) | state.chief_flags,
+                     c["pushes_applied"], c["stale_dropped"], c["max_staleness"], c["max_lead"])
         if reply.unpublished:  # a host frame is as MPI reads it
             reply.publish(0, hi)
         if average is not None:
@@ -305,11 +271,12 @@ class Service(Handlers, Cuts, Losses):
 
     def stepped(self, worker, now):
         """Count a push, and the gap since ``worker``'s previous push as one of its steps."""
-        self.counters["pushes_received"] += 1
-        last = self.last_push[worker]
+        state = self.state
+        state.counters["pushes_received"] += 1
+        last = state.last_push[worker]
         if last is not None:
             self.stall.step(now - last)
-        self.last_push[worker] = now
+        state.last_push[worker] = now
 
     def _timeout(self):
         """Raise naming a worker silent for longer than its allowance (checked every second).
@@ -317,14 +284,14 @@ class Service(Handlers, Cuts, Losses):
         Workers that finished, paused for a checkpoint or wait on others (sync, ssp) are
         not expected to speak.
         """
-        now = time.monotonic()
-        self.next_check = now + self.check_every
+        now, state = time.monotonic(), self.state
+        state.next_check = now + self.check_every
         for w in range(self.num_workers):
-            if w in self.done or w in self.paused or self.policy.is_waiting(w):
+            if w in state.done or w in state.paused or self.policy.is_waiting(w):
                 continue
-            steady = self.last_push[w] is not None
+            steady = state.last_push[w] is not None
             allowance = self.stall.steady if steady else self.stall.start_up
-            if now - self.last_seen[w] > allowance:
+            if now - state.last_seen[w] > allowance:
                 how = (f"; its steps took up to {self.stall.slowest:.3g} s"
                        if steady and self.stall.adaptive else "")
                 raise DeadlineError(f"no message for {allowance:.3g} s from a worker while "
@@ -340,20 +307,22 @@ class Service(Handlers, Cuts, Losses):
         worker = self.worker_of.get(source)
         if worker is None:
             raise PeerError(f"request from rank {source}, which is not a worker")
-        now = self.last_seen[worker] = self.last_message = time.monotonic()
-        self.senders.note_positions(self.positions, worker, request, frame)
+        state = self.state
+        now = state.last_seen[worker] = state.last_message = time.monotonic()
+        self.senders.note_positions(state.positions, worker, request, frame)
         if request.flags & P.FLAG_CHUNKED:
             self._chunked(worker, source, request, frame)
         handler = self._handlers.get(request.kind)
         if handler is None:
             raise PeerError(f"unknown request kind {request.kind}",
                             **self.describe_worker(worker, "?"))
-        return handler(worker, request, frame, index, now)
+        return handler(state, worker, request, frame, index, now)
 
     def _serve_ward(self, index, source, request):
         replica = self.replica
         if replica is not None and not replica.adopted:  # a worker saw the loss first:
-            replica.await_loss(self._take_failures)  # this ps learns of it in a moment
+            # this ps learns of it in a moment
+            replica.await_loss(lambda exc: self._take_failures(self.state, exc))
         if replica is None or not replica.adopted:
             raise PeerError("a request for a lost ps's shard, which this ps does not hold",
                             **self._describe_sender(source))
@@ -362,7 +331,7 @@ class Service(Handlers, Cuts, Losses):
 
     def _chunked(self, worker, source, request, frame):
         """Note a worker that stages; receive the rest of its push or init (chunk 0 came)."""
-        self.chunked_workers.add(worker)
+        self.state.chunked_workers.add(worker)
         if request.kind in (P.PUSH, P.INIT) and self.chunk_bytes:
             nbytes = H.HEADER_BYTES + request.count * frame.itemsize
             frame.receive_rest(self.comm, source, P.TAG_REQUEST, self.chunk_bytes,
@@ -377,15 +346,16 @@ class Service(Handlers, Cuts, Losses):
         :attr:`serve` (the one-frame path's reader where it has one, else :meth:`_serve`).
         """
         pool, replica, sparse, serve = self.pool, self.replica, self.sparse, self.serve
-        while len(self.done) < self.num_workers or (
+        state = self.state
+        while len(state.done) < self.num_workers or (
                 replica is not None and replica.adopted and
-                len(replica.ward.done) < self.num_workers):
+                len(replica.ward.state.done) < self.num_workers):
             try:
                 index = pool.wait_next(self.check_every, self._timeout, self.deadline,
                                        self._describe_sender,
                                        None if replica is None else replica.watch)
             except MPI.Exception as exc:
-                self.lose_failed(exc)
+                self.lose_failed(state, exc)
                 continue
             if serve(index, pool.source):
                 pool.release(index)
@@ -394,7 +364,7 @@ class Service(Handlers, Cuts, Losses):
             if replica is not None:
                 replica.after_step()  # a copy to the buddy every K steps
                 replica.poll()  # the ward's copies
-            if self.check_every is not None and self.last_message > self.next_check:
+            if self.check_every is not None and state.last_message > state.next_check:
                 self._timeout()  # busy: without this, one silent worker would go unseen
         self._finish_replies()
         pool.close()
@@ -412,7 +382,7 @@ class Service(Handlers, Cuts, Losses):
                     _log.info("ps task %d, table %r: %s", self.ps_task, name,
                               ", ".join(f"{k} {v}" for k, v in stats.items()))
         self.shard.close()
-        return EXIT_REQUEUE if self.requeue else 0
+        return EXIT_REQUEUE if state.requeue else 0
 
 
 def _replication(service, config, assignment):

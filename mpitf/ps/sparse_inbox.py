@@ -39,14 +39,15 @@ class SparseInbox:
         message = s.pool[index].bytes
         describe = s.describe_worker(worker, P.KIND_NAMES[kind])
         if kind == P.SPARSE_PUSH:
-            s.counters["bytes_in"] += tables.stash(worker, message, describe)
+            s.state.counters["bytes_in"] += tables.stash(worker, message, describe)
             self._lend(worker, index)
             return True
-        s.counters["bytes_in"] += tables.layout.ids_end(tables.layout.counts(message).tolist())
-        view = tables.pull(worker, message, s.global_step, describe)
+        s.state.counters["bytes_in"] += \
+            tables.layout.ids_end(tables.layout.counts(message).tolist())
+        view = tables.pull(worker, message, s.state.global_step, describe)
         s.pipeline.add([P.frame_op(s.comm.Isend, view, s.worker_ranks[worker],
                                    P.TAG_SPARSE_REPLY)], worker, Pipeline.WHOLE)
-        s.counters["bytes_out"] += view.nbytes
+        s.state.counters["bytes_out"] += view.nbytes
         return True
 
     def apply(self, workers, step):

@@ -98,7 +98,7 @@ def run_ps(server, out, phase):
     server.join()
     svc = _SERVICES[-1]
     dump(out, f"{phase}-ps{server.task_index}.json", dict(
-        counters=svc.counters, pool=len(svc.pool),
+        counters=svc.state.counters, pool=len(svc.pool),
         pool_bytes=sum(int(f.bytes.nbytes) for f in svc.pool),
         shard_bytes=int(svc.shard.reply.bytes.nbytes), num_workers=svc.num_workers,
         exit_code=server.exit_code))

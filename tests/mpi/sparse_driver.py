@@ -143,7 +143,7 @@ def main():
                 resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
             svc = _SERVICES[-1]
             arrays = {}
-            for saved in svc.tables.saved(svc.global_step):
+            for saved in svc.tables.saved(svc.state.global_step):
                 name = saved["spec"].name
                 arrays[f"{name}/ids"], arrays[f"{name}/rows"] = saved["ids"], saved["rows"]
                 for k, v in saved["slots"].items():
@@ -152,7 +152,7 @@ def main():
                     arrays[f"extra:{name}/{k}"] = v
             np.savez(os.path.join(args.out, f"ps{svc.ps_task}.npz"), **arrays)
             with open(os.path.join(args.out, f"ps{svc.ps_task}.json"), "w") as f:
-                json.dump(dict(svc.counters, tables=svc.tables.stats()), f)
+                json.dump(dict(svc.state.counters, tables=svc.tables.stats()), f)
             return
         opt = make_optimizer(args.optimizer, LEARNING_RATES[args.optimizer])
         # sync: train to global step --steps; async, ssp: --steps steps of each worker

@@ -212,10 +212,10 @@ def test_every_policy_gives_its_rule_on_both_paths(case):
     svc, wire = serve(config, sequence, workers)
     assert type(svc.policy) is policy
     np.testing.assert_array_equal(svc.shard.params, expected)
-    assert svc.counters["pushes_applied"] == applied
-    assert svc.counters["stale_dropped"] == dropped
-    assert svc.counters["pushes_received"] == len(sequence)
-    assert svc.global_step == applied
+    assert svc.state.counters["pushes_applied"] == applied
+    assert svc.state.counters["stale_dropped"] == dropped
+    assert svc.state.counters["pushes_received"] == len(sequence)
+    assert svc.state.global_step == applied
     for w in range(workers):  # one reply per push (a dropped one's too)
         assert len(replies(wire, w)) == sum(1 for pushed, *_ in sequence if pushed == w)
     last = replies(wire, sequence[-1][0])[-1]  # the last push's: the final parameters
@@ -226,7 +226,7 @@ def test_every_policy_gives_its_rule_on_both_paths(case):
         general, general_wire = serve(config.replace(timeline="unused"), sequence, workers)
         assert general.at_once is None
         np.testing.assert_array_equal(general.shard.params, expected)
-        assert general.counters == svc.counters
+        assert general.state.counters == svc.state.counters
         for w in range(workers):
             assert replies(general_wire, w) == replies(wire, w)
 
@@ -240,7 +240,7 @@ def test_a_stale_push_changes_nothing_on_either_path():
         np.testing.assert_array_equal(svc.shard.params,
                                       sgd((LR, GRADS[0]), (0.05, GRADS[1])))
         assert svc.shard.optimizer.learning_rate(2) == 0.05
-        assert svc.counters["stale_dropped"] == 1
+        assert svc.state.counters["stale_dropped"] == 1
         last = replies(wire, 0)[-1]
         assert last[:2] == (2, 2) and last[3] == svc.shard.params.tolist()
 
@@ -255,7 +255,7 @@ def test_local_sgd_averages_the_workers_parameters_every_k_steps():
     assert type(svc.policy) is LocalAverage and svc.at_once is None
     second = (c + d) / np.float32(2)
     np.testing.assert_array_equal(svc.shard.params, second)
-    assert svc.global_step == 8 and svc.counters["pushes_applied"] == 2
+    assert svc.state.global_step == 8 and svc.state.counters["pushes_applied"] == 2
     for w in range(2):
         first, last = replies(wire, w)[-2:]
         assert first[:2] == (4, 1) and first[3] == ((a + b) / np.float32(2)).tolist()
