@@ -18,6 +18,7 @@ from mpitf.cli.flags import (
 from mpitf.cli.reports import evaluate_session, report_final
 from mpitf.cli.side_tasks import start_replica
 from mpitf.errors import ConfigurationError
+from mpitf.modes import MODES
 from mpitf.placement import replica_device_setter
 from mpitf.runtime.exits import (
     CheckpointSignals,
@@ -34,7 +35,7 @@ def main(argv=None):
     parser = RankParser(description=__doc__.splitlines()[0])
     add_training_arguments(parser)
     args = parser.parse_args(argv)
-    if args.mode != "sync":
+    if not MODES[args.mode].sums_gradients:
         parser.error("in-graph replication has a single client, so only --mode sync applies")
     config = config_from_args(args)  # every value checked, alike on every rank
     refuse_aggregation(config.training, "in_graph", "its replicas already push through one client")

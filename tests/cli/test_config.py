@@ -265,3 +265,21 @@ def test_buckets_by_default_unless_an_option_needs_one_frame():
     assert TrainingConfig(bucket_bytes=4096).replace(seed=1).bucket_bytes == 4096
     with pytest.raises(ConfigurationError, match="clip_norm needs the whole gradient"):
         TrainingConfig(bucket_bytes=4096).replace(clip_norm=1.0)
+
+
+def test_each_mode_answers_what_depends_on_it():
+    # mpitf.modes: what the worker and the ps ask instead of testing a mode's name
+    sync, asyn, ssp = (TrainingConfig(mode=m).consistency for m in ("sync", "async", "ssp"))
+    local = TrainingConfig(mode="local", local_steps=3).consistency
+    assert [m.clips_on_ps for m in (sync, asyn, ssp, local)] == [True, False, False, False]
+    assert [m.steps_together for m in (sync, asyn, ssp, local)] == [True, False, False, True]
+    assert [m.applies_locally for m in (sync, asyn, ssp, local)] == [False, False, False, True]
+    # examples per global step: sync's aggregated batches, one push's, every worker's
+    assert sync.examples_per_step(32, 4, None) == 128 and sync.examples_per_step(32, 4, 3) == 96
+    assert asyn.examples_per_step(32, 4, None) == ssp.examples_per_step(32, 4, 3) == 32
+    assert local.examples_per_step(32, 4, None) == 128
+    # local pushes every K steps and at the last; the others every step
+    assert [s for s in range(1, 11) if local.pushes_after(s, last_step=10)] == [3, 6, 9, 10]
+    assert all(sync.pushes_after(s, 10) for s in range(1, 11))
+    assert TrainingConfig(mode="local").consistency.local_steps == 4  # the default K
+    assert TrainingConfig(mode="local").bucket_bytes == 0  # parameters go in one frame
