@@ -16,6 +16,7 @@ class LocalSteps:
 
     def __init__(self, client, optimizer):
         self.client = client
+        self.optimizer = optimizer
         params = client.layout.payloads(client.params_flat)
         self.grads = client.grad_layout.payloads(client.grads_flat)  # one frame per ps
         self.params = params
@@ -23,8 +24,17 @@ class LocalSteps:
                         for p in range(len(params))]
 
     def step(self, global_step):
-        """Apply this step's gradient to the worker's parameters (``global_step``: before it)."""
+        """Apply this step's gradient to the worker's parameters (``global_step``: before it).
+
+        The rates a front end set for this step (mpitf.torch's schedulers) are taken as a
+        ps takes a push's: the one rate, or each group's.
+        """
         client = self.client
+        rates = client.rates
+        if rates.learning_rate is not None:
+            self.optimizer.set_learning_rate(rates.learning_rate)
+        if rates.values is not None:
+            self.optimizer.set_learning_rates(rates.values)
         if client.grad_views.split:  # partitioned variables: their gradients into the frames
             client.grad_views.scatter()
         for update, grad in zip(self.updates, self.grads):

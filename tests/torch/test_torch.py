@@ -133,6 +133,17 @@ def test_a_model_over_the_default_bucket_pushes_during_backward_by_default():
 
 
 @pytest.mark.slow
+def test_local_sgd_of_one_worker_equals_torch_optim_with_its_lr_scheduler():
+    # --mode local: the worker runs the ps's rule (AdamW) on its own copy with the rate
+    # its scheduler set, and every 4 steps the ps's average of one worker is its own
+    # parameters: plain torch's run, to float32 rounding.
+    run = drive(2, "--mode", "local", "--optimizer", "adamw", "--schedule")
+    (maxrel,), lr = results(run, 20, 1)
+    assert maxrel < 1e-6, run.output
+    assert lr == pytest.approx(0.01 * 0.97**20, rel=1e-5)  # the schedule ran (maxrel: followed)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("n,num_ps,mode", [(4, 2, "sync"), (2, 1, "async")])
 def test_clip_norm_equals_torch_clip_grad_norm(n, num_ps, mode):
     # sync: on the aggregated gradient, the two ps agreeing on the norm; async: per push.
