@@ -243,7 +243,7 @@ class Client:
         link = self.link
         for p, frame in enumerate(self.param_frames):
             count = self.segments[p][2] - self.segments[p][1]
-            H.pack_request(frame.header, P.INIT, 0, link.worker, count, link.flags)
+            H.pack_init(frame.header, link.worker, count, link.flags)
             frame.commit()
         self.backend.synchronize()
         sends = []
