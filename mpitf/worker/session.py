@@ -15,10 +15,11 @@ import numpy as np
 
 from ..ckpt import cut
 from ..ckpt.tables import table_dicts
-from ..config import TrainingConfig
+from ..config import JobFacts, TrainingConfig
 from ..errors import ConfigurationError, NonFiniteGradientError
 from ..models.clipping import clip_by_global_norm
 from ..placement import replica_device_setter
+from ..runtime.backend import get_backend
 from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
 from ..runtime.stall import StepClock
 from ..runtime.timeline import Timeline
@@ -91,8 +92,11 @@ class TrainingSession:
                                           partitioner=partitioner)
         self.placement = placement.place(model.variables())
         tables = model.tables() if hasattr(model, "tables") else ()
-        self.node = node = NodeGroup.for_session(server, config, tables)  # or None
-        self.client = Client.from_config(server, self.placement, config, node, tables,
+        here = (get_backend().name,)  # the options against what this worker knows of the job
+        config.check_job(JobFacts(len(server.ranks_of("ps")), server.num_replicas, server.ulfm,
+                                  bool(tables), here, here))
+        self.node = node = NodeGroup.for_session(server, config)  # or None
+        self.client = Client.from_config(server, self.placement, config, node,
                                          timeline=self.timeline)
         # who a ps's worker index w is (its checkpoint release goes there), who releases us
         self.push_ranks = [workers[n[0]] for n in node.nodes] if node else self.client_ranks
@@ -138,7 +142,7 @@ class TrainingSession:
                 sparse = self.embeddings.assignments(self.model.initial_table_rows())
         with self.timeline.span("pull"):
             self.last_reply = self.client.start(
-                self.config, optimizer.config(), values, restore,
+                optimizer.config(), values, restore,
                 total_num_replicas=self.num_workers, sparse=sparse)
         self.global_step = self.last_reply.global_step
         self.optimizer = optimizer

@@ -59,17 +59,14 @@ class Round:
         return handle
 
 
-def transport_for(node, bucketed, backend):
+def transport_for(node, bucketed):
     """Return the transport class for a client: node-aggregated, bucketed or flat.
 
-    ``node`` is a :class:`~mpitf.worker.node.NodeGroup` or None; ``bucketed`` says whether
-    ``bucket_bytes`` cut some shard. Raises where a node cannot aggregate.
+    ``node`` is a :class:`~mpitf.worker.node.NodeGroup` or None (a node pushes one frame
+    per ps on the host: ``TrainingConfig.check_job`` refused the rest); ``bucketed`` says
+    whether ``bucket_bytes`` cut some shard.
     """
     if node is not None:
-        if backend.name != "numpy" or bucketed:
-            raise ConfigurationError(
-                "aggregate_per_node shares host memory over a node, one frame per ps: "
-                "it needs the numpy backend (--device cpu) and bucket_bytes 0")
         return NodeTransport
     return BucketedTransport if bucketed else FlatTransport
 
