@@ -249,14 +249,24 @@ class TrainingSession:
                                                   self.client.grads, final=handle.final)
         return self.finish_push(handle)
 
-    def lookup(self, ids):
+    def lookup(self, ids, push=True):
         """Pull the rows of ``ids`` ({table: ids}, some tables) now; push them at :meth:`run`.
 
         For a front end whose model looks tables up in its forward pass (mpitf.torch): the
-        step's :meth:`run` then pushes their gradients, before the dense push.
+        step's :meth:`run` then pushes their gradients, before the dense push. ``push``
+        False (an evaluation's lookup) leaves them out of it.
         """
         with self.timeline.span("pull", step=self.global_step):
-            return self.embeddings.lookup(ids, partial=True)
+            found = self.embeddings.lookup(ids, partial=True)
+        if not push:
+            for name in found:
+                self.embeddings.forget(name)
+        return found
+
+    @property
+    def table_lookups(self):
+        """Return this step's table lookups that the step pushes ({table: lookup})."""
+        return self.embeddings.lookups if self.embeddings is not None else {}
 
     def start_push(self):
         """Begin a bucketed step whose backward runs outside ``run`` (as in mpitf.torch)."""
