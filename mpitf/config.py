@@ -35,7 +35,8 @@ __all__ = [
     "DEFAULT_DEADLINE", "DEFAULT_MAX_NONFINITE_SKIPS", "DEFAULT_BUCKET_BYTES",
     "LINK_BUCKET_BYTES", "default_bucket_bytes",
     "DEFAULT_SUMMARY_EVERY", "MODES", "SERVER_FIRST", "STALL_FACTOR", "STALL_FLOOR",
-    "STALL_WARMUP_STEPS", "JobConfig", "PsAssignment", "TrainingConfig",
+    "STALL_WARMUP_STEPS", "WIRE_DTYPES", "JobConfig", "JobFacts", "PsAssignment",
+    "TrainingConfig",
     "check_batch_size", "check_choice", "check_deadline", "check_int", "check_learning_rate",
     "check_memory_fraction", "check_moving_average_decay", "check_multiple", "check_number",
     "default_deadline", "stall_allowance",
@@ -64,7 +65,7 @@ DEFAULT_BUCKET_BYTES = 2 << 20
 # a push costs the link's ideal plus one bucket (16 MiB over 1 Gbit/s: 1.05 x the ideal in
 # 1 MiB buckets, 1.13 in 2 MiB; benchmarks/README.md, "Across nodes").
 LINK_BUCKET_BYTES = 1 << 20
-WIRE_DTYPES = ("float32", "bfloat16", "float16")  # --wire-dtype
+WIRE_DTYPES = ("float32", "bfloat16", "float16")  # --wire-dtype (wire/dtypes.py maps them)
 # Global steps between TensorBoard histograms (--summary-every); see docs/design.md for the cost.
 DEFAULT_SUMMARY_EVERY = 100
 # The most kernel threads a ps may be given (--ps-threads): a bound that catches typos.
@@ -115,7 +116,8 @@ def default_bucket_bytes(across_nodes):
 def _one_frame_or_buckets(config):
     """The default bucket size: one frame where an option needs the whole push at once."""
     one = config.clip_norm is not None or config.clients is not None or \
-        config.aggregate_per_node or config.consistency.applies_locally
+        config.aggregate_per_node or config.consistency.applies_locally or \
+        config.ps_replication_steps
     return 0 if one else default_bucket_bytes(config.across_nodes)
 
 
@@ -206,7 +208,7 @@ class TrainingConfig:
         help="push gradients per ps in buckets of about this many bytes, last layers first, "
              "pipelined on the ps (0: one frame per ps; default: "
              f"{DEFAULT_BUCKET_BYTES >> 20} MiB, {LINK_BUCKET_BYTES >> 20} MiB where ps and "
-             "workers span nodes; with --aggregate-per-node: 0)")
+             "workers span nodes; with --aggregate-per-node or --ps-replication-steps: 0)")
     across_nodes: bool = option(
         False, help="the ps tasks and training replicas run on more than one node (the "
                     "session sets it from the cluster's hosts): buckets default to "
@@ -294,6 +296,16 @@ class TrainingConfig:
                  "node pushes one frame per ps"),
                 (self.skip_nonfinite, "skip_nonfinite (--skip-nonfinite): a node pushes whole"),
                 (self.clients is not None, "in-graph replication (clients)")))
+        if self.ps_replication_steps:
+            self._refuse(_REPLICATION, (
+                (self.bucket_bytes, f"bucket_bytes={self.bucket_bytes} (--bucket-bytes): a "
+                 "ps copies and re-routes whole frames; give --bucket-bytes 0"),
+                (self.aggregate_per_node, "aggregate_per_node (--aggregate-per-node)")))
+        if facts.tables and self.consistency.applies_locally:
+            raise ConfigurationError(
+                f"mode {self.mode!r} (--mode) does not support embedding tables: their rows "
+                "live on the ps, which averages parameters only every --local-steps; drop one "
+                "of them")
         if self.wire_dtype != "float32":
             self._refuse(f"wire_dtype {self.wire_dtype} (--wire-dtype)", (
                 (self.aggregate_per_node, "aggregate_per_node (--aggregate-per-node): a "
@@ -303,41 +315,84 @@ class TrainingConfig:
                  "a third buffer")))
 
     @staticmethod
-    def _refuse(option_name, conflicts):
-        for bad, what in conflicts:
+    def _refuse(option_name, conflicts, fix="drop one of them"):
+        """Raise for the first conflict ``(bad, what[, its own fix])`` that is ``bad``."""
+        for bad, what, *own in conflicts:
             if bad:
                 raise ConfigurationError(
-                    f"{option_name} does not support {what}; drop one of them")
+                    f"{option_name} does not support {what}; {own[0] if own else fix}")
 
-    def check_replication(self, num_ps, ulfm_on, bucketed=False, sparse=False, nodes=False):
-        """Raise if ``ps_replication_steps`` cannot work in this job (see mpitf/ps/replica.py)."""
-        name = "ps_replication_steps (--ps-replication-steps)"
-        if not self.ps_replication_steps:
-            return
-        if not ulfm_on:
-            raise ConfigurationError(
-                f"{name} keeps a copy of each ps's shard for when that ps dies, which needs "
-                "Open MPI with ULFM (mpitf run --mpiexec <Open MPI's mpiexec>); under this MPI "
-                "a lost ps ends the job: drop the option")
-        if num_ps < 2:
-            raise ConfigurationError(
-                f"{name} keeps a copy of each ps's shard on another ps, but the job has "
-                f"{num_ps} ps task: give it 2 or more, or drop the option")
-        self._refuse(name, (
-            (bucketed, "pushes in buckets or staged frames (give --bucket-bytes 0, --device "
-             "cpu)"),
-            (sparse, "embedding tables (their rows are not replicated yet)"),
-            (nodes, "aggregate_per_node (--aggregate-per-node)")))
+    def check_job(self, facts):
+        """Raise if an option cannot work in the job :class:`JobFacts` ``facts`` describe.
 
-    def check_aggregation(self, num_replicas):
-        """Raise if this aggregates per node with backup workers (a node's push is whole)."""
-        r = self.replicas_to_aggregate
-        if self.aggregate_per_node and r is not None and r != num_replicas:
-            raise ConfigurationError(
-                f"aggregate_per_node (--aggregate-per-node) does not support backup workers "
-                f"(replicas_to_aggregate {r} of {num_replicas} replicas): a node's push "
-                "stands for all its replicas; leave --replicas-to-aggregate out or drop one "
-                "of them")
+        The one check of the options against the job's facts (its MPI, ps tasks, replicas,
+        backends, tables and nodes): every rank calls it with the same facts before
+        training, so a refusal is one message, alike everywhere. Each message names the
+        option, the fact and the fix.
+        """
+        gpu, replica_gpu = _off_host(facts.backends), _off_host(facts.replica_backends)
+        if self.ps_replication_steps:
+            if not facts.ulfm:
+                raise ConfigurationError(
+                    f"{_REPLICATION} keeps a copy of each ps's shard for when that ps dies, "
+                    "which needs Open MPI with ULFM (mpitf run --mpiexec <Open MPI's "
+                    "mpiexec>); under this MPI a lost ps ends the job: drop the option")
+            if facts.num_ps < 2:
+                raise ConfigurationError(
+                    f"{_REPLICATION} keeps a copy of each ps's shard on another ps, but the "
+                    f"job has {facts.num_ps} ps task: give it 2 or more, or drop the option")
+            self._refuse(_REPLICATION, (
+                (facts.tables, "embedding tables (their rows are not replicated yet)"),
+                (gpu, f"the {gpu} backend (frames and copies move through host memory)",
+                 "use --device cpu or drop the option")), "drop the option")
+        if self.aggregate_per_node:
+            r = self.replicas_to_aggregate
+            self._refuse(_AGGREGATION, (
+                (r is not None and r != facts.num_replicas,
+                 f"backup workers (replicas_to_aggregate {r} of {facts.num_replicas} "
+                 "replicas): a node's push stands for all its replicas; leave "
+                 "--replicas-to-aggregate out"),
+                (facts.tables, "embedding tables (their rows are pushed by id)"),
+                (replica_gpu, f"the {replica_gpu} backend (a node shares host memory)",
+                 "use --device cpu or drop the flag")), "drop the flag")
+            if facts.nodes_problem:
+                raise ConfigurationError(f"{_AGGREGATION}: {facts.nodes_problem}")
+        if self.wire_dtype != "float32":
+            self._refuse(f"wire_dtype {self.wire_dtype} (--wire-dtype)", (
+                (facts.tables, "embedding tables (their rows travel on messages of their own)"),
+                (gpu, f"the {gpu} backend (it converts in host memory)",
+                 "use --device cpu or --wire-dtype float32")), "use --wire-dtype float32")
+
+
+_REPLICATION = "ps_replication_steps (--ps-replication-steps)"
+_AGGREGATION = "aggregate_per_node (--aggregate-per-node)"
+
+
+def _off_host(backends):
+    """Return the first of ``backends`` (names) that is not the host's (numpy), or None."""
+    return next((name for name in sorted(backends) if name != "numpy"), None)
+
+
+@dataclass(frozen=True)
+class JobFacts:
+    """What a job's options are checked against (:meth:`TrainingConfig.check_job`).
+
+    The same on every rank of a job: gathered before training (``mpitf.cli.flags``), or
+    what one worker of a library session knows. Fields: ``num_ps`` and ``num_replicas``
+    (the cluster's ps tasks and training replicas); ``ulfm`` (the MPI is Open MPI with
+    ULFM, so a lost rank can be survived); ``tables`` (the model has embedding tables);
+    ``backends`` (the array backends of the ranks known, ps and replicas; names) and
+    ``replica_backends`` (the replicas' alone); ``nodes_problem`` (why the replicas
+    cannot be grouped by node, or None).
+    """
+
+    num_ps: int
+    num_replicas: int
+    ulfm: bool = False
+    tables: bool = False
+    backends: tuple = ("numpy",)
+    replica_backends: tuple = ("numpy",)
+    nodes_problem: str = None
 
 
 def _deadline(name, value):

@@ -104,9 +104,9 @@ class Layers:
 
 def _session(server, model, bucket_bytes, init):
     placement = replica_device_setter(server.cluster).place(model.variables())
-    client = Client(server, placement, bucket_bytes=bucket_bytes, deadline=300)
-    client.start(TrainingConfig(mode="async", bucket_bytes=bucket_bytes),
-                 {"name": "sgd", "learning_rate": LR}, init)
+    client = Client(server, placement, TrainingConfig(mode="async", bucket_bytes=bucket_bytes),
+                    deadline=300)
+    client.start({"name": "sgd", "learning_rate": LR}, init)
     return client
 
 

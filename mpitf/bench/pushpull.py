@@ -188,23 +188,21 @@ class Bench:
         variables = [(f"w{p}_{k}", (min(per, n - lo),), "float32")
                      for p in range(self.num_ps) for k, lo in enumerate(range(0, n, per))]
         placement = Placement(variables, self.num_ps)
-        client = Client(self.server, placement, deadline=self.args.deadline,
-                        bucket_bytes=bucket_bytes, wire_dtype=wire)
+        config = TrainingConfig(mode=self.args.mode, ps_threads=self.args.ps_threads,
+                                bucket_bytes=bucket_bytes, wire_dtype=wire)
+        client = Client(self.server, placement, config, deadline=self.args.deadline)
         client.params_flat[...] = 0  # touch both buffers before timing
         client.grads_flat[...] = 0
         return client
 
-    def mpitf_block(self, client, optimizer, reps, bucket_bytes=0, wire="float32"):
+    def mpitf_block(self, client, optimizer, reps):
         """Serve one configuration (ps) or time push+pull round trips on it (workers)."""
         if self.is_ps:
             self.rss_reset = _reset_peak_rss() and self.rss_reset
             serve(self.server)
             self.rss_peak = max(self.rss_peak, _peak_rss())
             return []
-        config = make_optimizer(optimizer, LR).config()
-        client.start(TrainingConfig(mode=self.args.mode, ps_threads=self.args.ps_threads,
-                                    bucket_bytes=bucket_bytes, wire_dtype=wire),
-                     config, initial_values=client.params)
+        client.start(make_optimizer(optimizer, LR).config(), initial_values=client.params)
         times = []
         for i in range(WARMUP + reps):
             t0 = time.perf_counter()
@@ -259,8 +257,7 @@ class Bench:
             kept["raw"] += self.raw_block(nbytes, per_round)
             for opt, b, w in configurations(args):
                 self.raw.Barrier()
-                kept[label(opt, b, w)] += self.mpitf_block(clients[(b, w)], opt, per_round,
-                                                           b, w)
+                kept[label(opt, b, w)] += self.mpitf_block(clients[(b, w)], opt, per_round)
             self.raw.Barrier()
             a = self.axpy_block(nbytes, per_round)
             if a is not None:

@@ -247,10 +247,9 @@ def main(argv=None):
         n = args.rows * args.dim // len(ps_ranks)
         placement = Placement([(f"w{p}", (n,), "float32") for p in range(len(ps_ranks))],
                               len(ps_ranks))
-        client = Client(server, placement, deadline=300)
+        client = Client(server, placement, TrainingConfig(mode="sync"), deadline=300)
         client.grads_flat[...] = 0
-        client.start(TrainingConfig(mode="sync"), make_optimizer("sgd", LR).config(),
-                     initial_values=client.params)
+        client.start(make_optimizer("sgd", LR).config(), initial_values=client.params)
         times = timed(lambda: client.push_pull().wait(), max(3, args.steps // 5))
         row["dense_us"], row["dense_min_us"] = median_us(times), min(times) * 1e6
         client.done()

@@ -252,12 +252,13 @@ def session_from_config(server, model, config, dataset, log_device_placement=Fal
     return sess
 
 
-def start_job(args, config, check_cluster=None, check_data=None):
+def start_job(args, config, check_cluster=None, check_data=None, tables=False):
     """Start this rank's part of a job: cluster, Server, backend, data; return both.
 
     ``args`` are the parsed flags (cluster and devices), ``config`` their
-    :class:`~mpitf.config.JobConfig` (see :func:`config_from_args`).
-    ``check_cluster(cluster)`` may refuse a cluster; every error here is alike on every rank.
+    :class:`~mpitf.config.JobConfig` (see :func:`config_from_args`); ``tables``: the job's
+    model has embedding tables. ``check_cluster(cluster)`` may refuse a cluster; every
+    error here is alike on every rank.
     """
     from mpi4py import MPI
 
@@ -277,16 +278,9 @@ def start_job(args, config, check_cluster=None, check_data=None):
     if args.log_device_placement:
         server.describe()  # rank 0 prints the rank -> task -> host table
     backend = setup_backend(args, server)
-    try:  # the same facts on every rank: one message, exit 2
-        config.training.check_replication(len(server.ranks_of("ps")), server.ulfm)
-    except MpitfError as exc:
-        raise collective(exc) from None
-    if config.training.aggregate_per_node:  # before training, one message, every rank
-        from ..worker.node import aggregation_problem
-        raise_shared(server.comm, aggregation_problem(server, config.training, backend))
-    if config.training.wire_dtype != "float32":  # a 16-bit wire converts in host memory
-        from ..wire.dtypes import host_problem
-        raise_shared(server.comm, host_problem(config.training.wire_dtype, backend.name))
+    from .facts import check_options
+
+    check_options(config.training, server, backend, tables)
     path = check_inputs(config, server.comm, chief_rank(server),
                         num_shards=server.num_replicas, check_data=check_data)
     if config.training.checkpoint_dir:

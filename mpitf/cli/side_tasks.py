@@ -33,7 +33,7 @@ def evaluator_cluster(args, world_size):
     return ClusterSpec({**spec, "evaluator": ["localhost:0"]})
 
 
-def start_replica(args, config, job, check_cluster=None, check_data=None):
+def start_replica(args, config, job, check_cluster=None, check_data=None, tables=False):
     """Start this rank's part of ``job``; return ``(server, path, exit code or None)``.
 
     A ps serves until training ends and an evaluator or another job's task runs its part
@@ -42,7 +42,7 @@ def start_replica(args, config, job, check_cluster=None, check_data=None):
     """
     from .flags import start_job
 
-    server, path = start_job(args, config, check_cluster, check_data)
+    server, path = start_job(args, config, check_cluster, check_data, tables)
     if server.job_name == "ps":
         server.join()
         return server, path, server.exit_code

@@ -17,10 +17,10 @@ import numpy as np
 from ..config import TrainingConfig
 from ..errors import ConfigurationError
 from ..ps.optimizers import make_optimizer
-from ..worker.frontend import SessionFrontEnd, ends_the_job
+from ..worker.frontend import SessionFrontEnd, check_sparse_rule, ends_the_job
 from ..worker.session import TrainingSession
 from . import threads
-from .tables import TableSteps, as_tables, check_table_rule
+from .tables import TableSteps, as_tables
 from .tree import TreeLayout, leaf_name, to_jax
 
 __all__ = ["DistributedOptimizer"]
@@ -127,6 +127,9 @@ class DistributedOptimizer(SessionFrontEnd):
             without weight decay or momentum), with no groups or mask.
     """
 
+    ONCE_PER_STEP = ("look each table up once per step (all its ids in one call), and "
+                     "evaluate with train=False")
+
     @ends_the_job
     def __init__(self, params, server, optimizer="sgd", learning_rate=0.01, *, mask=None,
                  groups=None, tables=(), **options):
@@ -154,7 +157,7 @@ class DistributedOptimizer(SessionFrontEnd):
             if groups:
                 raise ConfigurationError("groups and mask are not supported with tables: the "
                                          "tables take the optimizer's one set of options")
-            check_table_rule(self.ps_optimizer, list(steps.tables))
+            check_sparse_rule(self.ps_optimizer, list(steps.tables))
         self._variables = _JaxVariables(self.layout, self.layout.leaves(params, "parameter"),
                                         steps)
         self._say_threads(server)
@@ -192,16 +195,8 @@ class DistributedOptimizer(SessionFrontEnd):
         ``train=False`` (evaluation) pushes nothing. An id outside the table is refused,
         naming the table, the id and its position.
         """
-        steps, emb = self._variables.steps, self.session.embeddings
-        ids = steps.ids(name, ids)
-        if name in emb.lookups:
-            raise ConfigurationError(
-                f"table {name!r} was looked up twice before step() at step "
-                f"{self.global_step}: look each table up once per step (all its ids in one "
-                "call), and evaluate with train=False")
-        found = self.session.lookup({name: ids})[name]
-        if not train:
-            emb.forget(name)
+        ids = self._variables.steps.ids(name, ids)
+        found = self.lookup_rows(name, ids, train)
         return to_jax(found.unique_rows), to_jax(found.inverse.astype(np.int32))
 
     @ends_the_job
@@ -232,9 +227,8 @@ class DistributedOptimizer(SessionFrontEnd):
             leaves = self.layout.leaves(grads, "gradient")
         except ConfigurationError as exc:
             raise ConfigurationError(f"step {self.global_step}: {exc}") from None
-        if self.session.embeddings is not None:
-            TableSteps.copy_grads(self.session.embeddings.lookups, table_grads,
-                                  self.global_step)
+        if self._variables.steps.tables:
+            TableSteps.copy_grads(self.session.table_lookups, table_grads, self.global_step)
         elif table_grads:
             raise ConfigurationError("step() got table_grads, but the optimizer has no tables")
         for (grad, _), leaf in zip(self._views, leaves):

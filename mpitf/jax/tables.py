@@ -8,7 +8,7 @@ a jax array with each id's index among them; the loss takes the rows as an argum
 ``jax.grad`` gives one gradient per pulled row, which ``opt.step(grads,
 table_grads={name: g})`` copies into the sparse push, sent before the dense push. The ps
 updates the rows present only, by the rules that mean the same sparse as dense
-(:func:`check_table_rule`).
+(:func:`mpitf.worker.frontend.check_sparse_rule`).
 """
 
 import dataclasses
@@ -21,13 +21,7 @@ from ..models.embedding import EmbeddingTable
 from ..tables.growth import Growth
 from ..worker.ids import check_range
 
-__all__ = ["Table", "TableSteps", "check_table_rule"]
-
-# optimizer -> the options that must be 0 for a sparse update to equal the dense one
-_SPARSE_RULES = {"sgd": (), "adagrad": (),
-                 "torch_sgd": ("momentum", "weight_decay"),
-                 "torch_adagrad": ("weight_decay",)}
-
+__all__ = ["Table", "TableSteps"]
 
 @dataclasses.dataclass(frozen=True)
 class Table:
@@ -84,26 +78,6 @@ def as_tables(tables):
             raise ConfigurationError(f"two tables are named {t.name!r}")
         out[t.name] = t
     return out
-
-
-def check_table_rule(optimizer, tables):
-    """Refuse a ps optimizer whose update of the rows a step looks up is not the dense one.
-
-    SGD and Adagrad leave a row without gradient (and its slots) as it is, so updating
-    the present rows only equals the dense update; momentum, Adam, RMSprop, weight decay
-    (and FTRL, whose first step sets every row from its slots) move rows that were not
-    looked up, and are refused for tables.
-    """
-    name = getattr(optimizer, "name", type(optimizer).__name__)
-    zero = _SPARSE_RULES.get(name)
-    odd = [k for k in zero or () if getattr(optimizer, k, 0)]
-    if zero is None or odd:
-        set_ = f" with {', '.join(f'{k}={getattr(optimizer, k)}' for k in odd)}" if odd else ""
-        raise ConfigurationError(
-            f"table {tables[0]!r} cannot be updated by {name!r}{set_} on the ps: a table's "
-            "rows are updated only when a step looks them up, which equals the dense rule "
-            f"only for {sorted(_SPARSE_RULES)} (torch_sgd without momentum or "
-            "weight_decay, torch_adagrad without weight_decay)")
 
 
 class TableSteps:

@@ -10,25 +10,16 @@ import os
 import jax
 from jax._src import xla_bridge  # backends_are_initialized: jax has no public test for it
 
+from ..runtime.cores import launcher_local_ranks as local_ranks
+from ..runtime.cores import node_share, usable_cores
+
 __all__ = ["local_ranks", "share_threads"]
 
-# What launchers tell a rank about its node: MPICH/Hydra, Open MPI, MVAPICH, Slurm's srun.
-_LOCAL_SIZE = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE",
-               "SLURM_NTASKS_PER_NODE")
 # NPROC as share_threads set it: a child process that inherits it chooses again.
 _MARK = "MPITF_JAX_NPROC"
 # Set when share_threads ran: (threads, cores, local ranks), or None (the user chose).
 chosen = None
 late = False  # True: jax had computed before share_threads ran, with XLA's default threads
-
-
-def local_ranks(environ=os.environ):
-    """Return how many ranks the launcher started on this node (1 when it does not say)."""
-    for key in _LOCAL_SIZE:
-        text = environ.get(key, "")
-        if text.isdigit() and int(text) > 0:
-            return int(text)
-    return 1
 
 
 def share_threads():
@@ -46,10 +37,8 @@ def share_threads():
         jax.config.update("jax_platforms", "cpu")  # mpitf.jax serves host (CPU) arrays
     if "NPROC" in os.environ and os.environ["NPROC"] != os.environ.get(_MARK):
         return None  # the user's
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-        os.cpu_count() or 1)
-    ranks = local_ranks()
-    threads = max(1, cores // ranks)
+    cores, ranks = usable_cores(), local_ranks()
+    threads = node_share(ranks)
     os.environ["NPROC"] = os.environ[_MARK] = str(threads)
     chosen = (threads, cores, ranks)
     return chosen

@@ -27,8 +27,6 @@ from mpitf.data.ctr import CtrDataset, auc, load_ctr
 from mpitf.errors import ConfigurationError
 from mpitf.models.ctr import CTR, logistic_loss
 from mpitf.runtime.exits import RankParser, collective, run_job
-from mpitf.wire.dtypes import refuse_wire
-from mpitf.worker.node import refuse_aggregation
 
 
 def _check_cluster(cluster):
@@ -74,13 +72,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     config = config_from_args(args)
     growth = growth_from_args(args)
-    refuse_aggregation(config.training, "ctr", "its embedding rows are pushed by id")
-    refuse_wire(config.training, "ctr", "its embedding rows travel on messages of their own")
     if not config.data:
         raise collective(ConfigurationError("ctr needs --data FILE (write one with `mpitf "
                                             "data synthetic-ctr --out FILE`)"))
     server, _, code = start_replica(args, config, "ctr", _check_cluster,
-                                    functools.partial(_check_data, raw_ids=growth is not None))
+                                    functools.partial(_check_data, raw_ids=growth is not None),
+                                    tables=True)
     if code is not None:  # a ps or another job's task has run its part
         return code
     training = config.training

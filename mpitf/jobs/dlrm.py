@@ -30,8 +30,6 @@ from mpitf.data.ctr import CtrDataset, auc, load_ctr
 from mpitf.errors import ConfigurationError
 from mpitf.models.ctr import logistic_loss
 from mpitf.runtime.exits import RankParser, collective, run_job
-from mpitf.wire.dtypes import refuse_wire
-from mpitf.worker.node import refuse_aggregation
 
 # torch loads inside the functions (after the flags are read): --help and a bad flag answer
 # without it, seconds sooner.
@@ -150,8 +148,6 @@ def main(argv=None):
     if args.embedding_dim < 1:
         raise collective(ConfigurationError(
             f"--embedding-dim {args.embedding_dim}: expecting 1 or more values per row"))
-    refuse_aggregation(config.training, "dlrm", "its embedding rows are pushed by id")
-    refuse_wire(config.training, "dlrm", "its embedding rows travel on messages of their own")
     if config.optimizer not in ("adagrad", "sgd") or config.lr_decay is not None:
         raise collective(ConfigurationError(
             f"dlrm trains with --optimizer adagrad or sgd and a fixed --lr (torch's sparse "
@@ -161,7 +157,8 @@ def main(argv=None):
         raise collective(ConfigurationError("dlrm needs --data FILE (write one with `mpitf "
                                             "data synthetic-ctr --out FILE`)"))
     server, _, code = start_replica(args, config, "dlrm", _check_cluster,
-                                    functools.partial(_check_data, raw_ids=growth is not None))
+                                    functools.partial(_check_data, raw_ids=growth is not None),
+                                    tables=True)
     if code is not None:  # a ps or another job's task has run its part
         return code
     return train(server, config, args, bottom, top, growth)

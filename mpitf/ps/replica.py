@@ -19,7 +19,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import ConfigurationError, DeadlineError, PeerError
+from ..errors import DeadlineError, PeerError
 from ..runtime import ulfm
 from ..wire import protocol as P
 
@@ -70,9 +70,6 @@ class Replication:
     """
 
     def __init__(self, svc, ward, steps, ps_ranks):
-        if svc.backend.name != "numpy":
-            raise ConfigurationError("ps_replication_steps (--ps-replication-steps) needs ps "
-                                     "tasks on the host (the numpy backend)")
         self.svc, self.ward, self.steps = svc, ward, steps
         num_ps, me = len(ps_ranks), svc.ps_task
         self.buddy_task, self.ward_task = (me + 1) % num_ps, (me - 1) % num_ps

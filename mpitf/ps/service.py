@@ -388,8 +388,6 @@ class Service(Handlers, Cuts, Losses):
 def _replication(service, config, assignment):
     """Return the buddy ring's end on this ps (ps/replica.py): the ward's service, idle."""
     server = service.server
-    config.check_replication(assignment.num_ps, server.ulfm, bool(service.pipeline.bucketed),
-                             bool(assignment.sparse), bool(assignment.nodes))
     ps_ranks = server.ranks_of("ps")
     server.survive(ps_ranks)  # a ps's death is no error now (its buddy serves its shard)
     ward = Service(server, config, assignment.ward, buddy=service)

@@ -71,7 +71,7 @@ class Shard:
     def from_config(cls, config, assignment, backend, server):
         """Return the shard a ps's :class:`~mpitf.config.PsAssignment` describes."""
         dtype = np.dtype(assignment.dtype)
-        wire = wire_dtype(config.wire_dtype, dtype, backend.name, bool(assignment.sparse))
+        wire = wire_dtype(config.wire_dtype, dtype)
         ema = config.moving_average_decay
         return cls(assignment.slices, assignment.shard_size, dtype,
                    make_optimizer(**assignment.optimizer), backend,

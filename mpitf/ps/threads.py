@@ -7,8 +7,9 @@ and kept; a buffer too small to be worth waking threads for runs on the caller a
 kernels are elementwise, so how a buffer is cut never changes a bit of the result.
 """
 
-import os
 import threading
+
+from ..runtime.cores import node_share, ranks_on_host, usable_cores
 
 __all__ = ["KernelPool", "default_threads"]
 
@@ -19,17 +20,15 @@ MIN_CHUNK = 1 << 18  # elements (1 MiB of float32) per thread below which fewer 
 def default_threads(hosts=None, rank=None):
     """Return the cores this ps rank may use, shared among the ranks on its node.
 
-    ``len(os.sched_getaffinity(0))`` divided by the number of ranks on this rank's host
-    (from ``hosts``, a server's host per rank, when given), at least 1. Every rank counts,
+    The usable cores divided by the number of ranks on this rank's host (from ``hosts``, a
+    server's host per rank, when given), at least 1 (:mod:`mpitf.runtime.cores`). Every rank counts,
     workers too: a worker waiting on its ps spins in MPI, so kernel threads beyond the
     node's share only take turns with it (on 2 cores, 1 ps + 2 workers, 2 kernel threads
     made small async steps slower and staler).
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-        os.cpu_count() or 1)
-    if hosts is not None and rank is not None:
-        cores //= max(1, hosts.count(hosts[rank]))
-    return max(1, cores)
+    if hosts is None or rank is None:
+        return usable_cores()
+    return node_share(ranks_on_host(hosts, rank))
 
 
 class KernelPool:

@@ -25,6 +25,7 @@ import os
 import torch
 
 from ..errors import ConfigurationError
+from ..runtime.cores import node_share, ranks_on_host, usable_cores
 from ..worker.frontend import SessionFrontEnd, ends_the_job
 from ..worker.session import TrainingSession
 from .buffers import check_model
@@ -59,10 +60,8 @@ def share_threads(server):
     """
     if "OMP_NUM_THREADS" in os.environ or "MKL_NUM_THREADS" in os.environ:
         return None
-    host = server.host_of(server.rank)
-    local = sum(server.host_of(r) == host for r in range(server.comm.Get_size()))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = max(1, cores // local)
+    host, local = server.hosts[server.rank], ranks_on_host(server.hosts, server.rank)
+    threads, cores = node_share(local), usable_cores()
     torch.set_num_threads(threads)
     print(f"mpitf.torch: rank {server.rank} uses {threads} torch thread(s) ({cores} cores, "
           f"{local} ranks on {host}); set OMP_NUM_THREADS to choose", flush=True)
@@ -93,6 +92,10 @@ class DistributedOptimizer(SessionFrontEnd):
             ``reset_optimizer_state=True`` resumes a checkpoint of another optimizer
             (other slots), which is refused otherwise, with fresh optimizer state.
     """
+
+    ONCE_PER_STEP = ("call each mpitf.torch table once per step (give a table that several "
+                     "fields share all their ids in one call), and evaluate under "
+                     "torch.no_grad() after step(), not between forward and step()")
 
     @ends_the_job
     def __init__(self, optimizer, model, server, **session_options):
@@ -154,17 +157,7 @@ class DistributedOptimizer(SessionFrontEnd):
 
         Under ``torch.no_grad()`` (evaluation) the rows are not pushed.
         """
-        emb, name = self.session.embeddings, module.table_name
-        if name in emb.lookups:
-            raise ConfigurationError(
-                f"table {name!r} was looked up twice before step() at step "
-                f"{self.global_step}: call each mpitf.torch table once per step (give a "
-                "table that several fields share all their ids in one call), and evaluate "
-                "under torch.no_grad() after step(), not between forward and step()")
-        found = self.session.lookup({name: ids})[name]
-        if not torch.is_grad_enabled():
-            emb.forget(name)
-        return found
+        return self.lookup_rows(module.table_name, ids, train=torch.is_grad_enabled())
 
     def _bind(self):
         """Point every parameter's ``.data`` and ``.grad`` at the client's buffers."""

@@ -12,6 +12,7 @@ import torch
 
 from ..errors import ConfigurationError
 from ..ps.optimizers import make_optimizer
+from ..worker.frontend import check_sparse_rule
 
 # Options that choose an implementation, not the numbers.
 _IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
@@ -140,15 +141,9 @@ def check_table_rule(optimizer, tables):
             f"{name} has {len(groups)} param groups, but the model has mpitf.torch tables "
             f"({', '.join(tables)}), which train with one: give the optimizer one group")
     options = group_options(groups[0])
-    if type(optimizer) is torch.optim.SGD and not options["momentum"] \
-            and not options["weight_decay"]:
-        return
-    if type(optimizer) is torch.optim.Adagrad and not options["weight_decay"]:
-        return
-    raise ConfigurationError(
-        f"table {tables[0]!r} cannot be updated by {name}("
-        f"{', '.join(f'{k}={v}' for k, v in sorted(options.items()) if v)}) on the ps: "
-        "mpitf.torch tables update the rows a step looks up, as torch updates a sparse "
-        "gradient; use torch.optim.SGD without momentum or weight_decay, or "
-        "torch.optim.Adagrad without weight_decay (Adam, AdamW and RMSprop are not "
-        "supported for tables)")
+    check_sparse_rule(
+        translate(optimizer), tables,
+        label=f"{name}({', '.join(f'{k}={v}' for k, v in sorted(options.items()) if v)})",
+        fix="torch.optim.SGD without momentum or weight_decay, or torch.optim.Adagrad "
+            "without weight_decay, as torch updates a sparse gradient (Adam, AdamW and "
+            "RMSprop are not supported for tables)")

@@ -32,8 +32,11 @@ word  request (push, pull, init, done, ...)        reply
 A sparse reply (``SPARSE_REPLY``, the rows a sparse pull asked for) has the reply's words.
 A reply has no element count: its payload is the shard, whose size both sides know from
 the layout, and the word carries a counter instead, so every counter travels under its
-own name in every mode. Packing writes eight ints into a preallocated header (no
-allocation, one ``struct`` call); reading unpacks the words once into a small named tuple.
+own name in every mode. Each request kind has one writer here (:func:`pack_push`,
+:func:`pack_control`, :func:`pack_init`, :func:`pack_rates`, :func:`pack_sparse_pull`,
+:func:`pack_sparse_push`; :func:`mark_ward` re-marks one re-routed), and nothing else
+writes a word. Packing writes eight ints into a preallocated header (no allocation, one
+``struct`` call); reading unpacks the words once into a small named tuple.
 """
 
 import struct
@@ -102,11 +105,25 @@ _WORDS = struct.Struct(f"={HEADER_WORDS}q")
 
 def pack_request(words, kind, step, worker, count=0, flags=0, epoch=0, cursor=0,
                  learning_rate=None, bucket=0, buckets=0):
-    """Write a request header into the int64 array ``words`` (in place).
+    """Write a request header of any ``kind``, every word named, into ``words`` (in place).
 
-    ``epoch`` and ``cursor`` share a word (a cursor below 2**40 examples per epoch); a
-    ``learning_rate`` (a float) is sent as its float64 bits with ``FLAG_LEARNING_RATE``;
-    ``bucket`` of ``buckets`` names a bucketed push's part (``buckets`` 0: a whole frame).
+    For tools and tests that make requests of any kind; the worker writes each kind with
+    its own writer below (the words as :func:`pack_push` describes them).
+    """
+    pack_push(words, step, worker, count, flags, epoch, cursor, learning_rate, bucket, buckets)
+    words[0] = kind
+
+
+# -- one writer per request kind: what the worker sends --------------------------------------
+
+def pack_push(words, step, worker, count, flags, epoch, cursor, learning_rate=None, bucket=0,
+              buckets=0):
+    """Write a ``PUSH`` header: ``count`` gradient elements computed on ps step ``step``.
+
+    ``(epoch, cursor)`` is the worker's data position after this batch; a ``learning_rate``
+    (a float, or None: the ps's own) travels as its float64 bits with
+    ``FLAG_LEARNING_RATE``; ``bucket`` of ``buckets`` names a bucketed push's part
+    (``buckets`` 0: the whole frame). One ``struct`` call: this runs every step.
     """
     if cursor >> _CURSOR_BITS:
         raise ValueError(f"data cursor {cursor} is past 2**{_CURSOR_BITS} examples per epoch")
@@ -114,8 +131,47 @@ def pack_request(words, kind, step, worker, count=0, flags=0, epoch=0, cursor=0,
     if learning_rate is not None:
         flags |= P.FLAG_LEARNING_RATE
         rate = _I64.unpack(_F64.pack(learning_rate))[0]
-    _WORDS.pack_into(words, 0, kind, step, worker, count, flags,
+    _WORDS.pack_into(words, 0, P.PUSH, step, worker, count, flags,
                      (epoch << _CURSOR_BITS) | cursor, rate, (bucket << 32) | buckets)
+
+
+def pack_control(words, kind, step, worker, flags, count=0):
+    """Write the header of a request ``kind`` that carries no gradient.
+
+    The kinds: a pull (of the parameters or of their average), skip, paused, done, save
+    and counters. ``count``: int64 words after the header (paused and done from a node's
+    leader: one data position per replica of the node); 0: the header alone.
+    """
+    _WORDS.pack_into(words, 0, kind, step, worker, count, flags, 0, 0, 0)
+
+
+def pack_init(words, worker, count, flags):
+    """Write an ``INIT`` header: ``count`` initial parameter elements (the chief's)."""
+    _WORDS.pack_into(words, 0, P.INIT, 0, worker, count, flags, 0, 0, 0)
+
+
+def pack_rates(words, worker, count):
+    """Write a ``RATES`` header: ``count`` optimizer groups' float64 learning rates follow."""
+    _WORDS.pack_into(words, 0, P.RATES, 0, worker, count, 0, 0, 0, 0)
+
+
+def pack_sparse_pull(words, step, worker, count, flags):
+    """Write a ``SPARSE_PULL`` header: ``count`` ids in all tables, whose rows come back."""
+    _WORDS.pack_into(words, 0, P.SPARSE_PULL, step, worker, count, flags, 0, 0, 0)
+
+
+def pack_sparse_push(words, step, worker, count, flags):
+    """Write a ``SPARSE_PUSH`` header: ``count`` ids in all tables, each with its row gradient."""
+    _WORDS.pack_into(words, 0, P.SPARSE_PUSH, step, worker, count, flags, 0, 0, 0)
+
+
+def mark_ward(words):
+    """Mark the request in ``words`` for a lost ps's shard (``FLAG_WARD``), in place.
+
+    A request re-routed to the buddy of a lost ps (worker/link.py) leaves again as it was,
+    with this flag added to its flags word.
+    """
+    words[4] |= P.FLAG_WARD  # the flags word
 
 
 def pack_reply(words, step, ps, flags, pushes_applied, stale_dropped, max_staleness, max_lead,

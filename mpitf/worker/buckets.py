@@ -140,8 +140,8 @@ class BucketedPush:
         rate = self.rates.learning_rate
         for i, (p, k) in enumerate(self.order):
             lo, hi = buckets[p][k]
-            H.pack_request(self.grad[i].header, P.PUSH, link.steps[p], link.worker, hi - lo,
-                           link.flags, epoch, cursor, rate, bucket=k, buckets=len(buckets[p]))
+            H.pack_push(self.grad[i].header, link.steps[p], link.worker, hi - lo, link.flags,
+                        epoch, cursor, rate, k, len(buckets[p]))
             self.receives[i] = self.reply[i].irecv(link.comm, link.ranks[p], self.tags[i])
             self.arrived[i] = False
         np.copyto(self.left, self.template)

@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 
-from ..config import DEFAULT_DEADLINE, PsAssignment, check_multiple
+from ..config import DEFAULT_DEADLINE, PsAssignment, TrainingConfig, check_multiple
 from ..errors import ConfigurationError
 from ..runtime.backend import get_backend, numpy_backend
 from ..wire import dtypes
@@ -38,27 +38,29 @@ class Client:
     Args:
         server: this rank's :class:`~mpitf.runtime.server.Server` (communicator and ranks).
         placement: the :class:`~mpitf.placement.Placement` of the model's variables.
+        config: the :class:`~mpitf.config.TrainingConfig` every ps gets at :meth:`start`
+            (mode, consistency options, checkpoints, ...); its ``bucket_bytes`` (push in
+            buckets of about this many bytes per ps; 0: one frame per ps, see
+            :mod:`mpitf.worker.buckets`) and ``wire_dtype`` (what the frames carry; the
+            model's buffers stay float32, see :mod:`mpitf.worker.wire_frames`) shape the
+            client's frames too. Default: ``TrainingConfig(bucket_bytes=0)``.
         backend: the array backend (numpy by default).
         deadline: seconds to wait for a ps before ending the job; None waits forever.
             The session lowers it as steps run unless ``adaptive`` is False.
         adaptive: tell every ps to adapt its waits to the step time (see ``start``).
         chunk_bytes: chunk size when device buffers are staged through host memory.
-        bucket_bytes: push in buckets of about this many bytes per ps (0: one frame per
-            ps); see :mod:`mpitf.worker.buckets`.
         node: a :class:`~mpitf.worker.node.NodeGroup` to aggregate gradients over the node
             (its leader alone talks to the ps; the buffers are the node's shared window),
             or None.
-        wire_dtype: "float32", "bfloat16" or "float16": what the frames carry; the model's
-            buffers stay float32 (see :mod:`mpitf.worker.wire_frames`).
         timeline: the session's :class:`~mpitf.runtime.timeline.Timeline` (bucketed pushes
             and node aggregation record their parts), or None.
     """
 
-    def __init__(self, server, placement, backend=None, deadline=DEFAULT_DEADLINE,
-                 chunk_bytes=P.DEFAULT_CHUNK_BYTES, adaptive=False, bucket_bytes=0,
-                 node=None, wire_dtype="float32", timeline=None):
+    def __init__(self, server, placement, config=None, backend=None, deadline=DEFAULT_DEADLINE,
+                 chunk_bytes=P.DEFAULT_CHUNK_BYTES, adaptive=False, node=None, timeline=None):
         self.server = server
         self.placement = placement
+        self.config = config = TrainingConfig(bucket_bytes=0) if config is None else config
         self.backend = backend = backend or get_backend()
         self.adaptive = adaptive
         self.comm = server.comm
@@ -70,18 +72,16 @@ class Client:
                 f"{len(self.ps_ranks)}")
         self.layout = FlatLayout(placement)
         self.segments = self.layout.segments
-        wire = dtypes.wire_dtype(wire_dtype, placement.dtype, backend.name)
+        wire = dtypes.wire_dtype(config.wire_dtype, placement.dtype)
         itemsize = wire.itemsize  # buckets are cut by the bytes they take on the wire
-        self.wire_dtype, self.wire_itemsize = wire_dtype, itemsize
-        self.bucket_bytes = bucket_bytes
-        self.buckets = [bucket_ranges(placement.slices_for_ps(p), n, bucket_bytes, itemsize)
-                        for p, n in enumerate(placement.shard_sizes)]
+        self.buckets = [bucket_ranges(placement.slices_for_ps(p), n, config.bucket_bytes,
+                                      itemsize) for p, n in enumerate(placement.shard_sizes)]
         self.bucketed = any(len(b) > 1 for b in self.buckets)
         # Gradients: one frame per bucket (a header slot each); parameters: one per ps.
         self.grad_layout = FlatLayout(placement, self.buckets) if self.bucketed else self.layout
         if chunk_bytes is not None:
             check_multiple("chunk_bytes", chunk_bytes, H.HEADER_BYTES)
-        transport = transport_for(node, self.bucketed, backend)  # the one choice
+        transport = transport_for(node, self.bucketed)  # the one choice
         self.params_flat, self.grads_flat = transport.allocate(
             node, backend, self.layout.size, self.grad_layout.size, placement.dtype)
         self.chunk_bytes = chunk_bytes
@@ -137,17 +137,13 @@ class Client:
         return self.transport.bucketed_push
 
     @classmethod
-    def from_config(cls, server, placement, config, node=None, tables=(), timeline=None):
+    def from_config(cls, server, placement, config, node=None, timeline=None):
         """Return the client a :class:`~mpitf.config.TrainingConfig` asks for on ``server``.
 
-        The deadline is the server's (adaptive unless fixed); ``tables`` are the model's
-        embedding tables (a 16-bit wire refuses them).
+        The deadline is the server's (adaptive unless fixed).
         """
-        if tables:
-            dtypes.wire_dtype(config.wire_dtype, placement.dtype, tables=True)
-        return cls(server, placement, deadline=server.deadline,
-                   adaptive=not server.fixed_deadline, bucket_bytes=config.bucket_bytes,
-                   node=node, wire_dtype=config.wire_dtype, timeline=timeline)
+        return cls(server, placement, config, deadline=server.deadline,
+                   adaptive=not server.fixed_deadline, node=node, timeline=timeline)
 
     # -- the data path -------------------------------------------------------------------
 
@@ -243,7 +239,7 @@ class Client:
         link = self.link
         for p, frame in enumerate(self.param_frames):
             count = self.segments[p][2] - self.segments[p][1]
-            H.pack_request(frame.header, P.INIT, 0, link.worker, count, link.flags)
+            H.pack_init(frame.header, link.worker, count, link.flags)
             frame.commit()
         self.backend.synchronize()
         sends = []
@@ -275,13 +271,13 @@ class Client:
                               lambda p=p: link.describe(p, "counters"))
                 for p, rank in enumerate(link.ranks)]
 
-    def start(self, config, optimizer, initial_values=None, restore=None,
-              total_num_replicas=None, sparse=None):
+    def start(self, optimizer, initial_values=None, restore=None, total_num_replicas=None,
+              sparse=None):
         """Configure every ps (chief only), then pull the starting parameters (every worker).
 
+        Every ps gets the client's :class:`~mpitf.config.TrainingConfig`.
+
         Args:
-            config: the :class:`~mpitf.config.TrainingConfig` (mode, consistency options,
-                checkpoint directory, ...); every ps gets it.
             optimizer: the config dict of an optimizer (``Optimizer.config()``).
             initial_values: dict of starting values, sent by the chief unless restoring.
             restore: a checkpoint directory every ps loads its shard from, or None.
@@ -290,17 +286,10 @@ class Client:
                 or one per ps: ``Embeddings.assignments``).
         Returns the :class:`Reply` of the first pull (its ``global_step`` is where to start).
         """
-        if config.wire_dtype != self.wire_dtype:
-            raise ConfigurationError(f"the client carries {self.wire_dtype} but the config says "
-                                     f"{config.wire_dtype}: give both the same wire_dtype")
-        itemsize = self.wire_itemsize
-        if [bucket_ranges(self.placement.slices_for_ps(p), n, config.bucket_bytes, itemsize)
-                for p, n in enumerate(self.placement.shard_sizes)] != self.buckets:
-            raise ConfigurationError(
-                f"the client cuts buckets of {self.bucket_bytes} bytes but the config says "
-                f"{config.bucket_bytes}: give both the same bucket_bytes")
-        if config.ps_replication_steps:
-            self._replicate(config, sparse)
+        config = self.config
+        if config.ps_replication_steps:  # a lost ps's frame goes to its buddy (ps/replica.py)
+            self.server.survive(self.ps_ranks)
+            self.link.replicated = True
         if self.server.is_chief:
             assignments = self._assignments(config, optimizer, restore, total_num_replicas,
                                             sparse)
@@ -332,14 +321,6 @@ class Client:
             assignments = [dataclasses.replace(a, ward=assignments[(p - 1) % n])
                            for p, a in enumerate(assignments)]
         return assignments
-
-    def _replicate(self, config, sparse):
-        """Refuse what a buddy replica cannot do; else survive a ps and re-route its frame."""
-        config.check_replication(len(self.ps_ranks), self.server.ulfm,
-                                 self.transport.bucketed or self.chunked, bool(sparse),
-                                 self.transport.nodes is not None)
-        self.server.survive(self.ps_ranks)
-        self.link.replicated = True
 
     @property
     def num_elements(self):

@@ -210,8 +210,8 @@ class Embeddings:
             for table, dest in zip(self.tables, lay.ids(buf, counts)):
                 if table in chosen:
                     table.ids_to(p, dest)
-            H.pack_request(lay.header(buf), P.SPARSE_PULL, link.steps[p], link.worker,
-                           int(counts.sum()), link.flags)
+            H.pack_sparse_pull(lay.header(buf), link.steps[p], link.worker, int(counts.sum()),
+                               link.flags)
             end = lay.ids_end(counts)
             receives.append(P.frame_op(link.comm.Irecv, self.replies[p], rank,
                                        P.TAG_SPARSE_REPLY))
@@ -281,8 +281,8 @@ class Embeddings:
                 for table, dest in zip(self.tables, lay.rows(buf, counts)):
                     if len(dest):
                         dest[...] = table.grads[table.offsets[p]:table.offsets[p + 1]]
-            H.pack_request(lay.header(buf), P.SPARSE_PUSH, link.steps[p], link.worker,
-                           int(counts.sum()), link.flags)
+            H.pack_sparse_push(lay.header(buf), link.steps[p], link.worker, int(counts.sum()),
+                               link.flags)
             end = lay.end(counts)
             self.sends.append(P.frame_op(link.comm.Isend, buf[:end], rank, P.TAG_REQUEST))
             self.bytes_sent += end

@@ -62,16 +62,13 @@ class NodeGroup:
         self._pending = None  # the leader's share barrier, entered and not yet waited for
 
     @classmethod
-    def for_session(cls, server, config, tables=()):
-        """Return the node of a session that aggregates per node, after its checks; or None."""
-        if not config.aggregate_per_node:
-            return None
-        config.check_aggregation(server.num_replicas)
-        if tables:
-            raise ConfigurationError(
-                "aggregate_per_node (--aggregate-per-node) does not support embedding tables "
-                "(their rows are pushed by id): drop one of them")
-        return cls(server)
+    def for_session(cls, server, config):
+        """Return the node of a session that aggregates per node, or None.
+
+        What aggregation cannot do was refused before (:meth:`mpitf.config.TrainingConfig.
+        check_job`).
+        """
+        return cls(server) if config.aggregate_per_node else None
 
     # -- the window ----------------------------------------------------------------------
 
@@ -203,26 +200,17 @@ def refuse_aggregation(config, job, why):
             f"{job} does not support --aggregate-per-node ({why}); drop the flag"))
 
 
-def aggregation_problem(server, config, backend):
-    """Return the error that keeps this job from aggregating per node, or None (collective).
+def nodes_problem(server):
+    """Return why the replicas cannot be grouped by node, or None (collective).
 
-    Every rank of ``server.comm`` calls it and gets the same answer, so a job refuses with
-    one message before training: backup workers, a replica on a GPU backend (the window is
-    host memory), or an ``MPITF_NODE_SIZE`` block that does not share memory.
+    Every rank of ``server.comm`` calls it and gets the same answer: an
+    ``MPITF_NODE_SIZE`` block that does not share memory is refused before training.
     """
-    index = server.replica_index
-    names = server.comm.allgather(backend.name if index is not None else None)
     domains = server.comm.allgather(shared_domain(server.comm))
     try:
-        config.check_aggregation(server.num_replicas)
-        gpu = sorted({n for n in names if n not in (None, "numpy")})
-        if gpu:
-            raise ConfigurationError(
-                f"aggregate_per_node (--aggregate-per-node) shares host memory, but replicas "
-                f"run the {gpu[0]} backend: use --device cpu or drop one of them")
         node_plan([domains[r] for r in server.replica_ranks])
     except ConfigurationError as exc:
-        return exc
+        return str(exc)
     return None
 
 

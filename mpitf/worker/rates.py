@@ -43,7 +43,7 @@ class GroupRates:
             self._sends.wait_sends()
         frame = self._frame
         frame.payload[...] = rates
-        H.pack_request(frame.header, P.RATES, 0, link.worker, len(rates))
+        H.pack_rates(frame.header, link.worker, len(rates))
         sends = []
         for rank in link.ranks:
             sends.extend(frame.isend(link.comm, rank, P.TAG_REQUEST))

@@ -15,10 +15,11 @@ import numpy as np
 
 from ..ckpt import cut
 from ..ckpt.tables import table_dicts
-from ..config import TrainingConfig
+from ..config import JobFacts, TrainingConfig
 from ..errors import ConfigurationError, NonFiniteGradientError
 from ..models.clipping import clip_by_global_norm
 from ..placement import replica_device_setter
+from ..runtime.backend import get_backend
 from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
 from ..runtime.stall import StepClock
 from ..runtime.timeline import Timeline
@@ -94,13 +95,11 @@ class TrainingSession:
                                           partitioner=partitioner)
         self.placement = placement.place(model.variables())
         tables = model.tables() if hasattr(model, "tables") else ()
-        if tables and self.consistency.applies_locally:
-            raise ConfigurationError(
-                f"mode {config.mode!r} (--mode) does not support embedding tables: their rows "
-                "live on the ps, which averages parameters only every --local-steps; drop one "
-                "of them")
-        self.node = node = NodeGroup.for_session(server, config, tables)  # or None
-        self.client = Client.from_config(server, self.placement, config, node, tables,
+        here = (get_backend().name,)  # the options against what this worker knows of the job
+        config.check_job(JobFacts(len(server.ranks_of("ps")), server.num_replicas, server.ulfm,
+                                  bool(tables), here, here))
+        self.node = node = NodeGroup.for_session(server, config)  # or None
+        self.client = Client.from_config(server, self.placement, config, node,
                                          timeline=self.timeline)
         # who a ps's worker index w is (its checkpoint release goes there), who releases us
         self.push_ranks = [workers[n[0]] for n in node.nodes] if node else self.client_ranks
@@ -146,7 +145,7 @@ class TrainingSession:
                 sparse = self.embeddings.assignments(self.model.initial_table_rows())
         with self.timeline.span("pull"):
             self.last_reply = self.client.start(
-                self.config, optimizer.config(), values, restore,
+                optimizer.config(), values, restore,
                 total_num_replicas=self.num_workers, sparse=sparse)
         self.global_step = self.last_reply.global_step
         self.optimizer = optimizer
@@ -273,14 +272,24 @@ class TrainingSession:
                                                   self.client.grads, final=handle.final)
         return self.finish_push(handle)
 
-    def lookup(self, ids):
+    def lookup(self, ids, push=True):
         """Pull the rows of ``ids`` ({table: ids}, some tables) now; push them at :meth:`run`.
 
         For a front end whose model looks tables up in its forward pass (mpitf.torch): the
-        step's :meth:`run` then pushes their gradients, before the dense push.
+        step's :meth:`run` then pushes their gradients, before the dense push. ``push``
+        False (an evaluation's lookup) leaves them out of it.
         """
         with self.timeline.span("pull", step=self.global_step):
-            return self.embeddings.lookup(ids, partial=True)
+            found = self.embeddings.lookup(ids, partial=True)
+        if not push:
+            for name in found:
+                self.embeddings.forget(name)
+        return found
+
+    @property
+    def table_lookups(self):
+        """Return this step's table lookups that the step pushes ({table: lookup})."""
+        return self.embeddings.lookups if self.embeddings is not None else {}
 
     def start_push(self):
         """Begin a bucketed step whose backward runs outside ``run`` (as in mpitf.torch)."""

@@ -59,17 +59,14 @@ class Round:
         return handle
 
 
-def transport_for(node, bucketed, backend):
+def transport_for(node, bucketed):
     """Return the transport class for a client: node-aggregated, bucketed or flat.
 
-    ``node`` is a :class:`~mpitf.worker.node.NodeGroup` or None; ``bucketed`` says whether
-    ``bucket_bytes`` cut some shard. Raises where a node cannot aggregate.
+    ``node`` is a :class:`~mpitf.worker.node.NodeGroup` or None (a node pushes one frame
+    per ps on the host: ``TrainingConfig.check_job`` refused the rest); ``bucketed`` says
+    whether ``bucket_bytes`` cut some shard.
     """
     if node is not None:
-        if backend.name != "numpy" or bucketed:
-            raise ConfigurationError(
-                "aggregate_per_node shares host memory over a node, one frame per ps: "
-                "it needs the numpy backend (--device cpu) and bucket_bytes 0")
         return NodeTransport
     return BucketedTransport if bucketed else FlatTransport
 
@@ -132,8 +129,8 @@ class FlatTransport:
         epoch, cursor = data_position
         steps, flags, ward_flags = link.steps, link.flags, link.ward_flags
         for p, frame in enumerate(self.frames.grads):
-            H.pack_request(frame.header, P.PUSH, steps[p], link.worker, counts[p],
-                           flags | ward_flags[p], epoch, cursor, rate)
+            H.pack_push(frame.header, steps[p], link.worker, counts[p], flags | ward_flags[p],
+                        epoch, cursor, rate)
         for frame in self.device_frames:  # a host frame's header is the one MPI reads
             frame.commit()
         if self.on_gpu:
@@ -170,9 +167,9 @@ class FlatTransport:
             frames = self.position_frames
         receives, sends = [], []
         for p, rank in enumerate(link.ranks):
-            H.pack_request(frames[p].header, kind, link.steps[p], link.worker,
-                           0 if payload is None else len(payload),
-                           flags | link.flags | link.ward_flags[p])
+            H.pack_control(frames[p].header, kind, link.steps[p], link.worker,
+                           flags | link.flags | link.ward_flags[p],
+                           0 if payload is None else len(payload))
             if payload is not None:
                 frames[p].payload[...] = payload
             if want_reply:
@@ -193,7 +190,7 @@ class FlatTransport:
     def _resend(self, frame, p, reply):
         """Send ``frame`` again to ps ``p``'s (new) rank, marked for it; post its reply."""
         link = self.link
-        frame.header[4] |= link.ward_flags[p]  # the flags word (wire/header.py)
+        H.mark_ward(frame.header)
         frame.commit()
         receive = self.replies.frames[p].irecv(link.comm, link.ranks[p],
                                                link.reply_tags[p]) if reply else None

@@ -3,6 +3,7 @@
 import argparse
 import math
 import pickle
+import re
 
 import pytest
 
@@ -11,6 +12,7 @@ from mpitf.config import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_DEADLINE,
     JobConfig,
+    JobFacts,
     PsAssignment,
     TrainingConfig,
     check_deadline,
@@ -258,7 +260,8 @@ def test_buckets_by_default_unless_an_option_needs_one_frame():
     assert TrainingConfig().bucket_bytes == DEFAULT_BUCKET_BYTES == 2 << 20
     assert TrainingConfig(bucket_bytes=0).bucket_bytes == 0
     assert TrainingConfig(bucket_bytes=1 << 20).bucket_bytes == 1 << 20
-    for one_frame in (dict(clip_norm=1.0), dict(clients=(0,)), dict(aggregate_per_node=True)):
+    for one_frame in (dict(clip_norm=1.0), dict(clients=(0,)), dict(aggregate_per_node=True),
+                      dict(ps_replication_steps=2)):
         assert TrainingConfig(**one_frame).bucket_bytes == 0
     # a default stays a default: chosen again when an option that needs one frame is added
     assert TrainingConfig().replace(clip_norm=1.0).bucket_bytes == 0
@@ -283,3 +286,28 @@ def test_each_mode_answers_what_depends_on_it():
     assert all(sync.pushes_after(s, 10) for s in range(1, 11))
     assert TrainingConfig(mode="local").consistency.local_steps == 4  # the default K
     assert TrainingConfig(mode="local").bucket_bytes == 0  # parameters go in one frame
+
+
+def test_replication_is_checked_against_the_job_facts_once():
+    """Every refusal of --ps-replication-steps comes from check_job (or the options alone)."""
+    config = TrainingConfig(ps_replication_steps=2)
+    config.check_job(JobFacts(num_ps=2, num_replicas=2, ulfm=True))  # what it needs: fine
+    replication = "ps_replication_steps (--ps-replication-steps)"
+    for facts, message in [
+            (JobFacts(2, 2, ulfm=False), "which needs Open MPI with ULFM"),
+            (JobFacts(1, 2, ulfm=True), "the job has 1 ps task: give it 2 or more, or drop the "
+                                        "option"),
+            (JobFacts(2, 2, ulfm=True, tables=True), "does not support embedding tables"),
+            (JobFacts(2, 2, ulfm=True, backends=("cupy", "numpy")),
+             "does not support the cupy backend (frames and copies move through host memory); "
+             "use --device cpu or drop the option")]:
+        with pytest.raises(ConfigurationError, match=re.escape(message)) as err:
+            config.check_job(facts)
+        assert str(err.value).startswith(replication)
+    for options, what in [(dict(bucket_bytes=4096), "bucket_bytes=4096 (--bucket-bytes)"),
+                          (dict(aggregate_per_node=True), "aggregate_per_node")]:
+        with pytest.raises(ConfigurationError, match=re.escape(f"does not support {what}")):
+            TrainingConfig(ps_replication_steps=2, **options)
+    # the options that need nothing of the job pass any facts
+    TrainingConfig().check_job(JobFacts(1, 1, tables=True, backends=("cupy",),
+                                        replica_backends=("cupy",), nodes_problem="no"))

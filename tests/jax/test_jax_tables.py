@@ -15,11 +15,12 @@ import pytest
 
 import mpitf.jax as mj
 from mpitf.errors import ConfigurationError
-from mpitf.jax.tables import TableSteps, as_tables, check_table_rule
+from mpitf.jax.tables import TableSteps, as_tables
 from mpitf.ps.optimizers import make_optimizer
 from mpitf.testing import run_mpi
 from mpitf.torch.ids import check_ids
 from mpitf.worker.embedding import Lookup
+from mpitf.worker.frontend import check_sparse_rule
 from tests.support import REPO
 
 DRIVER = "tests/mpi/jax_tables_driver.py"
@@ -70,10 +71,10 @@ def test_an_id_outside_the_table_ends_every_rank_naming_table_id_and_position():
     ("torch_adagrad", {"weight_decay": 0.1}, "'torch_adagrad' with weight_decay=0.1")])
 def test_rules_that_move_rows_not_looked_up_are_refused_for_tables(name, options, words):
     with pytest.raises(ConfigurationError, match="table 'user' cannot be updated by") as exc:
-        check_table_rule(make_optimizer(name, 0.1, **options), ["user"])
+        check_sparse_rule(make_optimizer(name, 0.1, **options), ["user"])
     assert words in str(exc.value)
     for good in ("sgd", "adagrad", "torch_sgd", "torch_adagrad"):
-        check_table_rule(make_optimizer(good, 0.1), ["user"])
+        check_sparse_rule(make_optimizer(good, 0.1), ["user"])
 
 
 def test_tables_are_declared_checked_and_their_ids_refused_by_name():

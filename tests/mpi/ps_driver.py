@@ -120,23 +120,21 @@ def _jsonable(value):
 
 # -- worker helpers --------------------------------------------------------------------
 
-def make_client(server, args, dtype=np.float32):
-    """Place the variables and return (placement, client); --aggregate: over the node."""
+def start(server, args, optimizer, mode, values, lr=None, dtype=np.float32, **options):
+    """Place the variables, make the client (--aggregate: over the node), configure the ps
+    (chief) and pull; then switch to the client-side deadline. Return (client, reply).
+    """
     setter = replica_device_setter(server.cluster, ps_strategy=args.strategy,
                                    partitioner=partitioner())
     placement = setter.place(variables(dtype))
     node = NodeGroup(server) if args.aggregate else None
-    return placement, Client(server, placement, deadline=args.deadline, node=node)
-
-
-def start(client, args, optimizer, mode, values, lr=None, **options):
-    """Configure the ps (chief) and pull; then switch to the client-side deadline."""
-    opt = make_optimizer(optimizer, LEARNING_RATES[optimizer] if lr is None else lr)
     config = TrainingConfig(mode=mode, skip_nonfinite=args.skip_nonfinite, **options)
-    reply = client.start(config, opt.config(), values)
+    client = Client(server, placement, config, deadline=args.deadline, node=node)
+    opt = make_optimizer(optimizer, LEARNING_RATES[optimizer] if lr is None else lr)
+    reply = client.start(opt.config(), values)
     if args.client_deadline is not None:
         client.deadline = args.client_deadline
-    return reply
+    return client, reply
 
 
 def write_grads(client, grads):
@@ -167,9 +165,8 @@ def finish(server, client, out, phase, record):
 def scenario_sync(server, args, phase):
     """Sync replicas for ``--steps`` steps with gradients that depend on the pulled params."""
     optimizer = phase
-    _, client = make_client(server, args)
-    reply = start(client, args, optimizer, "sync", initial_values(),
-                  deterministic=args.deterministic, aggregate_per_node=args.aggregate)
+    client, reply = start(server, args, optimizer, "sync", initial_values(),
+                          deterministic=args.deterministic, aggregate_per_node=args.aggregate)
     w, steps = server.task_index, []
     for s in range(args.steps):
         write_grads(client, gradient(client.params, w, s))
@@ -180,9 +177,8 @@ def scenario_sync(server, args, phase):
 
 def scenario_backup(server, args, phase):
     """Sync with backup workers: the last worker is slow and must not be waited for."""
-    _, client = make_client(server, args)
-    reply = start(client, args, args.optimizer, "sync", initial_values(),
-                  replicas_to_aggregate=args.replicas)
+    client, reply = start(server, args, args.optimizer, "sync", initial_values(),
+                          replicas_to_aggregate=args.replicas)
     w = server.task_index
     slow = w == server.cluster.num_tasks("worker") - 1
     pause = args.slow if slow else args.fast
@@ -199,9 +195,8 @@ def scenario_backup(server, args, phase):
 
 def scenario_async_exact(server, args, phase):
     """Async: worker w pushes 2**-w * pattern, 3 + 2w times; sums stay exact."""
-    _, client = make_client(server, args, np.float64)
     values = {k: np.full(v.shape, 100.0) for k, v in pattern().items()}
-    start(client, args, "sgd", "async", values, lr=ASYNC_LR)
+    client, _ = start(server, args, "sgd", "async", values, lr=ASYNC_LR, dtype=np.float64)
     w = server.task_index
     grads = {k: v * 2.0 ** -w for k, v in pattern().items()}
     for _ in range(3 + 2 * w):
@@ -213,8 +208,7 @@ def scenario_async_exact(server, args, phase):
 def scenario_staleness(server, args, phase):
     """Async or bounded staleness (phase "ssp1", "ssp2", "async"): worker 1 is slow."""
     mode, staleness = ("async", 0) if phase == "async" else ("ssp", int(phase[3:]))
-    _, client = make_client(server, args)
-    start(client, args, args.optimizer, mode, initial_values(), staleness=staleness)
+    client, _ = start(server, args, args.optimizer, mode, initial_values(), staleness=staleness)
     w = server.task_index
     pause = args.slow if w == 1 else 0.0
     lead, t0 = 0, time.monotonic()
@@ -230,8 +224,7 @@ def scenario_staleness(server, args, phase):
 
 def scenario_badinput(server, args, phase):
     """set_gradients with wrong names, shapes, dtypes: each refused, nothing sent."""
-    _, client = make_client(server, args)
-    start(client, args, "sgd", "sync", initial_values())
+    client, _ = start(server, args, "sgd", "sync", initial_values())
     good = gradient(client.params, server.task_index, 0)
     bad = {
         "name": dict(good, nope=np.zeros(3, np.float32)),
@@ -310,8 +303,7 @@ def scenario_nonfinite(server, args, phase):
 
 def scenario_deadline(server, args, phase):
     """Worker 1 stops sending at step 2 (sleeps ``--slow`` s); the ps must name it."""
-    _, client = make_client(server, args)
-    start(client, args, "sgd", "sync", initial_values())
+    client, _ = start(server, args, "sgd", "sync", initial_values())
     w = server.task_index
     for s in range(args.steps):
         if w == 1 and s == 2:
@@ -324,8 +316,7 @@ def scenario_deadline(server, args, phase):
 
 def scenario_memory(server, args, phase):
     """Optimizer "none" in mode ``phase`` with many workers: the ps pool stays small."""
-    _, client = make_client(server, args)
-    start(client, args, "none", phase, initial_values(), staleness=2)
+    client, _ = start(server, args, "none", phase, initial_values(), staleness=2)
     w = server.task_index
     for s in range(args.steps):
         write_grads(client, gradient(client.params, w, s))

@@ -41,11 +41,11 @@ def main():
         return
     part = min_max_variable_partitioner(2, min_slice_size=1024)
     placement = replica_device_setter(server.cluster, partitioner=part).place(VARIABLES)
-    client = Client(server, placement, be, deadline=30, chunk_bytes=chunk, bucket_bytes=buckets)
+    client = Client(server, placement, TrainingConfig(deterministic=True, bucket_bytes=buckets),
+                    be, deadline=30, chunk_bytes=chunk)
     rng = np.random.default_rng(0)
     init = {n: rng.standard_normal(s).astype(t) for n, s, t in VARIABLES}
-    client.start(TrainingConfig(deterministic=True, bucket_bytes=buckets),
-                 {"name": "momentum", "learning_rate": 0.05}, init)
+    client.start({"name": "momentum", "learning_rate": 0.05}, init)
     steps = []
     for step in range(5):
         for name, grad in client.grads.items():

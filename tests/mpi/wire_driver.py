@@ -60,9 +60,8 @@ def run_worker(server, out, phase):
     config = config_of(phase)
     placement = replica_device_setter(server.cluster).place(
         [(n, s, np.dtype(np.float32).str) for n, s in SHAPES])
-    client = Client(server, placement, deadline=60, bucket_bytes=config.bucket_bytes,
-                    wire_dtype=config.wire_dtype)
-    client.start(config, optimizer_of(phase).config(), initial_values())
+    client = Client(server, placement, config, deadline=60)
+    client.start(optimizer_of(phase).config(), initial_values())
     w = server.replica_index
     for step in range(STEPS):
         for name, g in gradient(client.params, w, step).items():

@@ -14,19 +14,45 @@ from mpitf.wire.frame import Frame, MPIBuffer
 
 def test_request_header_round_trip_in_place():
     words = np.zeros(H.HEADER_WORDS, np.int64)
-    H.pack_request(words, P.PUSH, 7, 2, 1000, P.FLAG_CHUNKED, epoch=3, cursor=640)
+    H.pack_push(words, 7, 2, 1000, P.FLAG_CHUNKED, epoch=3, cursor=640)
     got = H.unpack_request(words)
     assert got == H.RequestHeader(P.PUSH, 7, 2, 1000, P.FLAG_CHUNKED, (3 << 40) | 640, 0, 0)
     assert (got.epoch, got.cursor, got.count) == (3, 640, 1000)
-    H.pack_request(words, P.PUSH, 7, 2, 1000, epoch=2**23 - 1, cursor=2**40 - 1,
-                   learning_rate=0.125, bucket=3, buckets=5)
+    H.pack_push(words, 7, 2, 1000, 0, epoch=2**23 - 1, cursor=2**40 - 1,
+                learning_rate=0.125, bucket=3, buckets=5)
     got = H.unpack_request(words)
     assert (got.epoch, got.cursor, H.learning_rate_of(got)) == (2**23 - 1, 2**40 - 1, 0.125)
     assert (got.bucket_index, got.bucket_count) == (3, 5)
     words_only = H.read_words(words)  # the per-step paths' plain tuple, read by index
     assert words_only == tuple(got) and H.learning_rate_of(words_only) == 0.125
     with pytest.raises(ValueError, match="past 2\\*\\*40 examples"):
-        H.pack_request(words, P.PUSH, 7, 2, 1000, cursor=2**40)
+        H.pack_push(words, 7, 2, 1000, 0, 0, cursor=2**40)
+
+
+def test_each_request_kind_has_its_writer_and_every_other_word_is_zero():
+    words = np.full(H.HEADER_WORDS, -1, np.int64)  # a header left from an earlier request
+    H.pack_control(words, P.PULL, 9, 3, P.FLAG_CHUNKED)
+    assert H.unpack_request(words) == H.RequestHeader(P.PULL, 9, 3, 0, P.FLAG_CHUNKED, 0, 0, 0)
+    H.pack_control(words, P.DONE, 9, 3, P.FLAG_REQUEUE, count=4)  # a leader's positions
+    assert H.unpack_request(words) == H.RequestHeader(P.DONE, 9, 3, 4, P.FLAG_REQUEUE, 0, 0, 0)
+    H.pack_init(words, 0, 1000, P.FLAG_CHUNKED)
+    assert H.unpack_request(words) == H.RequestHeader(P.INIT, 0, 0, 1000, P.FLAG_CHUNKED, 0, 0,
+                                                      0)
+    H.pack_rates(words, 2, 3)
+    assert H.unpack_request(words) == H.RequestHeader(P.RATES, 0, 2, 3, 0, 0, 0, 0)
+    H.pack_sparse_pull(words, 5, 1, 70, 0)
+    assert H.unpack_request(words) == H.RequestHeader(P.SPARSE_PULL, 5, 1, 70, 0, 0, 0, 0)
+    H.pack_sparse_push(words, 5, 1, 70, P.FLAG_CHUNKED)
+    assert H.unpack_request(words) == H.RequestHeader(P.SPARSE_PUSH, 5, 1, 70, P.FLAG_CHUNKED,
+                                                      0, 0, 0)
+    H.pack_push(words, 6, 1, 100, P.FLAG_CHUNKED, 0, 12, learning_rate=0.5)
+    H.mark_ward(words)  # re-routed to a lost ps's buddy: the same push, marked
+    got = H.unpack_request(words)
+    assert got.flags == P.FLAG_CHUNKED | P.FLAG_LEARNING_RATE | P.FLAG_WARD
+    assert (got.kind, got.step, got.count, got.cursor, H.learning_rate_of(got)) == \
+        (P.PUSH, 6, 100, 12, 0.5)
+    H.pack_request(words, P.SKIP, 4, 2)  # any kind, for tools and tests
+    assert H.unpack_request(words) == H.RequestHeader(P.SKIP, 4, 2, 0, 0, 0, 0, 0)
 
 
 def test_reply_header_names_every_counter():
@@ -48,7 +74,7 @@ def test_frame_on_a_fake_gpu(aware):
     assert frame.bytes.nbytes == H.HEADER_BYTES + 5 * 4
     assert isinstance(frame.bytes, FakeGPUArray) == aware  # what MPI is handed
     be.to_device(np.arange(5, dtype=np.float32), out=frame.payload)
-    H.pack_request(frame.header, P.PUSH, 1, 0, 5)
+    H.pack_push(frame.header, 1, 0, 5, 0, 0, 0)
     frame.publish()
     raw = frame.bytes.get() if aware else frame.bytes
     sent = raw[:H.HEADER_BYTES].view(np.int64).copy()

@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mpitf.config import TrainingConfig
+from mpitf.config import JobFacts, TrainingConfig
 from mpitf.errors import ConfigurationError
 from mpitf.testing import run_mpi
 from mpitf.wire import header as H
@@ -126,15 +126,22 @@ def test_what_a_16_bit_wire_does_not_support_is_refused(options, message):
 
 
 def test_refusals_that_need_the_model_or_the_device():
-    from mpitf.wire.dtypes import wire_dtype
+    from mpitf.wire.dtypes import WIRE_NAMES, wire_dtype
 
+    assert tuple(WIRE_NAMES) == ("float32", "bfloat16", "float16")  # config.WIRE_DTYPES
     assert wire_dtype("float32", np.float64) == np.float64
-    assert wire_dtype("bfloat16") == WIRE["bfloat16"]
-    for kwargs, what in [(dict(param_dtype=np.float64), "float64 parameters"),
-                         (dict(backend="cupy"), "the cupy backend"),
-                         (dict(tables=True), "embedding tables")]:
-        with pytest.raises(ConfigurationError, match=f"does not support {what}"):
-            wire_dtype("bfloat16", **kwargs)
+    assert wire_dtype("bfloat16") == WIRE["bfloat16"] and wire_dtype("float16") == WIRE["float16"]
+    with pytest.raises(ConfigurationError, match="does not support float64 parameters"):
+        wire_dtype("bfloat16", np.float64)
+    config = TrainingConfig(wire_dtype="bfloat16")
+    config.check_job(JobFacts(1, 2))  # host memory, no tables: fine
+    for facts, message in [
+            (JobFacts(1, 2, backends=("cupy", "numpy")), "does not support the cupy backend (it "
+             "converts in host memory); use --device cpu or --wire-dtype float32"),
+            (JobFacts(1, 2, tables=True), "does not support embedding tables (their rows "
+             "travel on messages of their own); use --wire-dtype float32")]:
+        with pytest.raises(ConfigurationError, match=re.escape(message)):
+            config.check_job(facts)
 
 
 @pytest.mark.slow
@@ -183,8 +190,8 @@ def test_a_job_with_embedding_tables_refuses_a_16_bit_wire_on_every_rank(tmp_pat
     synthetic_ctr(data, train=200, test=50, fields=3, rows=40, dense=2, seed=4)
     run = run_mpi(3, ["-m", "mpitf.jobs.ctr", "--data", data, "--num-ps", "1", "--steps", "5",
                       "--wire-dtype", "bfloat16"], timeout=30, cwd=str(tmp_path))
-    message = ("ctr does not support --wire-dtype bfloat16 (its embedding rows travel on "
-               "messages of their own); use --wire-dtype float32")
+    message = ("wire_dtype bfloat16 (--wire-dtype) does not support embedding tables (their "
+               "rows travel on messages of their own); use --wire-dtype float32")
     assert not run.timed_out and run.returncode == 2, run.output
     assert run.output.count(message) == 1, run.output
     assert "final:" not in run.stdout

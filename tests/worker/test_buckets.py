@@ -87,10 +87,10 @@ def test_a_layer_leaves_with_its_bias_and_the_last_bucket_is_the_first_layer():
 
 def test_the_bucket_word_travels_in_the_request_header():
     words = np.zeros(H.HEADER_WORDS, np.int64)
-    H.pack_request(words, 1, 7, 2, 100, bucket=3, buckets=5)
+    H.pack_push(words, 7, 2, 100, 0, 0, 0, bucket=3, buckets=5)
     request = H.unpack_request(words)
     assert (request.bucket_index, request.bucket_count, request.step) == (3, 5, 7)
-    H.pack_request(words, 1, 7, 2, 100)
+    H.pack_push(words, 7, 2, 100, 0, 0, 0)
     assert (H.unpack_request(words).bucket_index, H.unpack_request(words).bucket_count) == (0, 1)
 
 

@@ -10,12 +10,13 @@ change the order (one node, or nodes after the first of one replica each).
 """
 
 import json
+import re
 
 import numpy as np
 import pytest
 
 from mpitf.ckpt.names import checkpoint_name, read_manifest
-from mpitf.config import TrainingConfig
+from mpitf.config import JobFacts, TrainingConfig
 from mpitf.errors import ConfigurationError
 from mpitf.ps.consistency import make_policy
 from mpitf.ps.optimizers import make_optimizer
@@ -155,9 +156,19 @@ def test_config_refusals_and_the_plan_are_pure():
         with pytest.raises(ConfigurationError, match=f"does not support {what}"):
             TrainingConfig(aggregate_per_node=True, **options)
     config = TrainingConfig(aggregate_per_node=True, replicas_to_aggregate=3)
-    config.check_aggregation(3)  # every replica: no backup workers, fine
-    with pytest.raises(ConfigurationError, match="backup workers"):
-        config.check_aggregation(4)
+    config.check_job(JobFacts(num_ps=1, num_replicas=3))  # every replica: no backups, fine
+    config.check_job(JobFacts(1, 3, backends=("cupy", "numpy")))  # a ps on a GPU: fine
+    for facts, message in [
+            (JobFacts(1, 4), "does not support backup workers (replicas_to_aggregate 3 of 4 "
+                             "replicas)"),
+            (JobFacts(1, 3, tables=True), "does not support embedding tables (their rows are "
+                                          "pushed by id); drop the flag"),
+            (JobFacts(1, 3, replica_backends=("cupy",)), "does not support the cupy backend (a "
+             "node shares host memory); use --device cpu or drop the flag"),
+            (JobFacts(1, 3, nodes_problem="MPITF_NODE_SIZE=3 puts replicas 0..2"),
+             "aggregate_per_node (--aggregate-per-node): MPITF_NODE_SIZE=3 puts")]:
+        with pytest.raises(ConfigurationError, match=re.escape(message)):
+            config.check_job(facts)
     # nodes by shared-memory domain, in replica order; or blocks of MPITF_NODE_SIZE
     assert node_plan([5, 5, 9, 5, 9]) == ((0, 1, 3), (2, 4))
     assert node_plan([0] * 5, size=2) == ((0, 1), (2, 3), (4,))
