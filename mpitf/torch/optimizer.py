@@ -19,8 +19,10 @@ a rate set there, every step pushes its buckets at ``step()``, since a bucket mu
 leave before the gradient is final.
 """
 
+import contextlib
 import logging
 import os
+import weakref
 
 import torch
 
@@ -42,6 +44,84 @@ _BATCH = ()  # the session's batch: backward already ran, so there is nothing to
 _EARLY = (" (the first step showed no such change, so buckets leave as backward finishes "
           "them): make the change before backward(), or from the first step on, or pass "
           "bucket_bytes=0 (one frame per ps, pushed at step())")
+
+
+# the models and optimizers a DistributedOptimizer holds now: each is wrapped once
+_WRAPPED = weakref.WeakSet()
+
+
+class _Hook:
+    """A hook the wrapper puts on the model or optimizer; a copy of them gets an inert one.
+
+    ``copy.deepcopy(model)`` (an EMA copy) and ``torch.save(model)`` copy the model's hooks:
+    this one copies as a hook that does nothing, so the copy is a plain torch module and
+    never drags this rank's session (its MPI communicator) along.
+    """
+
+    def __init__(self, call):
+        self.call = call
+
+    def __call__(self, *args):
+        return None if self.call is None else self.call(*args)
+
+    def __reduce__(self):
+        return _Hook, (None,)
+
+
+def _claim(model, optimizer):
+    """Refuse a model or optimizer that another open DistributedOptimizer already wraps."""
+    for what, obj in (("model", model), ("optimizer", optimizer)):
+        if obj in _WRAPPED:
+            raise ConfigurationError(
+                f"this {what} is already wrapped by a DistributedOptimizer: wrap each model "
+                "and optimizer once (as DDP) and use that one's step(); close() it before "
+                "wrapping again, or wrap a copy made before the first wrapping")
+    _WRAPPED.add(model)
+    _WRAPPED.add(optimizer)
+
+
+class _SamplerPosition:
+    """A loop's own sampler as the session's data position, through its ``state_dict()``.
+
+    The checkpoint keeps two integers per worker, ``{"epoch", "cursor"}`` (the next batch's
+    position, as :class:`~mpitf.data.sharded.ShardedDataset`'s); a sampler with
+    ``state_dict()``/``load_state_dict()`` over those two (as torchdata's stateful
+    loaders have) is saved with every checkpoint and repositioned on restore.
+    """
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+
+    def state(self):
+        """Return the sampler's position, checked."""
+        state = self.sampler.state_dict()
+        try:
+            position = {"epoch": int(state["epoch"]), "cursor": int(state["cursor"])}
+        except (KeyError, TypeError, ValueError):
+            raise ConfigurationError(
+                f"the dataset's state_dict() returned {state!r}: mpitf checkpoints a "
+                "worker's data position as {'epoch': int, 'cursor': int} (the next "
+                "batch's epoch and place in it); return those two") from None
+        if set(state) != set(position):
+            raise ConfigurationError(
+                f"the dataset's state_dict() holds {sorted(state)}: mpitf checkpoints only "
+                "'epoch' and 'cursor' (integers); derive the rest from them")
+        return position
+
+    def restore(self, state):
+        """Reposition the sampler at a checkpoint's position."""
+        self.sampler.load_state_dict({"epoch": int(state["epoch"]),
+                                      "cursor": int(state["cursor"])})
+
+
+def _data_position(dataset):
+    """Return ``dataset`` as the session takes it: a sampler with state_dict() is adapted."""
+    if dataset is None or hasattr(dataset, "restore") or not hasattr(dataset, "state_dict"):
+        return dataset
+    if not hasattr(dataset, "load_state_dict"):
+        raise ConfigurationError("the dataset has state_dict() but no load_state_dict(): "
+                                 "give it both, so a restored checkpoint repositions it")
+    return _SamplerPosition(dataset)
 
 
 def _as_left(grad):
@@ -92,12 +172,23 @@ class DistributedOptimizer(SessionFrontEnd):
             pushes one frame per ps at ``step()``.
             ``reset_optimizer_state=True`` resumes a checkpoint of another optimizer
             (other slots), which is refused otherwise, with fresh optimizer state.
+            ``dataset``: a :class:`~mpitf.data.sharded.ShardedDataset`, or the loop's own
+            sampler with ``state_dict()``/``load_state_dict()`` over ``{"epoch",
+            "cursor"}``: its position is checkpointed and restored. ``batch_size``: the
+            examples one worker's step holds, for the log's examples/sec (default: the
+            dataset's, else the first dimension of the model's first input, counted over
+            the forwards of each step). ``log_every=0`` silences the chief's progress
+            lines; ``log_stream`` (a file) takes them instead of stdout.
+        lr_scheduler: a torch LR scheduler of ``optimizer``, stepped once per step by the
+            loop: on restore it is advanced to the restored ``global_step``.
     """
 
     @ends_the_job
-    def __init__(self, optimizer, model, server, **session_options):
+    def __init__(self, optimizer, model, server, lr_scheduler=None, **session_options):
         self._server = server
         self.optimizer, self.model = optimizer, model
+        _claim(model, optimizer)
+        session_options["dataset"] = _data_position(session_options.get("dataset"))
         tables = table_modules(model)
         self._named = trainable(model, optimizer, tables)
         names = {id(p): name for name, p in self._named}
@@ -115,7 +206,18 @@ class DistributedOptimizer(SessionFrontEnd):
                                        **session_options)
         self.client = self.session.client
         self._loaded = False
-        model.register_load_state_dict_post_hook(self._on_load)
+        model.register_load_state_dict_post_hook(_Hook(self._on_load))
+        # torch's own step() would train this worker's copy and push nothing
+        self._step_hook = optimizer.register_step_pre_hook(_Hook(self._refuse_torch_step))
+        # examples/sec: count the inputs' first dimension unless the batch size is known
+        session = self.session
+        self._examples = 0 if session.config.batch_size is None and not hasattr(
+            session.dataset, "batch_size") else None
+        self._per_example = session.examples_per_global_step // session.batch_size
+        if self._examples is not None:
+            model.register_forward_pre_hook(_Hook(self._count_examples))
+        if lr_scheduler is not None:
+            self._advance(lr_scheduler)
         self._reached = [False] * len(self._named)
         self._need_all = True  # as after zero_grad(set_to_none=True): torch's grads are None
         self._fired = [0] * len(self._named)  # hook calls since the last step()
@@ -174,7 +276,7 @@ class DistributedOptimizer(SessionFrontEnd):
             grad = torch.from_numpy(self.client.grads[name])
             p.data = data
             p.grad = grad
-            p.register_post_accumulate_grad_hook(lambda _, i=i: self._on_grad(i))
+            p.register_post_accumulate_grad_hook(_Hook(lambda _, i=i: self._on_grad(i)))
             self._views.append((name, p, data, grad))
 
     @ends_the_job
@@ -195,7 +297,8 @@ class DistributedOptimizer(SessionFrontEnd):
                 f"backward reached {name!r} twice before step() at step {self.global_step}, "
                 "but its bucket had already been pushed: with bucket_bytes the first step "
                 "shows whether gradients accumulate over several backward calls; accumulate "
-                "from the first step on, or set bucket_bytes=0")
+                "from the first step on, run the first backward calls inside dist.no_sync() "
+                "(DDP's), or set bucket_bytes=0")
         if self._handle is None:
             self._check_loaded()
             self._set_rates(self._learning_rate())
@@ -206,6 +309,62 @@ class DistributedOptimizer(SessionFrontEnd):
 
     def _on_load(self, module, incompatible):
         self._loaded = True
+
+    def _advance(self, scheduler):
+        """Step ``scheduler`` to the restored global step (a fresh start leaves it as it is)."""
+        if scheduler.optimizer is not self.optimizer:
+            raise ConfigurationError("lr_scheduler schedules another optimizer than the one "
+                                     "DistributedOptimizer wraps: give the wrapped one's")
+        self.optimizer._opt_called = True  # torch warns of a schedule stepped before step()
+        for _ in range(self.global_step - scheduler.last_epoch):
+            scheduler.step()
+
+    def _count_examples(self, module, args):
+        """Forward pre-hook: add the first input's first dimension to this step's examples."""
+        if torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor) \
+                and args[0].dim() > 0:
+            self._examples += args[0].shape[0]
+
+    @ends_the_job
+    def _refuse_torch_step(self, optimizer, args, kwargs):
+        raise ConfigurationError(
+            "optimizer.step() on the optimizer that DistributedOptimizer wraps: it would "
+            "train this worker's copy only and push nothing; call dist.step(loss) (the "
+            "update runs on the ps)")
+
+    @ends_the_job
+    def _refuse_copy(self):
+        raise ConfigurationError(
+            "DistributedOptimizer cannot be copied or pickled (it holds this rank's MPI "
+            "session), and a model with mpitf.torch tables holds it: save "
+            "model.state_dict() instead (its tables' rows are on the ps: use checkpoint_dir "
+            "and `mpitf ckpt export`, or dist.table_rows())")
+
+    def __reduce_ex__(self, protocol):
+        self._refuse_copy()
+
+    def __deepcopy__(self, memo):
+        self._refuse_copy()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients over the backward calls inside, as DDP's ``no_sync()``.
+
+        mpitf sends nothing before :meth:`step`: the backward calls between two steps
+        add into the gradient, and ``step()`` pushes the sum. Inside ``no_sync()`` no
+        bucket leaves during backward, from now on (every step pushes at ``step()``).
+        """
+        if self._handle is not None:
+            raise ConfigurationError(
+                f"no_sync() after a backward() of step {self.global_step} had pushed "
+                "buckets: enter no_sync() for the first micro-batches of a step, then run "
+                "the last backward() outside it, as with DDP")
+        if self._hooks_push or self._learning:
+            self._hooks_push = self._learning = False
+            if self.session.server.is_chief:
+                print("mpitf.torch: no_sync(): gradients accumulate; the buckets leave at "
+                      "step(), not during backward", flush=True)
+        yield
 
     @ends_the_job
     def zero_grad(self, set_to_none=True):
@@ -329,6 +488,10 @@ class DistributedOptimizer(SessionFrontEnd):
         self._variables.loss = float("nan") if loss is None else float(
             loss.detach() if isinstance(loss, torch.Tensor) else loss)
         self.optimizer._opt_called = True  # torch's LR schedulers look for a step() call
+        if self._examples:  # the examples this step's forwards took, as all workers' step
+            self.session.batch_size = self._examples
+            self.session.examples_per_global_step = self._examples * self._per_example
+            self._examples = 0
         if handle is not None:
             self.session.loss = self._variables.loss
             self.session.finish_push(handle)
@@ -382,4 +545,7 @@ class DistributedOptimizer(SessionFrontEnd):
     def close(self):
         """Checkpoint at the end (chief), tell every ps this worker is done; return exit_code."""
         self._hooks_push = False  # a backward after training (evaluation) pushes nothing
+        self._step_hook.remove()
+        _WRAPPED.discard(self.model)
+        _WRAPPED.discard(self.optimizer)
         return super().close()

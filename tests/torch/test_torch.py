@@ -144,6 +144,45 @@ def test_clip_norm_equals_torch_clip_grad_norm(n, num_ps, mode):
 
 
 @pytest.mark.slow
+def test_no_sync_accumulates_as_ddp_after_buckets_left_during_backward():
+    # 64-byte buckets: 4 of them leave during backward at steps 1 and 2; from step 3 on
+    # the first half-batch's backward runs inside dist.no_sync() (refused without it:
+    # test_gradient_accumulation_with_buckets), and every step pushes at step().
+    run = drive(3, "--accumulate-from", 3, "--no-sync", "--bucket-bytes", 64, "--steps", 8,
+                "--schedule")
+    maxrels, _ = results(run, 8, 2)
+    assert max(maxrels) < 1e-6, run.output
+    assert "buckets pushed during backward: 8" in run.stdout, run.output
+    assert run.stdout.count("mpitf.torch: no_sync(): gradients accumulate") == 1, run.output
+
+
+@pytest.mark.slow
+def test_deepcopy_and_torch_save_of_a_wrapped_model_give_plain_torch_models():
+    # An EMA copy and a saved model, made after wrapping: training goes on as before, the
+    # copies keep the values at wrapping, run forward, and load a state_dict.
+    run = drive(3, "--copies", "--steps", 5)
+    maxrels, _ = results(run, 5, 2)
+    assert max(maxrels) < 1e-6, run.output
+    assert "worker 0: copies unchanged: [True, True] outputs: [(10, 3), (10, 3)]" \
+        in run.stdout, run.output
+
+
+@pytest.mark.slow
+def test_examples_per_sec_counts_the_inputs_first_dimension(tmp_path):
+    # No dataset, no batch_size: the model's input (10 rows a worker) is counted, so the
+    # metrics' examples per global step are 2 workers x 10 at every logged step.
+    import json
+
+    run = drive(3, "--steps", 6, "--run-dir", tmp_path)
+    results(run, 6, 2)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    for r in records:
+        per_step = r["examples_per_sec"] / r["global_steps_per_sec"]
+        assert abs(per_step - 20) < 1e-6, records
+
+
+@pytest.mark.slow
 def test_torch_zero_grad_set_to_none_is_bound_again():
     # With BatchNorm: one worker's running statistics follow plain torch's.
     run = drive(2, "--break", "torch_zero_grad", "--model", "bn")
@@ -160,6 +199,11 @@ def test_torch_zero_grad_set_to_none_is_bound_again():
     ("to", "parameter '0.weight' no longer lies in mpitf's buffer at step 0 (its data is now "
            "torch.float64"),
     ("load", "model.load_state_dict() was called after DistributedOptimizer wrapped the model"),
+    ("torch_step", "optimizer.step() on the optimizer that DistributedOptimizer wraps: it "
+                   "would train this worker's copy only and push nothing; call "
+                   "dist.step(loss)"),
+    ("twice", "this model is already wrapped by a DistributedOptimizer: wrap each model and "
+              "optimizer once"),
 ])
 def test_a_broken_alias_ends_every_rank_naming_it(brk, words):
     # The ps and one worker: each worker checks its own model, so a second finds the
