@@ -15,15 +15,17 @@ import functools
 
 import numpy as np
 
-from mpitf.ckpt.best import keep_if_best
-from mpitf.cli.flags import (
+from mpitf.cli.epochs import (
     add_epochs_arguments,
+    config_for_epochs,
+    keep_best,
+    last_step_for_epochs,
+)
+from mpitf.cli.flags import (
     add_growth_arguments,
     add_training_arguments,
-    config_for_epochs,
     config_from_args,
     growth_from_args,
-    last_step_for_epochs,
     session_from_config,
 )
 from mpitf.cli.reports import report_final
@@ -89,6 +91,11 @@ def main(argv=None):
                                     functools.partial(_check_data, raw_ids=growth is not None))
     if code is not None:  # a ps or another job's task has run its part
         return code
+    return train(server, config, args, growth)
+
+
+def train(server, config, args, growth):
+    """Train on this replica; the chief evaluates and reports. Return the exit code."""
     dataset = CtrDataset(config.data, server.replica_index, server.num_replicas,
                          config.training.batch_size, config.training.seed,
                          raw_ids=growth is not None)
@@ -120,15 +127,6 @@ def main(argv=None):
     if args.keep_best and test_auc is not None:  # close() cut the last step's checkpoint
         keep_best(sess, test_auc)
     return sess.exit_code
-
-
-def keep_best(session, test_auc):
-    """Chief, after an evaluation at a checkpoint's step: keep it if its AUC is the best."""
-    step = session.global_step
-    if session.committed and session.committed[-1] == step and keep_if_best(
-            session.checkpoint_dir, step, "test_auc", test_auc):
-        print(f"step {step}: the best test_auc so far ({test_auc:.4f}): kept as "
-              f"{session.checkpoint_dir}/best", flush=True)
 
 
 def run():

@@ -20,15 +20,17 @@ import functools
 
 import numpy as np
 
-from mpitf.ckpt.best import keep_if_best
-from mpitf.cli.flags import (
+from mpitf.cli.epochs import (
     add_epochs_arguments,
+    config_for_epochs,
+    keep_best,
+    last_step_for_epochs,
+)
+from mpitf.cli.flags import (
     add_growth_arguments,
     add_training_arguments,
-    config_for_epochs,
     config_from_args,
     growth_from_args,
-    last_step_for_epochs,
 )
 from mpitf.cli.reports import report_final
 from mpitf.cli.side_tasks import start_replica
@@ -221,15 +223,6 @@ def train(server, config, args, bottom, top, growth):
     if args.keep_best and final_auc is not None:  # close() cut the last step's checkpoint
         keep_best(dist.session, final_auc)
     return dist.exit_code
-
-
-def keep_best(session, test_auc):
-    """Chief, after an evaluation at a checkpoint's step: keep it if its AUC is the best."""
-    step = session.global_step
-    if session.committed and session.committed[-1] == step and keep_if_best(
-            session.checkpoint_dir, step, "test_auc", test_auc):
-        print(f"step {step}: the best test_auc so far ({test_auc:.4f}): kept as "
-              f"{session.checkpoint_dir}/best", flush=True)
 
 
 def run():

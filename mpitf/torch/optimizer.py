@@ -22,7 +22,6 @@ leave before the gradient is final.
 import contextlib
 import logging
 import os
-import weakref
 
 import torch
 
@@ -31,8 +30,10 @@ from ..worker.frontend import SessionFrontEnd, ends_the_job
 from ..worker.session import TrainingSession
 from .buffers import check_model
 from .model import TorchVariables, sparse_message, table_modules, trainable
+from .position import data_position
 from .tables import Embedding
 from .translate import check_table_rule, group_options, learning_rate, rate_groups, translate
+from .wrapping import Hook, claim, release
 
 __all__ = ["DistributedOptimizer", "share_threads"]
 
@@ -44,84 +45,6 @@ _BATCH = ()  # the session's batch: backward already ran, so there is nothing to
 _EARLY = (" (the first step showed no such change, so buckets leave as backward finishes "
           "them): make the change before backward(), or from the first step on, or pass "
           "bucket_bytes=0 (one frame per ps, pushed at step())")
-
-
-# the models and optimizers a DistributedOptimizer holds now: each is wrapped once
-_WRAPPED = weakref.WeakSet()
-
-
-class _Hook:
-    """A hook the wrapper puts on the model or optimizer; a copy of them gets an inert one.
-
-    ``copy.deepcopy(model)`` (an EMA copy) and ``torch.save(model)`` copy the model's hooks:
-    this one copies as a hook that does nothing, so the copy is a plain torch module and
-    never drags this rank's session (its MPI communicator) along.
-    """
-
-    def __init__(self, call):
-        self.call = call
-
-    def __call__(self, *args):
-        return None if self.call is None else self.call(*args)
-
-    def __reduce__(self):
-        return _Hook, (None,)
-
-
-def _claim(model, optimizer):
-    """Refuse a model or optimizer that another open DistributedOptimizer already wraps."""
-    for what, obj in (("model", model), ("optimizer", optimizer)):
-        if obj in _WRAPPED:
-            raise ConfigurationError(
-                f"this {what} is already wrapped by a DistributedOptimizer: wrap each model "
-                "and optimizer once (as DDP) and use that one's step(); close() it before "
-                "wrapping again, or wrap a copy made before the first wrapping")
-    _WRAPPED.add(model)
-    _WRAPPED.add(optimizer)
-
-
-class _SamplerPosition:
-    """A loop's own sampler as the session's data position, through its ``state_dict()``.
-
-    The checkpoint keeps two integers per worker, ``{"epoch", "cursor"}`` (the next batch's
-    position, as :class:`~mpitf.data.sharded.ShardedDataset`'s); a sampler with
-    ``state_dict()``/``load_state_dict()`` over those two (as torchdata's stateful
-    loaders have) is saved with every checkpoint and repositioned on restore.
-    """
-
-    def __init__(self, sampler):
-        self.sampler = sampler
-
-    def state(self):
-        """Return the sampler's position, checked."""
-        state = self.sampler.state_dict()
-        try:
-            position = {"epoch": int(state["epoch"]), "cursor": int(state["cursor"])}
-        except (KeyError, TypeError, ValueError):
-            raise ConfigurationError(
-                f"the dataset's state_dict() returned {state!r}: mpitf checkpoints a "
-                "worker's data position as {'epoch': int, 'cursor': int} (the next "
-                "batch's epoch and place in it); return those two") from None
-        if set(state) != set(position):
-            raise ConfigurationError(
-                f"the dataset's state_dict() holds {sorted(state)}: mpitf checkpoints only "
-                "'epoch' and 'cursor' (integers); derive the rest from them")
-        return position
-
-    def restore(self, state):
-        """Reposition the sampler at a checkpoint's position."""
-        self.sampler.load_state_dict({"epoch": int(state["epoch"]),
-                                      "cursor": int(state["cursor"])})
-
-
-def _data_position(dataset):
-    """Return ``dataset`` as the session takes it: a sampler with state_dict() is adapted."""
-    if dataset is None or hasattr(dataset, "restore") or not hasattr(dataset, "state_dict"):
-        return dataset
-    if not hasattr(dataset, "load_state_dict"):
-        raise ConfigurationError("the dataset has state_dict() but no load_state_dict(): "
-                                 "give it both, so a restored checkpoint repositions it")
-    return _SamplerPosition(dataset)
 
 
 def _as_left(grad):
@@ -187,8 +110,8 @@ class DistributedOptimizer(SessionFrontEnd):
     def __init__(self, optimizer, model, server, lr_scheduler=None, **session_options):
         self._server = server
         self.optimizer, self.model = optimizer, model
-        _claim(model, optimizer)
-        session_options["dataset"] = _data_position(session_options.get("dataset"))
+        claim(model, optimizer)
+        session_options["dataset"] = data_position(session_options.get("dataset"))
         tables = table_modules(model)
         self._named = trainable(model, optimizer, tables)
         names = {id(p): name for name, p in self._named}
@@ -206,16 +129,16 @@ class DistributedOptimizer(SessionFrontEnd):
                                        **session_options)
         self.client = self.session.client
         self._loaded = False
-        model.register_load_state_dict_post_hook(_Hook(self._on_load))
+        model.register_load_state_dict_post_hook(Hook(self._on_load))
         # torch's own step() would train this worker's copy and push nothing
-        self._step_hook = optimizer.register_step_pre_hook(_Hook(self._refuse_torch_step))
+        self._step_hook = optimizer.register_step_pre_hook(Hook(self._refuse_torch_step))
         # examples/sec: count the inputs' first dimension unless the batch size is known
         session = self.session
         self._examples = 0 if session.config.batch_size is None and not hasattr(
             session.dataset, "batch_size") else None
         self._per_example = session.examples_per_global_step // session.batch_size
         if self._examples is not None:
-            model.register_forward_pre_hook(_Hook(self._count_examples))
+            model.register_forward_pre_hook(Hook(self._count_examples))
         if lr_scheduler is not None:
             self._advance(lr_scheduler)
         self._reached = [False] * len(self._named)
@@ -276,7 +199,7 @@ class DistributedOptimizer(SessionFrontEnd):
             grad = torch.from_numpy(self.client.grads[name])
             p.data = data
             p.grad = grad
-            p.register_post_accumulate_grad_hook(_Hook(lambda _, i=i: self._on_grad(i)))
+            p.register_post_accumulate_grad_hook(Hook(lambda _, i=i: self._on_grad(i)))
             self._views.append((name, p, data, grad))
 
     @ends_the_job
@@ -546,6 +469,5 @@ class DistributedOptimizer(SessionFrontEnd):
         """Checkpoint at the end (chief), tell every ps this worker is done; return exit_code."""
         self._hooks_push = False  # a backward after training (evaluation) pushes nothing
         self._step_hook.remove()
-        _WRAPPED.discard(self.model)
-        _WRAPPED.discard(self.optimizer)
+        release(self.model, self.optimizer)
         return super().close()

@@ -378,6 +378,51 @@ def test_torch_mnist_job_reaches_95_percent_and_resumes_bit_for_bit(tmp_path, di
         assert whole[key].tobytes() == again[key].tobytes(), key
 
 
+LOSS = re.compile(r"^worker (\d) step (\d+) loss (\S+) lr (\S+)$", re.M)
+
+
+def losses(text):
+    """Return {(worker, step): (loss, next lr)} of jobs/torch_resume.py's lines, as printed."""
+    return {(int(w), int(s)): (loss, lr) for w, s, loss, lr in LOSS.findall(text)}
+
+
+@pytest.mark.slow
+def test_a_custom_loop_stopped_by_sigterm_resumes_with_the_losses_of_a_run_never_stopped(
+        tmp_path):
+    # jobs/torch_resume.py: the loop's own sampler (dataset=, state_dict() over epoch and
+    # cursor: 300 steps of 16 rows from shards of 300 rows is 16 epochs), a LambdaLR
+    # (lr_scheduler=), 1 ps + 2 workers in deterministic sync mode. Every loss and rate is
+    # compared as printed (repr: bit for bit).
+    job = ["jobs/torch_resume.py", "--deterministic", "--log-every", "50"]
+    whole = run_mpi(3, [*job, "--steps", "300", "--log-file", tmp_path / "progress.log"],
+                    timeout=120, cwd=str(REPO))
+    assert not whole.timed_out and whole.returncode == 0, whole.output
+    expected = losses(whole.stdout)
+    assert sorted(expected) == [(w, s) for w in (0, 1) for s in range(1, 301)], whole.output
+    # log_stream: the chief's progress lines went to the file, none to stdout
+    progress = (tmp_path / "progress.log").read_text()
+    assert re.findall(r"^step (\d+), loss = ", progress, re.M) == [
+        str(s) for s in range(50, 301, 50)], progress
+    assert ", loss = " not in whole.stdout, whole.output
+    ckpt = tmp_path / "ckpt"
+    code, text = signal_when(3, [*job, "--steps", "100000", "--checkpoint-dir", ckpt],
+                             tmp_path / "out.log", "worker 0 step 10 ", wait=90,
+                             cwd=str(REPO))
+    assert code == EXIT_REQUEUE, text
+    (step,) = map(int, re.findall(r"SIGTERM: checkpointed at step (\d+); exiting", text))
+    assert 10 <= step < 300, text
+    stopped = losses(text)
+    assert max(s for _, s in stopped) == step and stopped == {
+        key: expected[key] for key in stopped}, text
+    resumed = run_mpi(3, [*job, "--steps", "300", "--checkpoint-dir", ckpt], timeout=120,
+                      cwd=str(REPO))
+    assert not resumed.timed_out and resumed.returncode == 0, resumed.output
+    assert f"restored {ckpt}/ckpt-{step:08d} at step {step}" in resumed.stdout, resumed.output
+    after = losses(resumed.stdout)
+    assert sorted(after) == [(w, s) for w in (0, 1) for s in range(step + 1, 301)]
+    assert after == {key: expected[key] for key in after}, resumed.output
+
+
 def test_readme_torch_loops_differ_in_at_most_six_lines():
     import difflib
 
