@@ -20,6 +20,7 @@ from mpi4py import MPI
 from mpitf import ClusterSpec, Server, ShardedDataset, abort_on_error, ensure_digits
 from mpitf.data.sharded import load_split
 from mpitf.errors import ConfigurationError
+from mpitf.runtime.exits import collective
 
 
 def parse_args():
@@ -58,9 +59,6 @@ def last_step(args, total_samples, workers):
     An epoch is each worker's pass over its shard, ``total // workers // batch`` batches:
     in sync mode a global step takes a batch of every worker, in async one batch.
     """
-    if args.steps is not None and args.epochs is not None:
-        raise ConfigurationError(f"--steps {args.steps} and --epochs {args.epochs:g} both "
-                                 "say when training ends: give one")
     if args.epochs is None:
         return 300 if args.steps is None else args.steps
     per_epoch = total_samples // workers // args.batch_size
@@ -80,6 +78,10 @@ def main():
     args = parse_args()
     world = MPI.COMM_WORLD
     with abort_on_error():
+        if args.steps is not None and args.epochs is not None:  # one line, every rank exits 2
+            raise collective(ConfigurationError(
+                f"--steps {args.steps} and --epochs {args.epochs:g} both say when training "
+                "ends: give one"))
         server = Server(ClusterSpec({"ps": args.num_ps, "worker": world.Get_size() - args.num_ps}))
         path = ensure_digits(args.data) if world.Get_rank() == 0 else None
         path = world.bcast(path)

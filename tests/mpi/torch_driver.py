@@ -180,6 +180,8 @@ def train(server, args, optimizer):
         model.load_state_dict(ref.state_dict())
     elif args.brk == "twice":
         DistributedOptimizer(opt, model, server)
+    if args.copies:
+        model.to("cpu")  # where it is already: nothing moves, and training goes on
     copies = wrapped_copies(model) if args.copies else None
     start, early, clipped = dist.global_step, 0, 0
     for s in range(start):  # a resumed run: bring the reference to the same step

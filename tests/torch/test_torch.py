@@ -423,6 +423,19 @@ def test_a_custom_loop_stopped_by_sigterm_resumes_with_the_losses_of_a_run_never
     assert after == {key: expected[key] for key in after}, resumed.output
 
 
+@pytest.mark.slow
+def test_the_torch_example_trains_by_epochs(tmp_path, digits_file):
+    # The digits' 1437 training images over 2 workers in batches of 32: 22 steps an epoch.
+    job = ["jobs/torch_mnist.py", "--data", digits_file, "--deterministic"]
+    run = run_mpi(3, [*job, "--epochs", "0.5"], timeout=120, cwd=str(REPO))
+    assert not run.timed_out and run.returncode == 0, run.output
+    assert re.findall(r"^step (\d+): test accuracy", run.stdout, re.M) == ["11"], run.output
+    both = run_mpi(3, [*job, "--epochs", "1", "--steps", "5"], timeout=120, cwd=str(REPO))
+    assert both.returncode == 2, both.output
+    assert both.output.count("--steps 5 and --epochs 1 both say when training ends: give "
+                             "one") == 1, both.output
+
+
 def test_readme_torch_loops_differ_in_at_most_six_lines():
     import difflib
 
