@@ -33,7 +33,7 @@ from .model import TorchVariables, sparse_message, table_modules, trainable
 from .position import data_position
 from .tables import Embedding
 from .translate import check_table_rule, group_options, learning_rate, rate_groups, translate
-from .wrapping import Hook, claim, release
+from .wrapping import Hook, claim, refuse_wrapped, release
 
 __all__ = ["DistributedOptimizer", "share_threads"]
 
@@ -110,7 +110,10 @@ class DistributedOptimizer(SessionFrontEnd):
     def __init__(self, optimizer, model, server, lr_scheduler=None, **session_options):
         self._server = server
         self.optimizer, self.model = optimizer, model
-        claim(model, optimizer)
+        refuse_wrapped(model, optimizer)
+        if lr_scheduler is not None and getattr(lr_scheduler, "optimizer", None) is not optimizer:
+            raise ConfigurationError("lr_scheduler schedules another optimizer than the one "
+                                     "DistributedOptimizer wraps: give the wrapped one's")
         session_options["dataset"] = data_position(session_options.get("dataset"))
         tables = table_modules(model)
         self._named = trainable(model, optimizer, tables)
@@ -157,6 +160,7 @@ class DistributedOptimizer(SessionFrontEnd):
         self._bind()
         for name, module in tables.items():
             module.bind(name, self)
+        claim(model, optimizer)  # a wrapping refused above leaves them free
 
     @ends_the_job
     def table_forward(self, module, *args):
@@ -235,9 +239,6 @@ class DistributedOptimizer(SessionFrontEnd):
 
     def _advance(self, scheduler):
         """Step ``scheduler`` to the restored global step (a fresh start leaves it as it is)."""
-        if scheduler.optimizer is not self.optimizer:
-            raise ConfigurationError("lr_scheduler schedules another optimizer than the one "
-                                     "DistributedOptimizer wraps: give the wrapped one's")
         self.optimizer._opt_called = True  # torch warns of a schedule stepped before step()
         for _ in range(self.global_step - scheduler.last_epoch):
             scheduler.step()

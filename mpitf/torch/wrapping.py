@@ -9,7 +9,7 @@ import weakref
 
 from ..errors import ConfigurationError
 
-__all__ = ["Hook", "claim", "release"]
+__all__ = ["Hook", "claim", "refuse_wrapped", "release"]
 
 # the models and optimizers a DistributedOptimizer holds now: each is wrapped once
 _WRAPPED = weakref.WeakSet()
@@ -33,7 +33,7 @@ class Hook:
         return Hook, (None,)
 
 
-def claim(model, optimizer):
+def refuse_wrapped(model, optimizer):
     """Refuse a model or optimizer that another open DistributedOptimizer already wraps."""
     for what, obj in (("model", model), ("optimizer", optimizer)):
         if obj in _WRAPPED:
@@ -41,6 +41,10 @@ def claim(model, optimizer):
                 f"this {what} is already wrapped by a DistributedOptimizer: wrap each model "
                 "and optimizer once (as DDP) and use that one's step(); close() it before "
                 "wrapping again, or wrap a copy made before the first wrapping")
+
+
+def claim(model, optimizer):
+    """Mark ``model`` and ``optimizer`` as wrapped (once their wrapper is made)."""
     _WRAPPED.add(model)
     _WRAPPED.add(optimizer)
 

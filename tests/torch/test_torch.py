@@ -436,6 +436,33 @@ def test_the_torch_example_trains_by_epochs(tmp_path, digits_file):
                              "one") == 1, both.output
 
 
+def test_a_model_is_wrapped_once_until_closed_and_the_wrappers_hooks_copy_inert():
+    # In-process, the two rules of mpitf/torch/wrapping.py that the mpiexec tests above
+    # (twice, copies) rely on.
+    import copy
+    import pickle
+
+    from mpitf.errors import ConfigurationError
+    from mpitf.torch.wrapping import Hook, claim, refuse_wrapped, release
+
+    model, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    refuse_wrapped(model, opt)  # free
+    claim(model, opt)
+    with pytest.raises(ConfigurationError, match="this model is already wrapped"):
+        refuse_wrapped(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ConfigurationError, match="this optimizer is already wrapped"):
+        refuse_wrapped(other, opt)
+    release(model, opt)
+    refuse_wrapped(model, opt)  # free again once its wrapper closed
+    calls = []
+    hook = Hook(calls.append)
+    hook(1)
+    assert calls == [1]
+    assert copy.deepcopy(hook)(2) is None and pickle.loads(pickle.dumps(hook))(3) is None
+    assert calls == [1]
+
+
 def test_readme_torch_loops_differ_in_at_most_six_lines():
     import difflib
 
