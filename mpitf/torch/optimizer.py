@@ -131,17 +131,7 @@ class DistributedOptimizer(SessionFrontEnd):
         self.session = TrainingSession(server, self._variables, self.ps_optimizer,
                                        **session_options)
         self.client = self.session.client
-        self._loaded = False
-        model.register_load_state_dict_post_hook(Hook(self._on_load))
-        # torch's own step() would train this worker's copy and push nothing
-        self._step_hook = optimizer.register_step_pre_hook(Hook(self._refuse_torch_step))
-        # examples/sec: count the inputs' first dimension unless the batch size is known
-        session = self.session
-        self._examples = 0 if session.config.batch_size is None and not hasattr(
-            session.dataset, "batch_size") else None
-        self._per_example = session.examples_per_global_step // session.batch_size
-        if self._examples is not None:
-            model.register_forward_pre_hook(Hook(self._count_examples))
+        self._watch(model, optimizer)
         if lr_scheduler is not None:
             self._advance(lr_scheduler)
         self._reached = [False] * len(self._named)
@@ -233,6 +223,20 @@ class DistributedOptimizer(SessionFrontEnd):
         self._check_param(i)
         self._left[i] = _as_left(self._views[i][3])
         self._handle.final((name,))
+
+    def _watch(self, model, optimizer):
+        """Hook the model and optimizer: a load, torch's own step(), the examples a step takes."""
+        self._loaded = False
+        model.register_load_state_dict_post_hook(Hook(self._on_load))
+        # torch's own step() would train this worker's copy and push nothing
+        self._step_hook = optimizer.register_step_pre_hook(Hook(self._refuse_torch_step))
+        # examples/sec: count the inputs' first dimension unless the batch size is known
+        session = self.session
+        self._examples = 0 if session.config.batch_size is None and not hasattr(
+            session.dataset, "batch_size") else None
+        self._per_example = session.examples_per_global_step // session.batch_size
+        if self._examples is not None:
+            model.register_forward_pre_hook(Hook(self._count_examples))
 
     def _on_load(self, module, incompatible):
         self._loaded = True

@@ -390,19 +390,20 @@ def losses(text):
 def test_a_custom_loop_stopped_by_sigterm_resumes_with_the_losses_of_a_run_never_stopped(
         tmp_path):
     # jobs/torch_resume.py: the loop's own sampler (dataset=, state_dict() over epoch and
-    # cursor: 300 steps of 16 rows from shards of 300 rows is 16 epochs), a LambdaLR
+    # cursor: 1000 steps of 16 rows from shards of 300 rows is 55 epochs), a LambdaLR
     # (lr_scheduler=), 1 ps + 2 workers in deterministic sync mode. Every loss and rate is
-    # compared as printed (repr: bit for bit).
-    job = ["jobs/torch_resume.py", "--deterministic", "--log-every", "50"]
-    whole = run_mpi(3, [*job, "--steps", "300", "--log-file", tmp_path / "progress.log"],
+    # compared as printed (repr: bit for bit). The stopped run is signalled at its step 10
+    # and cuts where the signal lands: the run never stopped goes far enough past it.
+    job = ["jobs/torch_resume.py", "--deterministic", "--log-every", "200"]
+    whole = run_mpi(3, [*job, "--steps", "1000", "--log-file", tmp_path / "progress.log"],
                     timeout=120, cwd=str(REPO))
     assert not whole.timed_out and whole.returncode == 0, whole.output
     expected = losses(whole.stdout)
-    assert sorted(expected) == [(w, s) for w in (0, 1) for s in range(1, 301)], whole.output
+    assert sorted(expected) == [(w, s) for w in (0, 1) for s in range(1, 1001)], whole.output
     # log_stream: the chief's progress lines went to the file, none to stdout
     progress = (tmp_path / "progress.log").read_text()
     assert re.findall(r"^step (\d+), loss = ", progress, re.M) == [
-        str(s) for s in range(50, 301, 50)], progress
+        str(s) for s in range(200, 1001, 200)], progress
     assert ", loss = " not in whole.stdout, whole.output
     ckpt = tmp_path / "ckpt"
     code, text = signal_when(3, [*job, "--steps", "100000", "--checkpoint-dir", ckpt],
@@ -410,16 +411,16 @@ def test_a_custom_loop_stopped_by_sigterm_resumes_with_the_losses_of_a_run_never
                              cwd=str(REPO))
     assert code == EXIT_REQUEUE, text
     (step,) = map(int, re.findall(r"SIGTERM: checkpointed at step (\d+); exiting", text))
-    assert 10 <= step < 300, text
+    assert 10 <= step < 1000, text
     stopped = losses(text)
     assert max(s for _, s in stopped) == step and stopped == {
         key: expected[key] for key in stopped}, text
-    resumed = run_mpi(3, [*job, "--steps", "300", "--checkpoint-dir", ckpt], timeout=120,
+    resumed = run_mpi(3, [*job, "--steps", "1000", "--checkpoint-dir", ckpt], timeout=120,
                       cwd=str(REPO))
     assert not resumed.timed_out and resumed.returncode == 0, resumed.output
     assert f"restored {ckpt}/ckpt-{step:08d} at step {step}" in resumed.stdout, resumed.output
     after = losses(resumed.stdout)
-    assert sorted(after) == [(w, s) for w in (0, 1) for s in range(step + 1, 301)]
+    assert sorted(after) == [(w, s) for w in (0, 1) for s in range(step + 1, 1001)]
     assert after == {key: expected[key] for key in after}, resumed.output
 
 
