@@ -31,7 +31,10 @@ setup(
                  "ruff", "import-linter", "tensorboard"],
         "bench": ["matplotlib"],
         "data": ["scikit-learn"],
-        # mpitf.torch; a CPU build is enough (and small): see run.sh.
+        # mpitf.torch runs on the CPU. torch from PyPI is the CUDA build (~5.9 GB with its
+        # nvidia-* wheels): install the CPU build first, by its +cpu version where the index
+        # has one (`pip install 'torch==X+cpu'`, as run.sh picks it), and this extra keeps it.
+        # README.md "Installing torch: the CPU build".
         "torch": ["torch>=2.1"],
         # mpitf.jax; jaxlib from the package index is the CPU build (run.sh pins it).
         "jax": ["jax>=0.4.30", "jaxlib>=0.4.30"],

@@ -301,11 +301,6 @@ class TrainingConfig:
                 (self.bucket_bytes, f"bucket_bytes={self.bucket_bytes} (--bucket-bytes): a "
                  "ps copies and re-routes whole frames; give --bucket-bytes 0"),
                 (self.aggregate_per_node, "aggregate_per_node (--aggregate-per-node)")))
-        if facts.tables and self.consistency.applies_locally:
-            raise ConfigurationError(
-                f"mode {self.mode!r} (--mode) does not support embedding tables: their rows "
-                "live on the ps, which averages parameters only every --local-steps; drop one "
-                "of them")
         if self.wire_dtype != "float32":
             self._refuse(f"wire_dtype {self.wire_dtype} (--wire-dtype)", (
                 (self.aggregate_per_node, "aggregate_per_node (--aggregate-per-node): a "
@@ -331,6 +326,11 @@ class TrainingConfig:
         option, the fact and the fix.
         """
         gpu, replica_gpu = _off_host(facts.backends), _off_host(facts.replica_backends)
+        if facts.tables and self.consistency.applies_locally:
+            raise ConfigurationError(
+                f"mode {self.mode!r} (--mode) does not support embedding tables: their rows "
+                "live on the ps, which averages parameters only every --local-steps; drop one "
+                "of them")
         if self.ps_replication_steps:
             if not facts.ulfm:
                 raise ConfigurationError(

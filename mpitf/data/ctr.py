@@ -236,6 +236,7 @@ class CtrDataset(ShardBatches):
             self.fields = arrays[0][1].shape[1]
             self.path, self.shard_index, self.num_shards = path, shard_index, num_shards
             self.start, self.stop, self.num_samples, self.seed = lo, hi, hi - lo, seed
+            self.total_samples = n
             rows = self.table_rows
             reader = ShardReader(path, arrays, lo, hi, self.batch_size, seed, shard_index,
                                  buffer, prepare=lambda a, row_of: _checked(

@@ -1,19 +1,26 @@
 """Click-through training with embedding tables on the ps: wide & deep style, log loss.
 
-Run: mpiexec -n 3 python jobs/ctr.py --data ctr.h5 --num-ps 1   (adagrad, lr 0.5, 3000
-steps of 256 by default; write the data with ``mpitf data synthetic-ctr --out ctr.h5`` or
-``mpitf data criteo``).
+Run: mpiexec -n 3 python jobs/ctr.py --data ctr.h5 --num-ps 1   (adagrad, lr 0.5, one
+epoch in batches of 256 by default, or ``--epochs N``/``--steps N``; write the data with
+``mpitf data synthetic-ctr --out ctr.h5`` or ``mpitf data criteo``).
 Every field's ids look up its own table on the ps tasks (rows i mod P; with
 ``--dynamic-tables``, tables that grow: raw int64 ids, rows made on first use); the embeddings
 and the dense features go through an MLP to one logit. The chief evaluates the test
 split every ``--eval-every`` steps (a log line) and at the end, where it prints
-``final: {json}`` with ``test_auc`` and ``test_logloss``.
+``final: {json}`` with ``test_auc`` and ``test_logloss``; ``--keep-best`` keeps the
+checkpoint of the best evaluation as ``CHECKPOINT_DIR/best``.
 """
 
 import functools
 
 import numpy as np
 
+from mpitf.cli.epochs import (
+    add_epochs_arguments,
+    config_for_epochs,
+    keep_best,
+    last_step_for_epochs,
+)
 from mpitf.cli.flags import (
     add_growth_arguments,
     add_training_arguments,
@@ -63,14 +70,15 @@ def main(argv=None):
     parser = RankParser(description=__doc__.splitlines()[0])
     # Adagrad (the usual choice for click-through models): a row's steps shrink with its
     # own gradients, so frequent ids settle while rare ones still move.
-    add_training_arguments(parser, steps=3000, batch_size=256, lr=0.5)
+    add_training_arguments(parser, batch_size=256, lr=0.5)
     parser.set_defaults(optimizer="adagrad")
     parser.add_argument("--embedding-dim", type=int, default=8, help="values per table row")
     parser.add_argument("--eval-every", type=int, default=500,
                         help="the chief logs test AUC and log loss every N steps (0: never)")
     add_growth_arguments(parser)
+    add_epochs_arguments(parser)
     args = parser.parse_args(argv)
-    config = config_from_args(args)
+    config = config_for_epochs(config_from_args(args), args, args.eval_every)
     growth = growth_from_args(args)
     if not config.data:
         raise collective(ConfigurationError("ctr needs --data FILE (write one with `mpitf "
@@ -80,9 +88,16 @@ def main(argv=None):
                                     tables=True)
     if code is not None:  # a ps or another job's task has run its part
         return code
-    training = config.training
+    return train(server, config, args, growth)
+
+
+def train(server, config, args, growth):
+    """Train on this replica; the chief evaluates and reports. Return the exit code."""
     dataset = CtrDataset(config.data, server.replica_index, server.num_replicas,
-                         training.batch_size, training.seed, raw_ids=growth is not None)
+                         config.training.batch_size, config.training.seed,
+                         raw_ids=growth is not None)
+    config = last_step_for_epochs(config, args, dataset.total_samples, server.num_replicas)
+    training = config.training
     rows = dataset.table_rows if dataset.table_rows is not None else [None] * dataset.fields
     model = CTR(rows, args.embedding_dim, dataset.dense_dim, (config.hidden,),
                 growth=growth)
@@ -95,6 +110,9 @@ def main(argv=None):
             test_auc, test_logloss = evaluate(sess, model, config.data, dataset.batch_size)
             print(f"step {step}: test_auc = {test_auc:.4f}, test_logloss = "
                   f"{test_logloss:.4f}", flush=True)
+            if args.keep_best:
+                keep_best(sess, test_auc)
+    test_auc = None
     if server.is_chief and not sess.requeue:
         test_auc, test_logloss = evaluate(sess, model, config.data, dataset.batch_size)
         summary = dict(step=sess.global_step, loss=sess.loss, test_auc=test_auc,
@@ -103,6 +121,8 @@ def main(argv=None):
             summary["tables"] = [c["tables"] for c in sess.client.ps_counters()]
         report_final(config, summary)
     sess.close()
+    if args.keep_best and test_auc is not None:  # close() cut the last step's checkpoint
+        keep_best(sess, test_auc)
     return sess.exit_code
 
 

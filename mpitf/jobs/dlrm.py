@@ -1,7 +1,8 @@
 """DLRM in torch on mpitf's parameter servers: the click-through model of Naumov et al. (2019).
 
-Run: mpitf run -n 3 dlrm --data ctr.h5 --num-ps 1   (Adagrad, lr 0.02, 3000 steps of 256 per worker;
-write the data with ``mpitf data synthetic-ctr --out ctr.h5`` or ``mpitf data criteo``).
+Run: mpitf run -n 3 dlrm --data ctr.h5 --num-ps 1   (Adagrad, lr 0.02, one epoch in batches of 256
+per worker, or ``--epochs N``/``--steps N``; write the data with ``mpitf data synthetic-ctr --out
+ctr.h5`` or ``mpitf data criteo``).
 
 The model is the paper's and its reference code's (facebookresearch/dlrm, ``--arch-interaction-op
 dot``): a bottom MLP takes the dense features to one vector of the embedding width; each
@@ -11,13 +12,20 @@ vector and the fields' vectors (each pair once), beside the bottom vector, go th
 to one logit; binary cross-entropy. The tables and the MLPs train with the one torch optimizer
 the job wraps (its rule applied lazily to the rows a batch touched, as torch's sparse Adagrad
 does). The chief logs test AUC and log loss every ``--eval-every`` steps and prints ``final:
-{json}`` with ``test_auc`` and ``test_logloss`` at the end, like ``ctr``.
+{json}`` with ``test_auc`` and ``test_logloss`` at the end, like ``ctr``; with ``--keep-best`` it
+checkpoints at every evaluation and keeps the one of the best AUC as ``CHECKPOINT_DIR/best``.
 """
 
 import functools
 
 import numpy as np
 
+from mpitf.cli.epochs import (
+    add_epochs_arguments,
+    config_for_epochs,
+    keep_best,
+    last_step_for_epochs,
+)
 from mpitf.cli.flags import (
     add_growth_arguments,
     add_training_arguments,
@@ -130,7 +138,7 @@ def _check_data(path, batch_size, num_shards, raw_ids=False):
 
 def main(argv=None):
     parser = RankParser(description=__doc__.splitlines()[0])
-    add_training_arguments(parser, steps=3000, batch_size=256, lr=0.02)
+    add_training_arguments(parser, batch_size=256, lr=0.02)
     parser.set_defaults(optimizer="adagrad")
     parser.add_argument("--embedding-dim", type=int, default=4,
                         help="values per table row, also the bottom MLP's output width")
@@ -141,8 +149,9 @@ def main(argv=None):
     parser.add_argument("--eval-every", type=int, default=400,
                         help="the chief logs test AUC and log loss every N steps (0: never)")
     add_growth_arguments(parser)
+    add_epochs_arguments(parser)
     args = parser.parse_args(argv)
-    config = config_from_args(args)
+    config = config_for_epochs(config_from_args(args), args, args.eval_every)
     growth = growth_from_args(args)
     bottom, top = widths(args.bottom_mlp, "--bottom-mlp"), widths(args.top_mlp, "--top-mlp")
     if args.embedding_dim < 1:
@@ -170,10 +179,11 @@ def train(server, config, args, bottom, top, growth):
 
     import mpitf.torch as mt
 
-    training = config.training
     raw_ids = growth is not None
     dataset = CtrDataset(config.data, server.replica_index, server.num_replicas,
-                         training.batch_size, training.seed, raw_ids=raw_ids)
+                         config.training.batch_size, config.training.seed, raw_ids=raw_ids)
+    config = last_step_for_epochs(config, args, dataset.total_samples, server.num_replicas)
+    training = config.training
     torch.manual_seed(training.seed)
     model = build(dataset.table_rows if dataset.table_rows is not None else
                   [None] * dataset.fields, dataset.dense_dim, args.embedding_dim, bottom,
@@ -197,13 +207,18 @@ def train(server, config, args, bottom, top, growth):
             test_auc, test_logloss = evaluate(model, config.data, dataset.batch_size, raw_ids)
             print(f"step {step}: test_auc = {test_auc:.4f}, test_logloss = "
                   f"{test_logloss:.4f}", flush=True)
+            if args.keep_best:
+                keep_best(dist.session, test_auc)
+    final_auc = None
     if server.is_chief and not dist.session.requeue:
-        test_auc, test_logloss = evaluate(model, config.data, dataset.batch_size, raw_ids)
-        summary = dict(step=dist.global_step, loss=last_loss, test_auc=test_auc,
+        final_auc, test_logloss = evaluate(model, config.data, dataset.batch_size, raw_ids)
+        summary = dict(step=dist.global_step, loss=last_loss, test_auc=final_auc,
                        test_logloss=test_logloss, workers=server.num_replicas,
                        mode=training.mode)
         report_final(config, summary)
     dist.close()
+    if args.keep_best and final_auc is not None:  # close() cut the last step's checkpoint
+        keep_best(dist.session, final_auc)
     return dist.exit_code
 
 

@@ -19,6 +19,7 @@ a rate set there, every step pushes its buckets at ``step()``, since a bucket mu
 leave before the gradient is final.
 """
 
+import contextlib
 import logging
 import os
 
@@ -30,8 +31,10 @@ from ..worker.frontend import SessionFrontEnd, ends_the_job
 from ..worker.session import TrainingSession
 from .buffers import check_model
 from .model import TorchVariables, sparse_message, table_modules, trainable
+from .position import data_position
 from .tables import Embedding
 from .translate import check_table_rule, group_options, learning_rate, rate_groups, translate
+from .wrapping import Hook, claim, refuse_wrapped, release
 
 __all__ = ["DistributedOptimizer", "share_threads"]
 
@@ -91,6 +94,15 @@ class DistributedOptimizer(SessionFrontEnd):
             pushes one frame per ps at ``step()``.
             ``reset_optimizer_state=True`` resumes a checkpoint of another optimizer
             (other slots), which is refused otherwise, with fresh optimizer state.
+            ``dataset``: a :class:`~mpitf.data.sharded.ShardedDataset`, or the loop's own
+            sampler with ``state_dict()``/``load_state_dict()`` over ``{"epoch",
+            "cursor"}``: its position is checkpointed and restored. ``batch_size``: the
+            examples one worker's step holds, for the log's examples/sec (default: the
+            dataset's, else the first dimension of the model's first input, counted over
+            the forwards of each step). ``log_every=0`` silences the chief's progress
+            lines; ``log_stream`` (a file) takes them instead of stdout.
+        lr_scheduler: a torch LR scheduler of ``optimizer``, stepped once per step by the
+            loop: on restore it is advanced to the restored ``global_step``.
     """
 
     ONCE_PER_STEP = ("call each mpitf.torch table once per step (give a table that several "
@@ -98,9 +110,14 @@ class DistributedOptimizer(SessionFrontEnd):
                      "torch.no_grad() after step(), not between forward and step()")
 
     @ends_the_job
-    def __init__(self, optimizer, model, server, **session_options):
+    def __init__(self, optimizer, model, server, lr_scheduler=None, **session_options):
         self._server = server
         self.optimizer, self.model = optimizer, model
+        refuse_wrapped(model, optimizer)
+        if lr_scheduler is not None and getattr(lr_scheduler, "optimizer", None) is not optimizer:
+            raise ConfigurationError("lr_scheduler schedules another optimizer than the one "
+                                     "DistributedOptimizer wraps: give the wrapped one's")
+        session_options["dataset"] = data_position(session_options.get("dataset"))
         tables = table_modules(model)
         self._named = trainable(model, optimizer, tables)
         names = {id(p): name for name, p in self._named}
@@ -117,8 +134,9 @@ class DistributedOptimizer(SessionFrontEnd):
         self.session = TrainingSession(server, self._variables, self.ps_optimizer,
                                        **session_options)
         self.client = self.session.client
-        self._loaded = False
-        model.register_load_state_dict_post_hook(self._on_load)
+        self._watch(model, optimizer)
+        if lr_scheduler is not None:
+            self._advance(lr_scheduler)
         self._reached = [False] * len(self._named)
         self._need_all = True  # as after zero_grad(set_to_none=True): torch's grads are None
         self._fired = [0] * len(self._named)  # hook calls since the last step()
@@ -135,6 +153,7 @@ class DistributedOptimizer(SessionFrontEnd):
         self._bind()
         for name, module in tables.items():
             module.bind(name, self)
+        claim(model, optimizer)  # a wrapping refused above leaves them free
 
     @ends_the_job
     def table_forward(self, module, *args):
@@ -167,7 +186,7 @@ class DistributedOptimizer(SessionFrontEnd):
             grad = torch.from_numpy(self.client.grads[name])
             p.data = data
             p.grad = grad
-            p.register_post_accumulate_grad_hook(lambda _, i=i: self._on_grad(i))
+            p.register_post_accumulate_grad_hook(Hook(lambda _, i=i: self._on_grad(i)))
             self._views.append((name, p, data, grad))
 
     @ends_the_job
@@ -188,7 +207,8 @@ class DistributedOptimizer(SessionFrontEnd):
                 f"backward reached {name!r} twice before step() at step {self.global_step}, "
                 "but its bucket had already been pushed: with bucket_bytes the first step "
                 "shows whether gradients accumulate over several backward calls; accumulate "
-                "from the first step on, or set bucket_bytes=0")
+                "from the first step on, run the first backward calls inside dist.no_sync() "
+                "(DDP's), or set bucket_bytes=0")
         if self._handle is None:
             self._check_loaded()
             self._set_rates(self._learning_rate())
@@ -197,8 +217,75 @@ class DistributedOptimizer(SessionFrontEnd):
         self._left[i] = _as_left(self._views[i][3])
         self._handle.final((name,))
 
+    def _watch(self, model, optimizer):
+        """Hook the model and optimizer: a load, torch's own step(), the examples a step takes."""
+        self._loaded = False
+        model.register_load_state_dict_post_hook(Hook(self._on_load))
+        # torch's own step() would train this worker's copy and push nothing
+        self._step_hook = optimizer.register_step_pre_hook(Hook(self._refuse_torch_step))
+        # examples/sec: count the inputs' first dimension unless the batch size is known
+        session = self.session
+        self._examples = 0 if session.config.batch_size is None and not hasattr(
+            session.dataset, "batch_size") else None
+        self._per_example = session.examples_per_global_step // session.batch_size
+        if self._examples is not None:
+            model.register_forward_pre_hook(Hook(self._count_examples))
+
     def _on_load(self, module, incompatible):
         self._loaded = True
+
+    def _advance(self, scheduler):
+        """Step ``scheduler`` to the restored global step (a fresh start leaves it as it is)."""
+        self.optimizer._opt_called = True  # torch warns of a schedule stepped before step()
+        for _ in range(self.global_step - scheduler.last_epoch):
+            scheduler.step()
+
+    def _count_examples(self, module, args):
+        """Forward pre-hook: add the first input's first dimension to this step's examples."""
+        if torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor) \
+                and args[0].dim() > 0:
+            self._examples += args[0].shape[0]
+
+    @ends_the_job
+    def _refuse_torch_step(self, optimizer, args, kwargs):
+        raise ConfigurationError(
+            "optimizer.step() on the optimizer that DistributedOptimizer wraps: it would "
+            "train this worker's copy only and push nothing; call dist.step(loss) (the "
+            "update runs on the ps)")
+
+    @ends_the_job
+    def _refuse_copy(self):
+        raise ConfigurationError(
+            "DistributedOptimizer cannot be copied or pickled (it holds this rank's MPI "
+            "session), and a model with mpitf.torch tables holds it: save "
+            "model.state_dict() instead (its tables' rows are on the ps: use checkpoint_dir "
+            "and `mpitf ckpt export`, or dist.table_rows())")
+
+    def __reduce_ex__(self, protocol):
+        self._refuse_copy()
+
+    def __deepcopy__(self, memo):
+        self._refuse_copy()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients over the backward calls inside, as DDP's ``no_sync()``.
+
+        mpitf sends nothing before :meth:`step`: the backward calls between two steps
+        add into the gradient, and ``step()`` pushes the sum. Inside ``no_sync()`` no
+        bucket leaves during backward, from now on (every step pushes at ``step()``).
+        """
+        if self._handle is not None:
+            raise ConfigurationError(
+                f"no_sync() after a backward() of step {self.global_step} had pushed "
+                "buckets: enter no_sync() for the first micro-batches of a step, then run "
+                "the last backward() outside it, as with DDP")
+        if self._hooks_push or self._learning:
+            self._hooks_push = self._learning = False
+            if self.session.server.is_chief:
+                print("mpitf.torch: no_sync(): gradients accumulate; the buckets leave at "
+                      "step(), not during backward", flush=True)
+        yield
 
     @ends_the_job
     def zero_grad(self, set_to_none=True):
@@ -322,6 +409,10 @@ class DistributedOptimizer(SessionFrontEnd):
         self._variables.loss = float("nan") if loss is None else float(
             loss.detach() if isinstance(loss, torch.Tensor) else loss)
         self.optimizer._opt_called = True  # torch's LR schedulers look for a step() call
+        if self._examples:  # the examples this step's forwards took, as all workers' step
+            self.session.batch_size = self._examples
+            self.session.examples_per_global_step = self._examples * self._per_example
+            self._examples = 0
         if handle is not None:
             self.session.loss = self._variables.loss
             self.session.finish_push(handle)
@@ -375,4 +466,6 @@ class DistributedOptimizer(SessionFrontEnd):
     def close(self):
         """Checkpoint at the end (chief), tell every ps this worker is done; return exit_code."""
         self._hooks_push = False  # a backward after training (evaluation) pushes nothing
+        self._step_hook.remove()
+        release(self.model, self.optimizer)
         return super().close()

@@ -79,11 +79,14 @@ class LoggingHook(Hook):
             self.events.load()
 
     @classmethod
-    def from_config(cls, config):
-        """Return the hook a :class:`~mpitf.config.TrainingConfig` asks for, or None."""
+    def from_config(cls, config, stream=None):
+        """Return the hook a :class:`~mpitf.config.TrainingConfig` asks for, or None.
+
+        ``stream``: where the progress lines go (default: stdout).
+        """
         if config.log_every or (config.summary_every and config.run_dir):
             return cls(config.log_every, config.run_dir, config.last_step,
-                       summary_every=config.summary_every)
+                       stream=stream or sys.stdout, summary_every=config.summary_every)
         return None
 
     def begin(self, session):

@@ -49,6 +49,7 @@ class TrainingSession:
             the config's.
         dataset: a :class:`~mpitf.data.sharded.ShardedDataset`; its position is checkpointed.
         hooks: more :class:`Hook` objects.
+        log_stream: where the chief's progress lines go (a file; default stdout).
         partitioner: how large variables are split over ps tasks (see :mod:`mpitf.placement`).
         config: a :class:`~mpitf.config.TrainingConfig`; ``options`` (its field names, e.g.
             last_step, checkpoint_dir) build one or change the given one. A misspelt option
@@ -56,7 +57,7 @@ class TrainingSession:
     """
 
     def __init__(self, server, model, optimizer, mode=None, dataset=None, *, hooks=(),
-                 partitioner=None, config=None, **options):
+                 partitioner=None, config=None, log_stream=None, **options):
         if mode is not None:
             options["mode"] = mode
         config = TrainingConfig(**options) if config is None else config.replace(**options)
@@ -72,6 +73,7 @@ class TrainingSession:
         self.server = server
         self.model = model
         self.dataset = dataset
+        self.log_stream = log_stream
         self.mode = config.mode
         self.consistency = config.consistency  # what the mode decides here (mpitf.modes)
         self.checkpoint_dir = config.checkpoint_dir
@@ -121,7 +123,7 @@ class TrainingSession:
             self.hooks.append(StopAtStepHook(config.last_step))
         self.saver = CheckpointSaverHook.from_config(config) if server.is_chief else None
         if server.is_chief:
-            self.hooks += [hook for hook in (LoggingHook.from_config(config),
+            self.hooks += [hook for hook in (LoggingHook.from_config(config, log_stream),
                                              ProfileHook.from_config(config), self.saver) if hook]
         self.hooks.extend(hooks)
         self._start(optimizer)
@@ -326,7 +328,7 @@ class TrainingSession:
         print(f"step {self.global_step}: the chief was lost; /job:{self.server.job_name}/"
               f"task:{self.server.task_index} takes over its duties", flush=True)
         self.saver = CheckpointSaverHook.from_config(self.config)
-        duties = [hook for hook in (LoggingHook.from_config(self.config),
+        duties = [hook for hook in (LoggingHook.from_config(self.config, self.log_stream),
                                     ProfileHook.from_config(self.config), self.saver) if hook]
         for hook in duties:
             hook.begin(self)

@@ -168,6 +168,40 @@ def test_the_ctr_job_defaults_come_within_0_02_of_the_planted_auc(tmp_path):
     assert final["test_auc"] > ceiling - 0.02, (final, ceiling)
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_epochs_set_the_steps_and_keep_best_keeps_the_best_evaluated_checkpoint(tmp_path):
+    # 4 000 examples over 2 workers in batches of 64: 31 steps an epoch, 2.5 epochs = 78
+    # steps (sync: one batch of each worker a step). Evaluations at 20, 40, 60 and the end;
+    # each at a checkpoint, the best of them copied to CKPT/best with its step and AUC.
+    data = str(tmp_path / "ctr.h5")
+    synthetic_ctr(data, train=4000, test=1000, fields=3, rows=40, dense=2, seed=4)
+    ckpt = tmp_path / "ck"
+    run = run_mpi(3, ["-m", "mpitf.jobs.ctr", "--data", data, "--num-ps", "1", "--epochs",
+                      "2.5", "--batch-size", "64", "--lr", "0.1", "--eval-every", "20",
+                      "--keep-best", "--checkpoint-dir", ckpt], timeout=120, cwd=str(REPO))
+    assert not run.timed_out and run.returncode == 0, run.output
+    aucs = {int(step): float(value) for step, value in re.findall(
+        r"^step (\d+): test_auc = (0\.\d+), test_logloss", run.output, re.M)}
+    line = next(x for x in run.output.splitlines() if x.startswith("final: "))
+    final = json.loads(line[len("final: "):])
+    assert final["step"] == 78 and sorted(aucs) == [20, 40, 60], (final, run.output)
+    aucs[78] = final["test_auc"]
+    best = json.loads((ckpt / "best" / "best.json").read_text())
+    best_step = max(aucs, key=aucs.get)
+    assert best["step"] == best_step and abs(best["score"] - aucs[best_step]) < 1e-4, \
+        (best, aucs)
+    assert json.loads((ckpt / "best" / "manifest.json").read_text())["global_step"] == \
+        best_step
+    # each new best said so once, in step order: the last such line names the best
+    kept = re.findall(r"^step (\d+): the best test_auc so far", run.output, re.M)
+    assert kept[0] == "20" and kept[-1] == str(best_step), run.output
+    verify = subprocess.run([sys.executable, "-m", "mpitf.cli.main", "ckpt", "verify",
+                             str(ckpt / "best")], capture_output=True, text=True, timeout=60,
+                            cwd=str(REPO))
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
 @pytest.mark.mpi
 def test_an_out_of_range_id_in_the_data_ends_every_rank(tmp_path):
     data = _file(tmp_path, [[0, 1]] * 50 + [[0, 9]] + [[1, 2]] * 50)

@@ -12,7 +12,10 @@ SERVER = serve_if_ps(sessions=SESSIONS) if __name__ == "__main__" else None  # a
 #   exits: it never imports a framework
 
 import argparse
+import contextlib
+import copy
 import hashlib
+import io
 import sys
 import time
 
@@ -133,6 +136,11 @@ def main():
                    help="LambdaLR with one lambda per param group (two groups)")
     p.add_argument("--reset-optimizer-state", action="store_true")
     p.add_argument("--hidden", type=int, default=16)
+    p.add_argument("--run-dir", default=None, help="the chief's metrics.jsonl goes there")
+    p.add_argument("--no-sync", action="store_true",
+                   help="with --accumulate-from: the first backward inside dist.no_sync()")
+    p.add_argument("--copies", action="store_true",
+                   help="deepcopy and torch.save the model after wrapping (see wrapped_copies)")
     args = p.parse_args()
     with abort_on_error():
         for name in args.optimizer.split(","):
@@ -164,11 +172,17 @@ def train(server, args, optimizer):
                                 last_step=args.steps, checkpoint_dir=args.checkpoint_dir,
                                 save_checkpoint_steps=args.save_steps, log_every=1,
                                 clip_norm=args.clip, bucket_bytes=args.bucket_bytes,
-                                reset_optimizer_state=args.reset_optimizer_state)
+                                reset_optimizer_state=args.reset_optimizer_state,
+                                run_dir=args.run_dir)
     if args.brk == "to":
         model.to(torch.float64)
     elif args.brk == "load":
         model.load_state_dict(ref.state_dict())
+    elif args.brk == "twice":
+        DistributedOptimizer(opt, model, server)
+    if args.copies:
+        model.to("cpu")  # where it is already: nothing moves, and training goes on
+    copies = wrapped_copies(model) if args.copies else None
     start, early, clipped = dist.global_step, 0, 0
     for s in range(start):  # a resumed run: bring the reference to the same step
         ref_step(ref, ref_opt, ref_sched, s, workers, args.clip)
@@ -181,8 +195,13 @@ def train(server, args, optimizer):
             dist.zero_grad()
         if args.accumulate_from is not None and s >= args.accumulate_from:
             for half in (slice(0, 5), slice(5, 10)):  # gradient accumulation
-                loss = torch.nn.functional.cross_entropy(model(x[k, half]), y[k, half]) / 2
-                loss.backward()
+                # DDP's way: every micro-batch but the last inside no_sync()
+                quiet = dist.no_sync() if args.no_sync and half.start == 0 else \
+                    contextlib.nullcontext()
+                with quiet:
+                    loss = torch.nn.functional.cross_entropy(model(x[k, half]),
+                                                             y[k, half]) / 2
+                    loss.backward()
         else:
             out = model(x[k].to(next(model.parameters()).dtype))
             if args.brk == "unused" and s == 3:
@@ -197,6 +216,8 @@ def train(server, args, optimizer):
         bucketed = dist.client.bucketed_push
         if bucketed is not None and bucketed.reply_value is None:  # a step under way
             early += sum(bucketed.next)  # buckets the hooks pushed during backward
+        if args.brk == "torch_step" and s == 2:
+            opt.step()  # torch's own: refused, naming dist.step
         dist.step(loss)
         time.sleep(args.sleep)
         if sched is not None:
@@ -210,6 +231,18 @@ def train(server, args, optimizer):
                 for a, b in zip(ref.parameters(), build(args.model, args.hidden).parameters()))
     say(f"worker {k}: step {dist.global_step} maxrel: {worst:.3g} moved: {moved:.3g} "
         f"lr: {opt.param_groups[0]['lr']:.6g} optimizer: {optimizer}")
+    if copies is not None:
+        # the copies made after wrapping are plain torch models holding the chief's values
+        # at wrapping: training moved neither, and loading into one leaves the wrapped
+        # model's check alone (close() has run, so compare on the chief only)
+        for copy_ in copies:
+            copy_.load_state_dict(copy_.state_dict())
+        start = build(args.model, args.hidden).state_dict()
+        still = [all(torch.equal(a, b) for a, b in zip(c.state_dict().values(),
+                                                       start.values())) for c in copies]
+        if k == 0:
+            say(f"worker {k}: copies unchanged: {still} outputs: "
+                f"{[tuple(c(x[k]).shape) for c in copies]}")
     state = model.state_dict()
     buffers, ref_buffers = untrained(model), untrained(ref)
     if buffers:  # every worker holds the chief's at close; one worker: near torch's own
@@ -222,6 +255,14 @@ def train(server, args, optimizer):
     if args.clip or args.clip_grad_norm:  # how often the norm bound changed the gradient
         say(f"worker {k}: the reference clipped {clipped} of {dist.global_step - start} steps")
     return dist.exit_code
+
+
+def wrapped_copies(model):
+    """Return a deepcopy (an EMA's) and a torch.save/torch.load round trip of the model."""
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return [copy.deepcopy(model), torch.load(buffer, weights_only=False)]
 
 
 def ref_step(ref, opt, sched, s, workers, clip):

@@ -155,6 +155,45 @@ def test_clip_norm_equals_torch_clip_grad_norm(n, num_ps, mode):
 
 
 @pytest.mark.slow
+def test_no_sync_accumulates_as_ddp_after_buckets_left_during_backward():
+    # 64-byte buckets: 4 of them leave during backward at steps 1 and 2; from step 3 on
+    # the first half-batch's backward runs inside dist.no_sync() (refused without it:
+    # test_gradient_accumulation_with_buckets), and every step pushes at step().
+    run = drive(3, "--accumulate-from", 3, "--no-sync", "--bucket-bytes", 64, "--steps", 8,
+                "--schedule")
+    maxrels, _ = results(run, 8, 2)
+    assert max(maxrels) < 1e-6, run.output
+    assert "buckets pushed during backward: 8" in run.stdout, run.output
+    assert run.stdout.count("mpitf.torch: no_sync(): gradients accumulate") == 1, run.output
+
+
+@pytest.mark.slow
+def test_deepcopy_and_torch_save_of_a_wrapped_model_give_plain_torch_models():
+    # An EMA copy and a saved model, made after wrapping: training goes on as before, the
+    # copies keep the values at wrapping, run forward, and load a state_dict.
+    run = drive(3, "--copies", "--steps", 5)
+    maxrels, _ = results(run, 5, 2)
+    assert max(maxrels) < 1e-6, run.output
+    assert "worker 0: copies unchanged: [True, True] outputs: [(10, 3), (10, 3)]" \
+        in run.stdout, run.output
+
+
+@pytest.mark.slow
+def test_examples_per_sec_counts_the_inputs_first_dimension(tmp_path):
+    # No dataset, no batch_size: the model's input (10 rows a worker) is counted, so the
+    # metrics' examples per global step are 2 workers x 10 at every logged step.
+    import json
+
+    run = drive(3, "--steps", 6, "--run-dir", tmp_path)
+    results(run, 6, 2)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    for r in records:
+        per_step = r["examples_per_sec"] / r["global_steps_per_sec"]
+        assert abs(per_step - 20) < 1e-6, records
+
+
+@pytest.mark.slow
 def test_torch_zero_grad_set_to_none_is_bound_again():
     # With BatchNorm: one worker's running statistics follow plain torch's.
     run = drive(2, "--break", "torch_zero_grad", "--model", "bn")
@@ -171,6 +210,11 @@ def test_torch_zero_grad_set_to_none_is_bound_again():
     ("to", "parameter '0.weight' no longer lies in mpitf's buffer at step 0 (its data is now "
            "torch.float64"),
     ("load", "model.load_state_dict() was called after DistributedOptimizer wrapped the model"),
+    ("torch_step", "optimizer.step() on the optimizer that DistributedOptimizer wraps: it "
+                   "would train this worker's copy only and push nothing; call "
+                   "dist.step(loss)"),
+    ("twice", "this model is already wrapped by a DistributedOptimizer: wrap each model and "
+              "optimizer once"),
 ])
 def test_a_broken_alias_ends_every_rank_naming_it(brk, words):
     # The ps and one worker: each worker checks its own model, so a second finds the
@@ -343,6 +387,92 @@ def test_torch_mnist_job_reaches_95_percent_and_resumes_bit_for_bit(tmp_path, di
     assert sorted(whole.files) == sorted(again.files) and "2.running_mean" in whole.files
     for key in whole.files:
         assert whole[key].tobytes() == again[key].tobytes(), key
+
+
+LOSS = re.compile(r"^worker (\d) step (\d+) loss (\S+) lr (\S+)$", re.M)
+
+
+def losses(text):
+    """Return {(worker, step): (loss, next lr)} of jobs/torch_resume.py's lines, as printed."""
+    return {(int(w), int(s)): (loss, lr) for w, s, loss, lr in LOSS.findall(text)}
+
+
+@pytest.mark.slow
+def test_a_custom_loop_stopped_by_sigterm_resumes_with_the_losses_of_a_run_never_stopped(
+        tmp_path):
+    # jobs/torch_resume.py: the loop's own sampler (dataset=, state_dict() over epoch and
+    # cursor: 1000 steps of 16 rows from shards of 300 rows is 55 epochs), a LambdaLR
+    # (lr_scheduler=), 1 ps + 2 workers in deterministic sync mode. Every loss and rate is
+    # compared as printed (repr: bit for bit). The stopped run is signalled at its step 10
+    # and cuts where the signal lands: the run never stopped goes far enough past it.
+    job = ["jobs/torch_resume.py", "--deterministic", "--log-every", "200"]
+    whole = run_mpi(3, [*job, "--steps", "1000", "--log-file", tmp_path / "progress.log"],
+                    timeout=120, cwd=str(REPO))
+    assert not whole.timed_out and whole.returncode == 0, whole.output
+    expected = losses(whole.stdout)
+    assert sorted(expected) == [(w, s) for w in (0, 1) for s in range(1, 1001)], whole.output
+    # log_stream: the chief's progress lines went to the file, none to stdout
+    progress = (tmp_path / "progress.log").read_text()
+    assert re.findall(r"^step (\d+), loss = ", progress, re.M) == [
+        str(s) for s in range(200, 1001, 200)], progress
+    assert ", loss = " not in whole.stdout, whole.output
+    ckpt = tmp_path / "ckpt"
+    code, text = signal_when(3, [*job, "--steps", "100000", "--checkpoint-dir", ckpt],
+                             tmp_path / "out.log", "worker 0 step 10 ", wait=90,
+                             cwd=str(REPO))
+    assert code == EXIT_REQUEUE, text
+    (step,) = map(int, re.findall(r"SIGTERM: checkpointed at step (\d+); exiting", text))
+    assert 10 <= step < 1000, text
+    stopped = losses(text)
+    assert max(s for _, s in stopped) == step and stopped == {
+        key: expected[key] for key in stopped}, text
+    resumed = run_mpi(3, [*job, "--steps", "1000", "--checkpoint-dir", ckpt], timeout=120,
+                      cwd=str(REPO))
+    assert not resumed.timed_out and resumed.returncode == 0, resumed.output
+    assert f"restored {ckpt}/ckpt-{step:08d} at step {step}" in resumed.stdout, resumed.output
+    after = losses(resumed.stdout)
+    assert sorted(after) == [(w, s) for w in (0, 1) for s in range(step + 1, 1001)]
+    assert after == {key: expected[key] for key in after}, resumed.output
+
+
+@pytest.mark.slow
+def test_the_torch_example_trains_by_epochs(tmp_path, digits_file):
+    # The digits' 1437 training images over 2 workers in batches of 32: 22 steps an epoch.
+    job = ["jobs/torch_mnist.py", "--data", digits_file, "--deterministic"]
+    run = run_mpi(3, [*job, "--epochs", "0.5"], timeout=120, cwd=str(REPO))
+    assert not run.timed_out and run.returncode == 0, run.output
+    assert re.findall(r"^step (\d+): test accuracy", run.stdout, re.M) == ["11"], run.output
+    both = run_mpi(3, [*job, "--epochs", "1", "--steps", "5"], timeout=120, cwd=str(REPO))
+    assert both.returncode == 2, both.output
+    assert both.output.count("--steps 5 and --epochs 1 both say when training ends: give "
+                             "one") == 1, both.output
+
+
+def test_a_model_is_wrapped_once_until_closed_and_the_wrappers_hooks_copy_inert():
+    # In-process, the two rules of mpitf/torch/wrapping.py that the mpiexec tests above
+    # (twice, copies) rely on.
+    import copy
+    import pickle
+
+    from mpitf.errors import ConfigurationError
+    from mpitf.torch.wrapping import Hook, claim, refuse_wrapped, release
+
+    model, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    refuse_wrapped(model, opt)  # free
+    claim(model, opt)
+    with pytest.raises(ConfigurationError, match="this model is already wrapped"):
+        refuse_wrapped(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ConfigurationError, match="this optimizer is already wrapped"):
+        refuse_wrapped(other, opt)
+    release(model, opt)
+    refuse_wrapped(model, opt)  # free again once its wrapper closed
+    calls = []
+    hook = Hook(calls.append)
+    hook(1)
+    assert calls == [1]
+    assert copy.deepcopy(hook)(2) is None and pickle.loads(pickle.dumps(hook))(3) is None
+    assert calls == [1]
 
 
 def test_readme_torch_loops_differ_in_at_most_six_lines():

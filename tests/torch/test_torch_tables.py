@@ -82,7 +82,10 @@ def test_two_workers_and_two_tables_on_two_ps_equal_torch_on_the_mean_gradient()
 @pytest.mark.parametrize("bad,words", [
     ("id", "table 'emb.weight': id 53 at position 7 is outside [0, 50)"),
     ("twice", "table 'emb.weight' was looked up twice before step() at step 3: call each "
-              "mpitf.torch table once per step")], ids=["id", "twice"])
+              "mpitf.torch table once per step"),
+    ("copy", "DistributedOptimizer cannot be copied or pickled (it holds this rank's MPI "
+             "session), and a model with mpitf.torch tables holds it: save "
+             "model.state_dict() instead")], ids=["id", "twice", "copy"])
 def test_bad_input_ends_every_rank_naming_the_table(bad, words):
     run = drive(3 if bad == "id" else 2, "--bad", bad)  # 2 workers, or 1
     assert run.returncode == 2, run.output
