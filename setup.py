@@ -30,6 +30,9 @@ setup(
         "test": ["pytest<9.2", "pytest-timeout", "pytest-xdist", "hypothesis", "scikit-learn",
                  "ruff", "import-linter", "tensorboard"],
         "bench": ["matplotlib"],
+        # The documentation site (bash run.sh docs): Sphinx with Markdown pages and the furo
+        # theme; the CLI and API pages are made from the code by docs/_ext/mpitf_docs.py.
+        "docs": ["sphinx>=8,<9", "myst-parser>=4,<6", "furo>=2024.8"],
         "data": ["scikit-learn"],
         # mpitf.torch; a CPU build is enough (and small): see run.sh.
         "torch": ["torch>=2.1"],
