@@ -38,5 +38,3 @@ napoleon_use_rtype = False
 
 html_theme = "furo"
 html_title = f"mpitf {version}"
-html_static_path = ["_static"]
-html_css_files = ["mpitf.css"]
