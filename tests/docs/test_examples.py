@@ -97,9 +97,11 @@ def test_tensorflow_cluster_flags(tmp_path):
     for task in ("/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1",
                  "/job:worker/replica:0/task:2"):
         assert task in out, out  # hello: every task of the flag's cluster greets
-    # mpitf cluster: 2 ps, one per node first, and 6 workers over n1 and n2
-    assert re.search(r"/job:ps/task:0\b.*\bn1\b", out) and re.search(r"/job:ps/task:1\b.*\bn2\b",
-                                                                       out), out
+    # mpitf cluster: the 2 ps one per node (ranks 0 and 4), 3 workers on each of n1 and n2
+    rows = re.findall(r"^\s*(\d+)\s+(/job:\w+/replica:0/task:\d+)\s+(n[12])$", out, re.M)
+    assert ("0", "/job:ps/replica:0/task:0", "n1") in rows, out
+    assert ("4", "/job:ps/replica:0/task:1", "n2") in rows, out
+    assert sorted(host for _, task, host in rows if "worker" in task) == ["n1"] * 3 + ["n2"] * 3
 
 
 @pytest.mark.slow
