@@ -24,6 +24,8 @@ myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3
 source_suffix = {".md": "markdown"}
 exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]
+# Flags in prose and help strings keep their "--" and straight quotes.
+smartquotes = False
 
 # The reference documents what the code says; a name the docstrings mention that is not
 # documented here is a warning, and warnings fail the build (run.sh docs: -W -n).
