@@ -2,19 +2,24 @@
 
 ``{mpitf-cli}`` documents the ``mpitf`` command, one section per subcommand, from
 ``mpitf.cli.main.build_parser()``; ``{mpitf-job} NAME`` documents the flags of the built-in
-job ``mpitf.jobs.NAME``, whose parser its ``main()`` builds: the directive calls ``main()``
+job ``mpitf.jobs.NAME`` (or of a checkout's script, ``jobs/NAME.py``), whose parser its
+``main()`` builds: the directive calls ``main()``
 with ``parse_args`` replaced by one that hands the parser back before anything runs. No
 flag is copied into the pages, so the reference cannot drift from the code.
 """
 
 import argparse
 import importlib
+import importlib.util
+import os
 import re
 
 from docutils import nodes
 from docutils.statemachine import StringList
 from sphinx.util.docutils import SphinxDirective
 from sphinx.util.nodes import nested_parse_with_titles
+
+DOCS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class _Parsed(Exception):
@@ -26,8 +31,20 @@ class _Parsed(Exception):
 
 
 def job_parser(name):
-    """Return the argparse parser that ``mpitf.jobs.<name>.main()`` builds."""
-    module = importlib.import_module(f"mpitf.jobs.{name}")
+    """Return the argparse parser a job's ``main()`` builds.
+
+    ``name`` is a built-in job (``mnist_mlp``: ``mpitf.jobs.mnist_mlp``) or a script of the
+    checkout (``jobs/torch_mnist.py``), whose ``main()`` is called with no arguments.
+    """
+    if name.endswith(".py"):
+        path = os.path.join(os.path.dirname(DOCS), name)
+        spec = importlib.util.spec_from_file_location(f"_mpitf_docs_{len(name)}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        call, prog = module.main, f"python {name}"
+    else:
+        module = importlib.import_module(f"mpitf.jobs.{name}")
+        call, prog = (lambda: module.main([])), f"python -m mpitf.jobs.{name}"
 
     def hand_back(parser, *args, **kwargs):
         raise _Parsed(parser)
@@ -35,14 +52,14 @@ def job_parser(name):
     saved = argparse.ArgumentParser.parse_args
     argparse.ArgumentParser.parse_args = hand_back
     try:
-        module.main([])
+        call()
     except _Parsed as parsed:
         parser = parsed.parser
     else:
-        raise RuntimeError(f"mpitf.jobs.{name}.main() returned without parsing its flags")
+        raise RuntimeError(f"{name}: main() returned without parsing its flags")
     finally:
         argparse.ArgumentParser.parse_args = saved
-    parser.prog = f"python -m mpitf.jobs.{name}"
+    parser.prog = prog
     return parser
 
 
@@ -129,7 +146,8 @@ class JobDirective(_ParserDirective):
     def run(self):
         """Document the job's parser."""
         name = self.arguments[0]
-        return self.render(_option_lines(job_parser(name), f"mpitf.jobs.{name}"))
+        program = name if name.endswith(".py") else f"mpitf.jobs.{name}"
+        return self.render(_option_lines(job_parser(name), program))
 
 
 def setup(app):
