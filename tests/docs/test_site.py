@@ -57,6 +57,7 @@ def test_a_broken_link_or_reference_fails_the_build_naming_it(tmp_path):
     for included in ("slurm/README.md", "benchmarks/README.md"):
         (source / included).parent.mkdir()
         shutil.copy(REPO / included, source / included)
+    (source / "jobs").symlink_to(REPO / "jobs")  # the CLI page reads jobs/torch_mnist.py
     quickstart = source / "docs" / "quickstart.md"
     text = quickstart.read_text()
     assert "(cli.md)" in text
