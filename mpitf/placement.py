@@ -117,7 +117,16 @@ class MinMaxVariablePartitioner:
 
 def min_max_variable_partitioner(max_partitions=1, axis=0, min_slice_size=256 << 10,
                                  bytes_per_string_element=16):
-    """Return a partitioner as TensorFlow's function of that name does (same arguments)."""
+    """Return a partitioner as TensorFlow's function of that name does (same arguments).
+
+    Args:
+        max_partitions: the most slices a variable is cut into.
+        axis: the axis cut along.
+        min_slice_size: the least bytes of a slice: a variable gets
+            ``ceil(bytes / min_slice_size)`` slices, at most ``max_partitions`` and the
+            axis length.
+        bytes_per_string_element: the size counted for one element of a string variable.
+    """
     return MinMaxVariablePartitioner(max_partitions, min_slice_size, axis,
                                      bytes_per_string_element)
 
@@ -126,6 +135,13 @@ def fixed_size_partitioner(num_shards, axis=0):
     """Return TensorFlow's partitioner of that name: ``num_shards`` slices along ``axis``.
 
     Fewer when the axis is shorter.
+
+    Args:
+        num_shards: the number of slices (an integer >= 1).
+        axis: the axis cut along.
+
+    Raises:
+        ConfigurationError: ``num_shards`` is not an integer >= 1.
     """
     if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
         raise ConfigurationError(f"bad num_shards={num_shards!r}: expecting an integer >= 1")
@@ -143,6 +159,15 @@ def variable_axis_size_partitioner(max_shard_bytes, axis=0, bytes_per_string_ele
     """Return TensorFlow's partitioner of that name: slices under ``max_shard_bytes``.
 
     Slices along ``axis`` hold at least one row each, and there are at most ``max_shards``.
+
+    Args:
+        max_shard_bytes: the most bytes of a slice.
+        axis: the axis cut along.
+        bytes_per_string_element: the size counted for one element of a string variable.
+        max_shards: the most slices (None: no limit).
+
+    Raises:
+        ConfigurationError: a size or count that is not positive.
     """
     if max_shard_bytes < 1 or bytes_per_string_element < 1:
         raise ConfigurationError(

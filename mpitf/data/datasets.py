@@ -211,6 +211,12 @@ def ensure_digits(path=None):
 
     Call it on one rank only, then barrier: writers of one path share its
     ``.tmp`` name. Readers never see a partial file (the write is atomic).
+
+    Args:
+        path: where the file is (None: :func:`~mpitf.data.datasets.default_data_path`).
+
+    Returns:
+        The path of the file, which exists now.
     """
     path = path or default_data_path()
     if not os.path.exists(path):

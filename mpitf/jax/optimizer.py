@@ -104,7 +104,7 @@ class DistributedOptimizer(SessionFrontEnd):
     Args:
         params: the parameters; their pytree structure, shapes and leaf names (key paths
             joined by ``/``) are fixed here. The chief's are every worker's starting values,
-            unless a checkpoint is restored: read them back from :attr:`params`.
+            unless a checkpoint is restored: read them back from ``opt.params``.
         server: this rank's :class:`~mpitf.runtime.server.Server` (a chief or worker task).
         optimizer: a ps optimizer by name (:func:`~mpitf.ps.optimizers.make_optimizer`:
             "sgd", "momentum", "adam", "adamw", "rmsprop", "adagrad", "ftrl", torch's
@@ -217,7 +217,7 @@ class DistributedOptimizer(SessionFrontEnd):
     def step(self, grads, loss=None, table_grads=None):
         """Push ``grads`` (the parameters' pytree structure), update on the ps, pull.
 
-        Returns the new parameters (also :attr:`params`). ``loss`` (a number or a scalar
+        Returns the new parameters (also ``opt.params``). ``loss`` (a number or a scalar
         array) is only reported (log lines, metrics). A gradient pytree that differs from
         the parameters (a missing leaf, a shape, a dtype) is refused, naming the leaf.
         ``table_grads``: ``{table: d(loss)/d(rows)}`` of each table looked up (for

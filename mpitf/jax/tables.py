@@ -27,11 +27,17 @@ __all__ = ["Table", "TableSteps"]
 class Table:
     """An embedding table on the ps: ``num_embeddings`` x ``dim`` float32 rows.
 
-    ``initial``: the rows (an array of that shape) every ps starts from, the chief's; None:
-    drawn on the ps, U(-0.05, 0.05). ``num_embeddings=None`` (or ``dynamic=True``, or a
-    :class:`~mpitf.tables.growth.Growth` for admission and eviction): a table that grows,
-    any int64 id, its rows drawn on the ps from (seed, table, id). ``max_ids``: the most
-    ids one step looks up in it (the size of the buffers, made once on every rank).
+    Args:
+        name: the table's name (in ``lookup``, checkpoints, logs and errors).
+        num_embeddings: the number of rows; None: a table that grows (see ``dynamic``).
+        dim: the length of each row.
+        initial: the rows (an array of that shape) every ps starts from, the chief's;
+            None: drawn on the ps, U(-0.05, 0.05).
+        max_ids: the most ids one step looks up in it (the size of the buffers, made once
+            on every rank).
+        dynamic: True, or a :class:`~mpitf.tables.growth.Growth` for admission and
+            eviction: a table that grows, any int64 id, its rows drawn on the ps from
+            (seed, table, id); ``num_embeddings=None`` alone means the same.
     """
 
     name: str
@@ -87,9 +93,11 @@ class TableSteps:
         self.tables = tables  # {name: Table}
 
     def specs(self):
+        """Return the :class:`~mpitf.models.embedding.EmbeddingTable` of each table."""
         return [t.spec() for t in self.tables.values()]
 
     def initial(self):
+        """Return the chief's initial rows of the tables given them, by name."""
         rows = {name: t.rows() for name, t in self.tables.items()}
         return {name: r for name, r in rows.items() if r is not None}
 

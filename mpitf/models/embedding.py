@@ -35,14 +35,23 @@ INITIALIZERS = ("uniform", "normal", "zeros")
 class EmbeddingTable:
     """An embedding table: ``rows`` x ``dim`` values of ``dtype`` (``rows`` None: it grows).
 
-    ``initializer``: "uniform" (U(-scale, scale), the default), "normal" (N(0, scale))
-    or "zeros". ``lookups``: how many ids of this table one example looks up at most (a
-    table shared by several fields looks up one per field); a step's buffers are made for
-    ``batch_size * lookups`` unique ids. ``placement``: how rows are split over the ps
-    tasks, "mod" (row i on ps i % P, the default) or "range" (see :mod:`mpitf.tables.rows`).
-    ``dynamic``: True or a :class:`~mpitf.tables.growth.Growth` (admission, eviction) for a
-    table that grows (``rows`` must then be None, which alone means the same): any int64
-    id, row ``x`` on the ps a hash of ``x`` names (``placement`` is then "hash").
+    Args:
+        name: the table's name (in checkpoints, logs and errors).
+        rows: the number of rows; None: a table that grows (see ``dynamic``).
+        dim: the length of each row.
+        dtype: the rows' dtype.
+        initializer: "uniform" (U(-scale, scale), the default), "normal" (N(0, scale))
+            or "zeros".
+        scale: the initializer's scale.
+        lookups: how many ids of this table one example looks up at most (a table shared
+            by several fields looks up one per field); a step's buffers are made for
+            ``batch_size * lookups`` unique ids.
+        placement: how rows are split over the ps tasks, "mod" (row i on ps i % P, the
+            default) or "range" (see :mod:`mpitf.tables.rows`).
+        dynamic: True or a :class:`~mpitf.tables.growth.Growth` (admission, eviction) for
+            a table that grows (``rows`` must then be None, which alone means the same):
+            any int64 id, row ``x`` on the ps a hash of ``x`` names (``placement`` is
+            then "hash").
     """
 
     name: str

@@ -173,6 +173,7 @@ class NoOp(Optimizer):
         """Leave ``params`` (and a reply in a wire dtype, which holds them) as they are."""
 
     def reference_update(self, xp, params, grad, slots, step):
+        """Change nothing: the ps only serves the parameters."""
         pass
 
 
@@ -184,6 +185,7 @@ class GradientDescent(Optimizer):
     uses_scratch = False
 
     def reference_update(self, xp, params, grad, slots, step):
+        """Subtract ``lr * grad`` from the parameters, the gradient scaled in its own buffer."""
         # Scale the gradient where it lies: the freshly received gradient is the one cold
         # buffer here, and a scratch buffer would be one more to pull through the cache.
         xp.multiply(grad, self.learning_rate(step), grad)  # out positional: a small
@@ -233,6 +235,7 @@ class Momentum(Optimizer):
         self.use_nesterov = bool(use_nesterov)
 
     def reference_update(self, xp, params, grad, slots, step):
+        """TensorFlow's momentum update (Nesterov's when asked), in numpy passes."""
         lr, mu = self.learning_rate(step), self.momentum
         accum, tmp = slots["momentum"], slots[_SCRATCH]
         xp.multiply(accum, mu, out=accum)
@@ -267,6 +270,7 @@ class Adam(Optimizer):
         self.beta1, self.beta2, self.epsilon = float(beta1), float(beta2), float(epsilon)
 
     def reference_update(self, xp, params, grad, slots, step):
+        """TensorFlow 1's Adam (epsilon before the bias correction), in numpy passes."""
         b1, b2, t = self.beta1, self.beta2, step + 1
         lr_t = self.learning_rate(step) * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
         m, v, tmp = slots["m"], slots["v"], slots[_SCRATCH]
@@ -304,6 +308,7 @@ class Adagrad(Optimizer):
         slots["accumulator"].fill(self.initial_accumulator_value)
 
     def reference_update(self, xp, params, grad, slots, step):
+        """Add ``grad**2`` to the accumulator, then ``lr * grad / sqrt(accum)`` off ``params``."""
         accum, tmp = slots["accumulator"], slots[_SCRATCH]
         xp.multiply(grad, grad, out=tmp)
         xp.add(accum, tmp, out=accum)
@@ -322,14 +327,22 @@ def make_optimizer(name, learning_rate=0.01, groups=None, **kwargs):
     torch.optim's rules are "torch_sgd", "torch_adam", "adamw", "torch_adagrad" and
     "rmsprop" (see :mod:`mpitf.ps.torch_optimizers`).
 
-    ``learning_rate`` is a float, a schedule, or a schedule config dict;
-    ``kwargs`` are the optimizer's hyper-parameters (``momentum``,
-    ``use_nesterov``; ``beta1``, ``beta2``, ``epsilon``;
-    ``initial_accumulator_value``; ftrl's ``learning_rate_power``, ``l1``, ``l2``).
-    ``groups``: options per group of variables, ``[{"variables": [names or fnmatch
-    patterns], option: value, ...}]`` (see :mod:`mpitf.ps.groups`); the others keep these.
-    Raises ConfigurationError for an unknown name, an unknown hyper-parameter, or a value
-    out of range.
+    Args:
+        name: the optimizer's name, as above.
+        learning_rate: a float, a schedule, or a schedule config dict.
+        groups: options per group of variables, ``[{"variables": [names or fnmatch
+            patterns], option: value, ...}]`` (see :mod:`mpitf.ps.groups`); the others
+            keep these.
+        **kwargs: the optimizer's hyper-parameters (``momentum``, ``use_nesterov``;
+            ``beta1``, ``beta2``, ``epsilon``; ``initial_accumulator_value``; ftrl's
+            ``learning_rate_power``, ``l1``, ``l2``).
+
+    Returns:
+        An :class:`~mpitf.ps.optimizers.Optimizer`, which runs on the ps.
+
+    Raises:
+        ConfigurationError: an unknown name, an unknown hyper-parameter, or a value out
+            of range.
     """
     from .ftrl import Ftrl  # in a module of its own: this one is at its size limit
     from .torch_optimizers import TORCH_OPTIMIZERS

@@ -23,6 +23,12 @@ class ExponentialDecay:
     As ``tf.train.exponential_decay``:
     ``lr = initial_learning_rate * decay_rate ** (step / decay_steps)``, with the
     exponent floored when ``staircase`` is true.
+
+    Args:
+        initial_learning_rate: the rate at step 0.
+        decay_steps: the steps over which the rate is multiplied by ``decay_rate`` once.
+        decay_rate: the factor per ``decay_steps``.
+        staircase: decay in whole steps of ``decay_steps`` rather than continuously.
     """
 
     kind = "exponential_decay"

@@ -15,7 +15,28 @@ __all__ = ["Growth"]
 
 @dataclass(frozen=True)
 class Growth:
-    """Admission and eviction of a dynamic table's rows (by default: every id, none evicted)."""
+    """Admission and eviction of a dynamic table's rows (by default: every id, none evicted).
+
+    Each field but ``negative_ids`` is also a flag of the jobs (``--admit-min-count`` ...,
+    in the "dynamic tables" group), whose help says the same.
+
+    Args:
+        admit_min_count: an id gets a row once this many pushes carried its gradient;
+            until then it reads zeros and its gradients are counted, not applied.
+        admit_probability: an id that reached ``admit_min_count`` gets a row with this
+            probability per push (a draw of seed, table, id and count: the same in every
+            run).
+        evict_after_steps: evict the rows no gradient reached for this many steps
+            (None: never).
+        capacity: the rows one ps holds of each table at most; beyond, the least used
+            rows are evicted (None: no limit).
+        evict_every: run the ``evict_after_steps`` eviction every this many steps (None:
+            at each checkpoint).
+        negative_ids: False makes a negative id bad input, refused by the worker.
+
+    Raises:
+        ConfigurationError: a value out of range.
+    """
 
     admit_min_count: int = option(
         1, "--admit-min-count", check=integer(1), group="dynamic tables",

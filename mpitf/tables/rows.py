@@ -31,7 +31,17 @@ def _kernels():
 
 
 class RowPlacement:
-    """The split of one table's rows over ``num_ps`` ps tasks (``"mod"`` or ``"range"``)."""
+    """The split of one table's rows over ``num_ps`` ps tasks (``"mod"`` or ``"range"``).
+
+    Args:
+        rows: the table's number of rows (at least 1).
+        num_ps: the number of ps tasks (at least 1).
+        kind: "mod" (row i on ps i % num_ps) or "range" (contiguous ranges of rows,
+            the first ``rows % num_ps`` ps one row more).
+
+    Raises:
+        ConfigurationError: another kind, or no rows or no ps.
+    """
 
     def __init__(self, rows, num_ps, kind="mod"):
         if kind not in ROW_PLACEMENTS:

@@ -201,7 +201,13 @@ class EmbeddingBag(_RowTable):
 
 
 class Embedding(_RowTable):
-    """torch.nn.Embedding whose weight the ps holds by rows (see :class:`EmbeddingBag`)."""
+    """torch.nn.Embedding whose weight the ps holds by rows (see :class:`EmbeddingBag`).
+
+    Args: torch's (``num_embeddings``, ``embedding_dim``, ``padding_idx``, ``_weight``,
+    ``dtype``; ``sparse`` is accepted and ignored; ``max_norm`` and
+    ``scale_grad_by_freq`` are refused), and ``max_ids`` and ``dynamic`` as for
+    :class:`EmbeddingBag`.
+    """
 
     def forward(self, input):
         """Return each id's row (``input.shape + (embedding_dim,)``)."""

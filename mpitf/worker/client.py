@@ -158,7 +158,9 @@ class Client:
         return self.transport.push_pull(data_position)
 
     def start_push(self, data_position=(0, 0)):
-        """Begin a bucketed push: post every reply's receive; return the :class:`BucketedPush`.
+        """Begin a bucketed push: post every reply's receive; return the push.
+
+        The push is a :class:`~mpitf.worker.buckets.BucketedPush`.
 
         Then ``final(names)`` as backward finishes variables (each bucket leaves once all
         its variables are final), ``push_rest()``, and ``wait()`` (or ``wait_params(name)``
@@ -199,7 +201,7 @@ class Client:
     def set_gradients(self, grads):
         """Copy a dict of gradients into the flat buffer, checking names, shapes and dtypes.
 
-        The zero-copy way is to write into :attr:`grads` directly; this one is for code
+        The zero-copy way is to write into ``self.grads`` directly; this one is for code
         that computes gradients elsewhere. Nothing is sent.
         """
         for name, value in grads.items():  # check everything before touching anything
@@ -284,7 +286,8 @@ class Client:
             total_num_replicas: the number of workers that push (None: all of them).
             sparse: the embedding tables every ps holds rows of (``Embeddings.assignment``,
                 or one per ps: ``Embeddings.assignments``).
-        Returns the :class:`Reply` of the first pull (its ``global_step`` is where to start).
+        Returns the :class:`~mpitf.worker.handles.Reply` of the first pull (its
+        ``global_step`` is where to start).
         """
         config = self.config
         if config.ps_replication_steps:  # a lost ps's frame goes to its buddy (ps/replica.py)

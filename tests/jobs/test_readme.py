@@ -1,4 +1,4 @@
-"""The README's training script runs as written, imports included, on three ranks."""
+"""The quick start's training script (the README's one example) runs as written, on three ranks."""
 
 import os
 import re
@@ -8,13 +8,13 @@ import sys
 import pytest
 
 from mpitf.testing import run_mpi
-from tests.support import REPO
+from tests.docs.blocks import block
 
 
 def readme_script():
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## Training, as TensorFlow users know it"):]
-    return re.search(r"```python\n(.*?)```", section, re.S)[1]
+    script = block("docs/quickstart.md", "import sys")
+    assert block("README.md", "import sys") == script  # the README shows the same script
+    return script
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from mpitf.config import (
 )
 from mpitf.runtime.stall import StepClock
 from mpitf.testing import children, kill_group, remove_files
+from tests.docs.blocks import block
 from tests.support import JOB, REPO, Background, names_stopped_rank, process_gone
 
 # ------------------------------------------------------------------- the rule, without MPI
@@ -207,14 +208,13 @@ def test_killing_the_proxy_leaves_no_orphan(tmp):
                 os.kill(p, signal.SIGKILL)
 
 
-# ------------------------------------------ a killed rank named by the README's launcher
+# ------------------------------ a killed rank named by the launcher line of docs/checkpoints.md
 
 
 def _readme_launcher_line():
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## When a rank dies or hangs"):]
-    block = re.search(r"```sh\n(.*?)```", section, re.S)[1]
-    (line,) = [x for x in block.splitlines() if x.startswith("mpiexec")]
+    code = block("docs/checkpoints.md",
+                 "mpiexec -disable-auto-cleanup -n 3 python jobs/mnist_mlp.py --steps 1000")
+    (line,) = [x for x in code.splitlines() if x.startswith("mpiexec")]
     return shlex.split(line)
 
 
@@ -226,7 +226,7 @@ def test_the_readme_launcher_line_names_a_killed_rank(tmp):
     assert argv[4:6] == ["python", "jobs/mnist_mlp.py"], argv
     from mpitf.runtime.launch import find_mpiexec
 
-    # The README's line as written, but with this checkout's mpiexec and Python, and the
+    # The page's line as written, but with this checkout's mpiexec and Python, and the
     # job through slow_job.py (the same job, recording pids).
     cmd = [find_mpiexec(), *argv[1:4], sys.executable, JOB, "--steps", "100000",
            "--log-every", "10", "--run-dir", str(tmp / "run")]
