@@ -2,16 +2,19 @@
 
 Each returns the value (as ``float`` or ``int`` where it says) or raises a
 :class:`~mpitf.errors.ConfigurationError` naming the option, the range and the value, so a
-data set, an optimizer and a flag refuse a bad value with the same words.
+data set, an optimizer and a flag refuse a bad value with the same words; and the facts of
+a job (:class:`JobFacts`) its options are checked against.
 """
 
 import math
 import numbers
 import os
+from dataclasses import dataclass
 
 from .errors import ConfigurationError
 
 __all__ = [
+    "JobFacts",
     "check_batch_size", "check_choice", "check_deadline", "check_int", "check_learning_rate",
     "check_memory_fraction", "check_moving_average_decay", "check_multiple", "check_number",
     "number_from_environment",
@@ -111,3 +114,25 @@ def number_from_environment(name, unit, environ=None):
         raise ConfigurationError(f"{name}={text!r} is not a number of {unit} (>= 0): give "
                                  "one, or unset it for the default")
     return value
+
+
+@dataclass(frozen=True)
+class JobFacts:
+    """What a job's options are checked against (``TrainingConfig.check_job``).
+
+    The same on every rank of a job: gathered before training (``mpitf.cli.flags``), or
+    what one worker of a library session knows. Fields: ``num_ps`` and ``num_replicas``
+    (the cluster's ps tasks and training replicas); ``ulfm`` (the MPI is Open MPI with
+    ULFM, so a lost rank can be survived); ``tables`` (the model has embedding tables);
+    ``backends`` (the array backends of the ranks known, ps and replicas; names) and
+    ``replica_backends`` (the replicas' alone); ``nodes_problem`` (why the replicas
+    cannot be grouped by node, or None).
+    """
+
+    num_ps: int
+    num_replicas: int
+    ulfm: bool = False
+    tables: bool = False
+    backends: tuple = ("numpy",)
+    replica_backends: tuple = ("numpy",)
+    nodes_problem: str = None

@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 
 from .checks import (
+    JobFacts,
     check_batch_size,
     check_choice,
     check_deadline,
@@ -280,14 +281,13 @@ class TrainingConfig:
                 (self.wire_dtype != "float32", f"wire_dtype {self.wire_dtype} "
                  "(--wire-dtype): parameters travel in float32")))
         if self.deterministic and not self.consistency.sums_gradients:
-            raise ConfigurationError(
-                f"deterministic (--deterministic) needs mode 'sync', got {self.mode!r}: in "
-                f"{self.mode} mode the order of updates depends on timing; drop one of them")
+            raise ConfigurationError(f"deterministic (--deterministic) needs mode 'sync', got "
+                                     f"{self.mode!r}: in {self.mode} mode the order of updates "
+                                     "depends on timing; drop one of them")
         if self.clip_norm is not None and self.bucket_bytes:
             raise ConfigurationError(
-                "clip_norm needs the whole gradient before any of it is applied, but "
-                f"bucket_bytes={self.bucket_bytes} pushes and applies it in buckets: "
-                "leave bucket_bytes at 0 to clip")
+                "clip_norm needs the whole gradient before any of it is applied, but bucket_"
+                f"bytes={self.bucket_bytes} applies it in buckets: leave bucket_bytes at 0 to clip")
         if self.aggregate_per_node:
             self._refuse("aggregate_per_node (--aggregate-per-node)", (
                 (not self.consistency.sums_gradients, f"mode {self.mode!r} (--mode): it "
@@ -326,11 +326,8 @@ class TrainingConfig:
         option, the fact and the fix.
         """
         gpu, replica_gpu = _off_host(facts.backends), _off_host(facts.replica_backends)
-        if facts.tables and self.consistency.applies_locally:
-            raise ConfigurationError(
-                f"mode {self.mode!r} (--mode) does not support embedding tables: their rows "
-                "live on the ps, which averages parameters only every --local-steps; drop one "
-                "of them")
+        if self.consistency.applies_locally:  # a table's rows live on the ps, updated per step
+            self._refuse(f"mode {self.mode!r} (--mode)", ((facts.tables, "embedding tables"),))
         if self.ps_replication_steps:
             if not facts.ulfm:
                 raise ConfigurationError(
@@ -371,28 +368,6 @@ _AGGREGATION = "aggregate_per_node (--aggregate-per-node)"
 def _off_host(backends):
     """Return the first of ``backends`` (names) that is not the host's (numpy), or None."""
     return next((name for name in sorted(backends) if name != "numpy"), None)
-
-
-@dataclass(frozen=True)
-class JobFacts:
-    """What a job's options are checked against (:meth:`TrainingConfig.check_job`).
-
-    The same on every rank of a job: gathered before training (``mpitf.cli.flags``), or
-    what one worker of a library session knows. Fields: ``num_ps`` and ``num_replicas``
-    (the cluster's ps tasks and training replicas); ``ulfm`` (the MPI is Open MPI with
-    ULFM, so a lost rank can be survived); ``tables`` (the model has embedding tables);
-    ``backends`` (the array backends of the ranks known, ps and replicas; names) and
-    ``replica_backends`` (the replicas' alone); ``nodes_problem`` (why the replicas
-    cannot be grouped by node, or None).
-    """
-
-    num_ps: int
-    num_replicas: int
-    ulfm: bool = False
-    tables: bool = False
-    backends: tuple = ("numpy",)
-    replica_backends: tuple = ("numpy",)
-    nodes_problem: str = None
 
 
 def _deadline(name, value):

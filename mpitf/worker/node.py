@@ -65,8 +65,7 @@ class NodeGroup:
     def for_session(cls, server, config):
         """Return the node of a session that aggregates per node, or None.
 
-        What aggregation cannot do was refused before (:meth:`mpitf.config.TrainingConfig.
-        check_job`).
+        What aggregation cannot do was refused before (``TrainingConfig.check_job``).
         """
         return cls(server) if config.aggregate_per_node else None
 
