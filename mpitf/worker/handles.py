@@ -94,30 +94,128 @@ class Replies:
                             **self.link.describe(p))
 
 
+class WholeFrames:
+    """Whole frames to ps ranks that stay: one wait over every request of a round trip.
+
+    One of the three ways a worker completes what it sent (:func:`completion_for`, chosen
+    once per link): :meth:`wait` a handle's round trip, :meth:`wait_sends` its sends
+    alone, :meth:`wait_reply` one reply (a bucket's). The others: :class:`Chunks`
+    (frames staged through host memory) and :class:`Rerouting` (a lost ps's frame
+    asked again at its buddy).
+    """
+
+    def wait(self, handle):
+        """Complete ``handle``'s receives and sends, in place."""
+        # One receive and one send per ps, in ps order: request i is ps i % P's.
+        requests = handle.requests or [r for rs in handle.receives for r in rs] + handle.sends
+        if not MPI.Request.Testall(requests):
+            link = handle.link
+            nps = len(link.ranks)
+            P.wait_all(requests, link.deadline, lambda i: handle.describe(i % nps),
+                       nbytes=2 * handle.replies.nbytes)  # the push and its reply
+
+    def wait_sends(self, handle):
+        """Wait until ``handle``'s requests have left this rank."""
+        link, sends = handle.link, handle.sends
+        n = max(1, len(sends) // max(1, len(link.ranks)))
+        P.wait_all(sends, link.deadline, lambda i: handle.describe(i // n))
+
+    def wait_reply(self, frame, requests, deadline, describe, between=None):
+        """Wait for the reply ``requests`` receive into ``frame`` (``between``: see wait_all)."""
+        P.wait_all(requests, deadline, describe, between,
+                   nbytes=2 * frame.bytes.nbytes)  # the push and its reply
+
+
+class Chunks(WholeFrames):
+    """Frames staged through host memory: each reply is received chunk by chunk."""
+
+    def wait(self, handle):
+        """Receive each ps's reply in chunks, then wait for the sends."""
+        link, frames = handle.link, handle.replies.frames
+        for p, requests in enumerate(handle.receives):
+            frames[p].receive_chunks(requests, link.deadline,
+                                     lambda i, p=p: handle.describe(p))
+        self.wait_sends(handle)
+
+    def wait_reply(self, frame, requests, deadline, describe, between=None):
+        """Receive the reply ``requests`` began into ``frame``, chunk by chunk."""
+        frame.receive_chunks(requests, deadline, describe)
+
+
+class Rerouting(WholeFrames):
+    """A ps's shard copied to its buddy (replication): a lost ps is asked again there.
+
+    Waits ps by ps (one frame each); the request in flight to a ps lost under ULFM is
+    sent again, whole, to its buddy, which holds the copy of its shard (ps/replica.py).
+    """
+
+    def wait(self, handle):
+        """Wait ps by ps, re-routing a lost ps's request (sends alone: ``receives`` empty)."""
+        link, receives, sends = handle.link, handle.receives, handle.sends
+        for p in range(len(link.ranks)):
+            while True:
+                try:
+                    mine = (list(receives[p]) if receives else []) + [sends[p]]
+                    P.wait_all(mine, link.deadline, lambda i, p=p: handle.describe(p))
+                    break
+                except MPI.Exception as exc:
+                    if handle.resend is None or not link.reroute(p, exc):
+                        raise
+                    receive, sends[p] = handle.resend(p, bool(receives))
+                    if receives:
+                        receives[p] = receive
+
+    wait_sends = wait
+
+
+_WHOLE, _CHUNKS, _REROUTING = WholeFrames(), Chunks(), Rerouting()
+
+
+def completion_for(link):
+    """Return how requests over ``link`` complete: re-routable, in chunks, or whole."""
+    if link.replicated:
+        return _REROUTING
+    return _CHUNKS if link.chunked else _WHOLE
+
+
 class PushPullHandle:
     """Requests in flight that keep their buffers alive; :meth:`wait` completes them.
 
     Waiting returns a :class:`Reply` read by ``replies`` (None when nothing was asked
     back: a handle of sends alone). Every wait carries the link's deadline and names the
-    silent ps.
+    silent ps; how the requests complete is the link's (:func:`completion_for`). A
+    handle of persistent requests (whole frames to ps ranks that stay) is made once and
+    restarted by :meth:`start` every push.
     """
 
     __slots__ = ("link", "receives", "sends", "operation", "replies", "reply", "resend",
-                 "requests")
+                 "requests", "completion")
 
-    def __init__(self, link, receives, sends, operation, replies=None, resend=None,
-                 requests=None):
+    def __init__(self, link, receives, sends, operation, replies=None, resend=None):
         self.link = link
         self.receives = receives  # per ps: the requests of its reply frame
         self.sends = sends
-        self.requests = requests  # receives, then sends, flat (None: made in wait)
+        self.requests = None  # persistent: receives, then sends, flat (see persist)
         self.operation = operation
         self.replies = replies
         self.reply = None
         self.resend = resend  # resend(p): post ps p's receive and send again (re-routed)
+        self.completion = completion_for(link)
 
-    def _describe(self, p):
+    def describe(self, p):
+        """Return keyword arguments naming ps ``p`` and this handle's operation."""
         return self.link.describe(p, self.operation)
+
+    def persist(self):
+        """Keep these (persistent) requests for every later push; return self."""
+        self.requests = [r for rs in self.receives for r in rs] + self.sends
+        return self
+
+    def start(self):
+        """Start every persistent request again (receives first); return self, to be waited."""
+        MPI.Prequest.Startall(self.requests)
+        self.reply = None
+        return self
 
     def done(self):
         """Return True when the round trip has completed (without blocking)."""
@@ -128,54 +226,14 @@ class PushPullHandle:
 
     def wait_sends(self):
         """Wait until every request has left this rank."""
-        if self.link.replicated:
-            return self._wait_rerouting()
-        n = max(1, len(self.sends) // max(1, len(self.link.ranks)))
-        P.wait_all(self.sends, self.link.deadline, lambda i: self._describe(i // n))
+        self.completion.wait_sends(self)
 
     def wait(self):
         """Block until every ps answered; raise on a deadline or a refused gradient."""
         if self.reply is None:
-            link = self.link
-            if link.replicated:  # ps by ps: a lost one's frame goes to its buddy
-                self._wait_rerouting()
-            elif not link.flags & P.FLAG_CHUNKED:  # one wait for everything: in place
-                # One receive and one send per ps, in ps order: request i is ps i % P's.
-                requests = self.requests or [r for rs in self.receives for r in rs] + \
-                    self.sends
-                if not MPI.Request.Testall(requests):
-                    nps = len(link.ranks)
-                    P.wait_all(requests, link.deadline, lambda i: self._describe(i % nps),
-                               nbytes=2 * self.replies.nbytes)  # the push and its reply
-            else:
-                frames = self.replies.frames
-                for p, requests in enumerate(self.receives):
-                    frames[p].receive_chunks(requests, link.deadline,
-                                             lambda i, p=p: self._describe(p))
-                self.wait_sends()
+            self.completion.wait(self)
             self.reply = self.replies.finish()
         return self.reply
-
-
-    def _wait_rerouting(self):
-        """Wait ps by ps (one frame each); a ps lost under ULFM is asked again at its buddy.
-
-        The request in flight to the lost ps is sent again, whole, to its buddy, which
-        holds the copy of its shard (ps/replica.py).
-        """
-        link, receives, sends = self.link, self.receives, self.sends
-        for p in range(len(link.ranks)):
-            while True:
-                try:
-                    mine = (list(receives[p]) if receives else []) + [sends[p]]
-                    P.wait_all(mine, link.deadline, lambda i, p=p: self._describe(p))
-                    break
-                except MPI.Exception as exc:
-                    if self.resend is None or not link.reroute(p, exc):
-                        raise
-                    receive, sends[p] = self.resend(p, bool(receives))
-                    if receives:
-                        receives[p] = receive
 
 
 class NodeHandle:
