@@ -94,102 +94,21 @@ class Replies:
                             **self.link.describe(p))
 
 
-class WholeFrames:
-    """Whole frames to ps ranks that stay: one wait over every request of a round trip.
-
-    One of the three ways a worker completes what it sent (:func:`completion_for`, chosen
-    once per link): :meth:`wait` a handle's round trip, :meth:`wait_sends` its sends
-    alone, :meth:`wait_reply` one reply (a bucket's). The others: :class:`Chunks`
-    (frames staged through host memory) and :class:`Rerouting` (a lost ps's frame
-    asked again at its buddy).
-    """
-
-    def wait(self, handle):
-        """Complete ``handle``'s receives and sends, in place."""
-        # One receive and one send per ps, in ps order: request i is ps i % P's.
-        requests = handle.requests or [r for rs in handle.receives for r in rs] + handle.sends
-        if not MPI.Request.Testall(requests):
-            link = handle.link
-            nps = len(link.ranks)
-            P.wait_all(requests, link.deadline, lambda i: handle.describe(i % nps),
-                       nbytes=2 * handle.replies.nbytes)  # the push and its reply
-
-    def wait_sends(self, handle):
-        """Wait until ``handle``'s requests have left this rank."""
-        link, sends = handle.link, handle.sends
-        n = max(1, len(sends) // max(1, len(link.ranks)))
-        P.wait_all(sends, link.deadline, lambda i: handle.describe(i // n))
-
-    def wait_reply(self, frame, requests, deadline, describe, between=None):
-        """Wait for the reply ``requests`` receive into ``frame`` (``between``: see wait_all)."""
-        P.wait_all(requests, deadline, describe, between,
-                   nbytes=2 * frame.bytes.nbytes)  # the push and its reply
-
-
-class Chunks(WholeFrames):
-    """Frames staged through host memory: each reply is received chunk by chunk."""
-
-    def wait(self, handle):
-        """Receive each ps's reply in chunks, then wait for the sends."""
-        link, frames = handle.link, handle.replies.frames
-        for p, requests in enumerate(handle.receives):
-            frames[p].receive_chunks(requests, link.deadline,
-                                     lambda i, p=p: handle.describe(p))
-        self.wait_sends(handle)
-
-    def wait_reply(self, frame, requests, deadline, describe, between=None):
-        """Receive the reply ``requests`` began into ``frame``, chunk by chunk."""
-        frame.receive_chunks(requests, deadline, describe)
-
-
-class Rerouting(WholeFrames):
-    """A ps's shard copied to its buddy (replication): a lost ps is asked again there.
-
-    Waits ps by ps (one frame each); the request in flight to a ps lost under ULFM is
-    sent again, whole, to its buddy, which holds the copy of its shard (ps/replica.py).
-    """
-
-    def wait(self, handle):
-        """Wait ps by ps, re-routing a lost ps's request (sends alone: ``receives`` empty)."""
-        link, receives, sends = handle.link, handle.receives, handle.sends
-        for p in range(len(link.ranks)):
-            while True:
-                try:
-                    mine = (list(receives[p]) if receives else []) + [sends[p]]
-                    P.wait_all(mine, link.deadline, lambda i, p=p: handle.describe(p))
-                    break
-                except MPI.Exception as exc:
-                    if handle.resend is None or not link.reroute(p, exc):
-                        raise
-                    receive, sends[p] = handle.resend(p, bool(receives))
-                    if receives:
-                        receives[p] = receive
-
-    wait_sends = wait
-
-
-_WHOLE, _CHUNKS, _REROUTING = WholeFrames(), Chunks(), Rerouting()
-
-
-def completion_for(link):
-    """Return how requests over ``link`` complete: re-routable, in chunks, or whole."""
-    if link.replicated:
-        return _REROUTING
-    return _CHUNKS if link.chunked else _WHOLE
-
-
 class PushPullHandle:
     """Requests in flight that keep their buffers alive; :meth:`wait` completes them.
 
     Waiting returns a :class:`Reply` read by ``replies`` (None when nothing was asked
     back: a handle of sends alone). Every wait carries the link's deadline and names the
-    silent ps; how the requests complete is the link's (:func:`completion_for`). A
-    handle of persistent requests (whole frames to ps ranks that stay) is made once and
-    restarted by :meth:`start` every push.
+    silent ps. How the requests complete is the link's, one class each, chosen once by
+    :meth:`over`: this one, whole frames to ps ranks that stay (one wait over every
+    request; persistent requests made once, :meth:`persist`, restarted by :meth:`start`
+    every push), :class:`ChunkedHandle` (frames staged through host memory) or
+    :class:`ReroutingHandle` (a lost ps's frame asked again at its buddy). Each also says
+    how one reply (a bucket's) completes: :meth:`wait_reply`.
     """
 
     __slots__ = ("link", "receives", "sends", "operation", "replies", "reply", "resend",
-                 "requests", "completion")
+                 "requests")
 
     def __init__(self, link, receives, sends, operation, replies=None, resend=None):
         self.link = link
@@ -200,7 +119,18 @@ class PushPullHandle:
         self.replies = replies
         self.reply = None
         self.resend = resend  # resend(p): post ps p's receive and send again (re-routed)
-        self.completion = completion_for(link)
+
+    @staticmethod
+    def kind_for(link):
+        """Return the handle class of requests over ``link``: re-routable, chunked or whole."""
+        if link.replicated:
+            return ReroutingHandle
+        return ChunkedHandle if link.chunked else PushPullHandle
+
+    @classmethod
+    def over(cls, link, receives, sends, operation, replies=None, resend=None):
+        """Return a handle of the class ``link`` asks for (see :meth:`kind_for`)."""
+        return cls.kind_for(link)(link, receives, sends, operation, replies, resend)
 
     def describe(self, p):
         """Return keyword arguments naming ps ``p`` and this handle's operation."""
@@ -224,16 +154,85 @@ class PushPullHandle:
         return all(MPI.Request.Testall(r) for r in self.receives) and \
             MPI.Request.Testall(self.sends)
 
-    def wait_sends(self):
-        """Wait until every request has left this rank."""
-        self.completion.wait_sends(self)
-
     def wait(self):
         """Block until every ps answered; raise on a deadline or a refused gradient."""
-        if self.reply is None:
-            self.completion.wait(self)
+        if self.reply is None:  # one wait for everything, in place (the 4 KiB path: inline)
+            # One receive and one send per ps, in ps order: request i is ps i % P's.
+            requests = self.requests or [r for rs in self.receives for r in rs] + self.sends
+            if not MPI.Request.Testall(requests):
+                link = self.link
+                nps = len(link.ranks)
+                P.wait_all(requests, link.deadline, lambda i: self.describe(i % nps),
+                           nbytes=2 * self.replies.nbytes)  # the push and its reply
             self.reply = self.replies.finish()
         return self.reply
+
+    def wait_sends(self):
+        """Wait until every request has left this rank."""
+        link, sends = self.link, self.sends
+        n = max(1, len(sends) // max(1, len(link.ranks)))
+        P.wait_all(sends, link.deadline, lambda i: self.describe(i // n))
+
+    @staticmethod
+    def wait_reply(frame, requests, deadline, describe, between=None):
+        """Wait for the reply ``requests`` receive into ``frame`` (``between``: see wait_all)."""
+        P.wait_all(requests, deadline, describe, between,
+                   nbytes=2 * frame.bytes.nbytes)  # the push and its reply
+
+
+class ChunkedHandle(PushPullHandle):
+    """Frames staged through host memory: each reply is received chunk by chunk."""
+
+    __slots__ = ()
+
+    def wait(self):
+        """Receive each ps's reply in chunks, wait for the sends; return the Reply."""
+        if self.reply is None:
+            link, frames = self.link, self.replies.frames
+            for p, requests in enumerate(self.receives):
+                frames[p].receive_chunks(requests, link.deadline,
+                                         lambda i, p=p: self.describe(p))
+            self.wait_sends()
+            self.reply = self.replies.finish()
+        return self.reply
+
+    @staticmethod
+    def wait_reply(frame, requests, deadline, describe, between=None):
+        """Receive the reply ``requests`` began into ``frame``, chunk by chunk."""
+        frame.receive_chunks(requests, deadline, describe)
+
+
+class ReroutingHandle(PushPullHandle):
+    """A ps's shard copied to its buddy (replication): a lost ps is asked again there.
+
+    Waits ps by ps (one frame each); the request in flight to a ps lost under ULFM is
+    sent again, whole, to its buddy, which holds the copy of its shard (ps/replica.py).
+    """
+
+    __slots__ = ()
+
+    def wait(self):
+        """Wait ps by ps, re-routing a lost ps's request; return the Reply."""
+        if self.reply is None:
+            self.wait_sends()
+            self.reply = self.replies.finish()
+        return self.reply
+
+    def wait_sends(self):
+        """Wait ps by ps (receives too, if any), re-routing a lost ps's request."""
+        link, receives, sends = self.link, self.receives, self.sends
+        for p in range(len(link.ranks)):
+            while True:
+                try:
+                    mine = (list(receives[p]) if receives else []) + [sends[p]]
+                    P.wait_all(mine, link.deadline, lambda i, p=p: self.describe(p))
+                    break
+                except MPI.Exception as exc:
+                    if self.resend is None or not link.reroute(p, exc):
+                        raise
+                    receive, sends[p] = self.resend(p, bool(receives))
+                    if receives:
+                        receives[p] = receive
 
 
 class NodeHandle:

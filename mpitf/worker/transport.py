@@ -13,7 +13,7 @@ strategy overrides only what differs from :class:`FlatTransport`:
 Whichever it is, a push returns a round trip to wait on (``wait()``, ``done()``):
 :class:`~mpitf.worker.handles.PushPullHandle`, a :class:`BucketedPush` or a
 :class:`~mpitf.worker.handles.NodeHandle`; how its requests complete (whole frames,
-chunks, re-routing) is the link's, :func:`~mpitf.worker.handles.completion_for`.
+chunks, re-routing) is the link's, :meth:`~mpitf.worker.handles.PushPullHandle.over`.
 The 16-bit wire is no strategy: the wire stage (:mod:`mpitf.worker.wire_frames`) converts
 before a frame leaves and after it lands, whichever strategy moves it.
 """
@@ -128,8 +128,8 @@ class FlatTransport:
         for p, rank in enumerate(link.ranks):
             receives.append(params[p].irecv(link.comm, rank, link.reply_tags[p]))
             sends.extend(grads[p].isend(link.comm, rank, P.TAG_REQUEST))
-        handle = PushPullHandle(link, receives, sends, "push_pull", self.replies,
-                                self._resend_push if link.replicated else None)
+        handle = PushPullHandle.over(link, receives, sends, "push_pull", self.replies,
+                                     self._resend_push if link.replicated else None)
         if not (link.chunked or link.replicated):  # whole frames to fixed ranks: keep them
             self.round = handle.persist()
         return handle
@@ -161,7 +161,8 @@ class FlatTransport:
         if link.replicated:
             def resend(p, reply):
                 return self._resend(frames[p], p, reply)
-        handle = PushPullHandle(link, receives, sends, operation, self.replies, resend)
+        handle = PushPullHandle.over(link, receives, sends, operation, self.replies,
+                                     resend)
         return handle.wait() if want_reply else handle.wait_sends()
 
     def _resend_push(self, p, reply):
