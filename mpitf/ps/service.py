@@ -92,7 +92,6 @@ class Service(Handlers, Cuts, Losses):
         # no push since start-up or a pause (state.last_push None) gets the whole deadline.
         self.stall = StepClock.for_ps(self.deadline, assignment.adaptive, self.num_workers)
         self.check_every = None if self.deadline is None else min(1.0, self.deadline / 10)
-        self.replica = None  # the buddy ring (ps/replica.py), with --ps-replication-steps
         # What the policy decides about an apply: the update rule (the optimizer's, or an
         # average put in place), whether the ps clips, and the one-frame update that needs
         # nothing beside it (no buckets, tables, clipping or timeline; one rule).
@@ -124,6 +123,10 @@ class Service(Handlers, Cuts, Losses):
                           P.SAVE: self._on_save, P.COUNTERS: self._on_counters}
         if assignment.restore:
             self._restore(self.state, assignment.restore)
+        # The buddy ring (ps/replica.py), with --ps-replication-steps: this ps's copies to
+        # its buddy, and the ward that serves the previous ps's shard once that ps is lost.
+        self.replica = self._replication() if buddy is None and \
+            config.ps_replication_steps and assignment.ward is not None else None
 
     # -- what policies call -------------------------------------------------------------
 
@@ -242,6 +245,14 @@ class Service(Handlers, Cuts, Losses):
         self.write_header()
 
     # -- internals -----------------------------------------------------------------------
+
+    def _replication(self):
+        """Return the buddy ring's end on this ps (ps/replica.py), with its ward idle."""
+        server = self.server
+        ps_ranks = server.ranks_of("ps")
+        server.survive(ps_ranks)  # a ps's death is no error now (its buddy serves its shard)
+        ward = Service(server, self.config, self.assignment.ward, buddy=self)
+        return Replication(self, ward, self.config.ps_replication_steps, ps_ranks)
 
     def write_header(self, hi=None):
         """Refresh the reply header (none in flight) and publish the payload (up to ``hi``)."""
@@ -385,15 +396,6 @@ class Service(Handlers, Cuts, Losses):
         return EXIT_REQUEUE if state.requeue else 0
 
 
-def _replication(service, config, assignment):
-    """Return the buddy ring's end on this ps (ps/replica.py): the ward's service, idle."""
-    server = service.server
-    ps_ranks = server.ranks_of("ps")
-    server.survive(ps_ranks)  # a ps's death is no error now (its buddy serves its shard)
-    ward = Service(server, config, assignment.ward, buddy=service)
-    return Replication(service, ward, config.ps_replication_steps, ps_ranks)
-
-
 def serve(server):
     """Receive the configuration from the chief and serve until every worker is done.
 
@@ -411,8 +413,6 @@ def serve(server):
         server.comm, chief, P.TAG_CONTROL, server.deadline,
         lambda: server.peer(chief, "configuration of the ps"))
     service = Service(server, config, assignment)
-    if config.ps_replication_steps and assignment.ward is not None:
-        service.replica = _replication(service, config, assignment)
     code = service.run()
     if config.timeline:  # collective with the workers' end of training
         service.timeline.gather_and_write(server.comm, config.timeline)
