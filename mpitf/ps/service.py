@@ -146,14 +146,9 @@ class Service(Handlers, Cuts, Losses):
     def apply_and_reply(self, grad, workers, bucket=0, steps=1, reply=True):
         """Apply ``grad`` (or ``workers``' mean) to a bucket's slice; answer each of ``workers``.
 
-        The one way a push changes the shard and is answered, whichever path it took (every
-        policy's, and all the one-frame path does). The policy's update rule (the
-        optimizer's, or local SGD's average put in place) runs once the replies still
-        reading the slice have left, and advances the global step by ``steps`` once the
-        last bucket is in. A push's last bucket completes the step, with the sparse pushes
-        of ``workers`` (embedding tables; their sum divided by as many), applied once the
-        replies have left (:meth:`SparseInbox.flush`, before the next request is read).
-        ``reply`` False: the policy answers later (bounded staleness holds a worker ahead).
+        The one way a push changes the shard and is answered, on every path. The update
+        runs once the replies reading the slice have left; the last bucket advances the
+        step by ``steps``. ``reply`` False: the policy answers later (ssp holds a worker).
         A whole host reply to a worker that does not stage goes out by a persistent send
         of its own, restarted without a test first (every reply was finished above).
         """
@@ -169,18 +164,7 @@ class Service(Handlers, Cuts, Losses):
             self.whole_update(grad, step)
             hi = None
         else:
-            start = time.perf_counter()
-            lo, hi = pipe.ranges[bucket]
-            if self.clip_norm is not None:  # the policy clips here: one bucket
-                if grad.dtype != self.shard.dtype:  # one worker's, in a 16-bit wire dtype
-                    grad = self.shard.widen(grad, lo, hi)
-                clip_by_global_norm((grad,), self.clip_norm, self.server.job_comm)
-            self.update(grad, step, lo, hi)
-            if self.tables and last:
-                self.sparse.apply(workers, step)
-            if self.timeline.enabled:
-                self.timeline.add("apply", start, time.perf_counter(), step=step,
-                                  bucket=bucket)
+            lo, hi = self._update(grad, workers, bucket, step, last)
         pipe.steps[bucket] += steps
         if last:
             state.global_step = step + steps
@@ -206,6 +190,26 @@ class Service(Handlers, Cuts, Losses):
             send.Start()
             pipe.sent(send, w)
             counters["bytes_out"] += frame.bytes.nbytes
+
+    def _update(self, grad, workers, bucket, step, last):
+        """Run the update rule on ``bucket``'s slice (not the one-frame update); return it.
+
+        Clipped here where the mode says the ps clips; a push's last bucket applies the
+        sparse pushes of ``workers`` too (embedding tables; their sum divided by as many),
+        once the replies have left (:meth:`SparseInbox.flush`, before the next request).
+        """
+        start = time.perf_counter()
+        lo, hi = self.pipeline.ranges[bucket]
+        if self.clip_norm is not None:  # the policy clips here: one bucket
+            if grad.dtype != self.shard.dtype:  # one worker's, in a 16-bit wire dtype
+                grad = self.shard.widen(grad, lo, hi)
+            clip_by_global_norm((grad,), self.clip_norm, self.server.job_comm)
+        self.update(grad, step, lo, hi)
+        if self.tables and last:
+            self.sparse.apply(workers, step)
+        if self.timeline.enabled:
+            self.timeline.add("apply", start, time.perf_counter(), step=step, bucket=bucket)
+        return lo, hi
 
     def reply(self, worker, frame=None, bucket=None):
         """Send the parameters (or ``frame``, or one bucket's) to ``worker``, not blocking."""
