@@ -5,8 +5,9 @@ ps tasks need; :class:`JobConfig` adds what the jobs' flags carry beyond it (mod
 optimizer, deadline, devices, files). Each option is one field declared with
 :func:`~mpitf.options.option`: its default, flag, help and check in one place, from which
 ``mpitf.options`` makes the jobs' flags and reads them back (:meth:`JobConfig.from_args`).
-The options that refuse each other are checked beside the fields, by the class. Both refuse
-a bad value when constructed, and a misspelt keyword is a ``TypeError`` that names it.
+The options that refuse each other, and those the job's facts refuse, are checked in
+``mpitf.conflicts`` (at construction, and by :meth:`TrainingConfig.check_job`). Both
+refuse a bad value when constructed, and a misspelt keyword is a ``TypeError`` that names it.
 The range checks live in ``mpitf.checks`` (re-exported here), so library constructors
 (data sets, optimizers, models) call the same checks instead of copies.
 """
@@ -28,6 +29,7 @@ from .checks import (
     check_number,
     number_from_environment,
 )
+from .conflicts import check_job, refuse_combinations
 from .errors import ConfigurationError
 from .modes import DEFAULT_LOCAL_STEPS, MODES, mode_of
 from .options import check_fields, integer, number, option, values_from_args
@@ -251,7 +253,7 @@ class TrainingConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "defaulted", check_fields(self))
-        self._refuse_combinations()
+        refuse_combinations(self)  # the options that refuse each other (conflicts.py)
 
     def replace(self, **changes):
         """Return a copy with ``changes`` applied (checked again; misspelt names raise)."""
@@ -264,110 +266,15 @@ class TrainingConfig:
         """Return the :class:`~mpitf.modes.Mode` of ``mode``: what depends on it, once."""
         return mode_of(self.mode, self.local_steps)
 
-    # -- the options that refuse each other: each message names both and the one to drop --
-
-    def _refuse_combinations(self):
-        if self.local_steps is not None and not self.consistency.applies_locally:
-            raise ConfigurationError(
-                f"local_steps (--local-steps) needs mode 'local', got {self.mode!r}: give "
-                "--mode local or drop --local-steps")
-        if self.consistency.applies_locally:
-            self._refuse(f"mode {self.mode!r} (--mode)", (
-                (self.bucket_bytes, f"bucket_bytes={self.bucket_bytes} (--bucket-bytes): a "
-                 "worker pushes its parameters in one frame per ps"),
-                (self.replicas_to_aggregate is not None,
-                 "replicas_to_aggregate (--replicas-to-aggregate): every worker's parameters "
-                 "are averaged"),
-                (self.wire_dtype != "float32", f"wire_dtype {self.wire_dtype} "
-                 "(--wire-dtype): parameters travel in float32")))
-        if self.deterministic and not self.consistency.sums_gradients:
-            raise ConfigurationError(f"deterministic (--deterministic) needs mode 'sync', got "
-                                     f"{self.mode!r}: in {self.mode} mode the order of updates "
-                                     "depends on timing; drop one of them")
-        if self.clip_norm is not None and self.bucket_bytes:
-            raise ConfigurationError(
-                "clip_norm needs the whole gradient before any of it is applied, but bucket_"
-                f"bytes={self.bucket_bytes} applies it in buckets: leave bucket_bytes at 0 to clip")
-        if self.aggregate_per_node:
-            self._refuse("aggregate_per_node (--aggregate-per-node)", (
-                (not self.consistency.sums_gradients, f"mode {self.mode!r} (--mode): it "
-                 "sums each step's gradients, which only sync mode has"),
-                (self.bucket_bytes, f"bucket_bytes={self.bucket_bytes} (--bucket-bytes): a "
-                 "node pushes one frame per ps"),
-                (self.skip_nonfinite, "skip_nonfinite (--skip-nonfinite): a node pushes whole"),
-                (self.clients is not None, "in-graph replication (clients)")))
-        if self.ps_replication_steps:
-            self._refuse(_REPLICATION, (
-                (self.bucket_bytes, f"bucket_bytes={self.bucket_bytes} (--bucket-bytes): a "
-                 "ps copies and re-routes whole frames; give --bucket-bytes 0"),
-                (self.aggregate_per_node, "aggregate_per_node (--aggregate-per-node)")))
-        if self.wire_dtype != "float32":
-            self._refuse(f"wire_dtype {self.wire_dtype} (--wire-dtype)", (
-                (self.aggregate_per_node, "aggregate_per_node (--aggregate-per-node): a "
-                 "node's shared window holds float32 frames"),
-                (self.moving_average_decay is not None,
-                 "moving_average_decay (--moving-average-decay): the average would travel in "
-                 "a third buffer")))
-
-    @staticmethod
-    def _refuse(option_name, conflicts, fix="drop one of them"):
-        """Raise for the first conflict ``(bad, what[, its own fix])`` that is ``bad``."""
-        for bad, what, *own in conflicts:
-            if bad:
-                raise ConfigurationError(
-                    f"{option_name} does not support {what}; {own[0] if own else fix}")
-
     def check_job(self, facts):
         """Raise if an option cannot work in the job :class:`JobFacts` ``facts`` describe.
 
         The one check of the options against the job's facts (its MPI, ps tasks, replicas,
         backends, tables and nodes): every rank calls it with the same facts before
         training, so a refusal is one message, alike everywhere. Each message names the
-        option, the fact and the fix.
+        option, the fact and the fix (``mpitf.conflicts``).
         """
-        gpu, replica_gpu = _off_host(facts.backends), _off_host(facts.replica_backends)
-        if self.consistency.applies_locally:  # a table's rows live on the ps, updated per step
-            self._refuse(f"mode {self.mode!r} (--mode)", ((facts.tables, "embedding tables"),))
-        if self.ps_replication_steps:
-            if not facts.ulfm:
-                raise ConfigurationError(
-                    f"{_REPLICATION} keeps a copy of each ps's shard for when that ps dies, "
-                    "which needs Open MPI with ULFM (mpitf run --mpiexec <Open MPI's "
-                    "mpiexec>); under this MPI a lost ps ends the job: drop the option")
-            if facts.num_ps < 2:
-                raise ConfigurationError(
-                    f"{_REPLICATION} keeps a copy of each ps's shard on another ps, but the "
-                    f"job has {facts.num_ps} ps task: give it 2 or more, or drop the option")
-            self._refuse(_REPLICATION, (
-                (facts.tables, "embedding tables (their rows are not replicated yet)"),
-                (gpu, f"the {gpu} backend (frames and copies move through host memory)",
-                 "use --device cpu or drop the option")), "drop the option")
-        if self.aggregate_per_node:
-            r = self.replicas_to_aggregate
-            self._refuse(_AGGREGATION, (
-                (r is not None and r != facts.num_replicas,
-                 f"backup workers (replicas_to_aggregate {r} of {facts.num_replicas} "
-                 "replicas): a node's push stands for all its replicas; leave "
-                 "--replicas-to-aggregate out"),
-                (facts.tables, "embedding tables (their rows are pushed by id)"),
-                (replica_gpu, f"the {replica_gpu} backend (a node shares host memory)",
-                 "use --device cpu or drop the flag")), "drop the flag")
-            if facts.nodes_problem:
-                raise ConfigurationError(f"{_AGGREGATION}: {facts.nodes_problem}")
-        if self.wire_dtype != "float32":
-            self._refuse(f"wire_dtype {self.wire_dtype} (--wire-dtype)", (
-                (facts.tables, "embedding tables (their rows travel on messages of their own)"),
-                (gpu, f"the {gpu} backend (it converts in host memory)",
-                 "use --device cpu or --wire-dtype float32")), "use --wire-dtype float32")
-
-
-_REPLICATION = "ps_replication_steps (--ps-replication-steps)"
-_AGGREGATION = "aggregate_per_node (--aggregate-per-node)"
-
-
-def _off_host(backends):
-    """Return the first of ``backends`` (names) that is not the host's (numpy), or None."""
-    return next((name for name in sorted(backends) if name != "numpy"), None)
+        check_job(self, facts)
 
 
 def _deadline(name, value):

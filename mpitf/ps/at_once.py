@@ -3,12 +3,11 @@
 The general path reads a request through the service (``_serve``), its handler and its
 consistency policy: some twenty Python calls, which at 4 KiB were about half the round
 trip. When every push is one frame that its policy applies and answers at once,
-:meth:`AtOnce.serve` reads each request's words once and hands a push straight to
-:meth:`AtOnce.push`, which asks the policy to admit it and calls the service's one
-:meth:`~mpitf.ps.service.Service.apply_and_reply`, as the policy would; anything else (a
-chunked frame, a lost ps's shard, any other request) goes to ``Service._serve``. What the
-reply does not carry (the worker's data position, its step time, byte counts) is noted
-after it has left: the worker waits for nothing else.
+:meth:`AtOnce.serve` reads each request's words once, asks the policy to admit a push
+and calls the service's one :meth:`~mpitf.ps.service.Service.apply_and_reply`, as the
+policy would; anything else (a chunked frame, a lost ps's shard, any other request) goes
+to ``Service._serve``. What the reply does not carry (the worker's data position, its
+step time, byte counts) is noted after it has left: the worker waits for nothing else.
 """
 
 import time
@@ -42,25 +41,21 @@ class AtOnce:
         return None
 
     def serve(self, index, source):
-        """Serve the request in pool frame ``index`` (the service's ``serve``)."""
-        frame = self.frames[index]
-        request = H.read_words(frame.fetch_header())  # push reads the words by index
-        # The words themselves (kind, flags, bucket), not the header's properties.
-        if request[0] == P.PUSH and not request[4] & _NOT_HERE and \
-                request[7] & 0xFFFFFFFF <= 1:
-            worker = self.svc.worker_of.get(source)
-            if worker is not None:
-                return self.push(frame, request, worker)
-        return self.svc._serve(index, source)
+        """Serve the request in pool frame ``index`` (the service's ``serve``); return True.
 
-    def push(self, frame, request, worker):
-        """Apply the push in ``frame`` from ``worker`` and answer it; return True (free).
-
-        ``request``: the header's words (:func:`~mpitf.wire.header.read_words`), read by
-        index. A push the policy does not admit (a stale one, dropped and answered) changes
-        nothing, its learning rate included, as on the general path.
+        A one-frame push (its words read once, by index) the policy admits is applied and
+        answered by :meth:`~mpitf.ps.service.Service.apply_and_reply`; one it does not (a
+        stale push, dropped and answered) changes nothing, its learning rate included, as
+        on the general path. Anything else goes to ``Service._serve``.
         """
+        frame = self.frames[index]
+        request = H.read_words(frame.fetch_header())
         svc = self.svc
+        # The words themselves (kind, flags, bucket), not the header's properties.
+        worker = svc.worker_of.get(source)
+        if request[0] != P.PUSH or request[4] & _NOT_HERE or request[7] & 0xFFFFFFFF > 1 or \
+                worker is None:
+            return svc._serve(index, source)
         if svc.policy.admit(svc, worker, request[1]):
             if frame.staged:
                 frame.received(request[3])

@@ -328,7 +328,7 @@ class BoundedStaleness(Async):
         if bucket != svc.pipeline.last:
             svc.apply_and_reply(grad, (worker,), bucket)
             return
-        svc.apply(grad, (worker,), bucket)
+        svc.apply_and_reply(grad, (worker,), bucket, reply=False)  # held: see release
         self.clock[worker] = self.clock.get(worker, 0) + 1
         self.held.append(worker)
         self.release(svc)

@@ -36,23 +36,11 @@ class Cuts:
         shard = self.shard
         average = shard.average_frame.payload if shard.average is not None else None
         cut.save_shard(self.comm, state.chief, self.config.checkpoint_dir, self.ps_task,
-                       self.assignment.num_ps, self.cut_step(state), shard.slices, self.backend,
-                       shard.params, shard.saved_slots(), average, state.positions,
+                       self.assignment.num_ps, self.cut_state.global_step, shard.slices,
+                       self.backend, shard.params, shard.saved_slots(), average, state.positions,
                        state.paused, state.counters,
                        self.tables.saved(state.global_step) if self.tables else None,
                        peer=self.server.peer)
-
-    def cut_step(self, state):
-        """Return the step replies and checkpoint cuts name: a served copy's is its buddy's.
-
-        Async: the pushes in flight when the ps died count on the buddy's own shard or on
-        the copy, not always on both, so the two counts drift by a step or two; the cut,
-        and the step the workers see, is the buddy's. Where the policy's steps stay
-        together (sync, local SGD), the copy's own.
-        """
-        if self.buddy is None or self.policy.mode.steps_together:
-            return state.global_step
-        return self.buddy.state.global_step
 
     def _check_quiescent(self, state):
         """Save once every worker is paused or done, then let them go on."""

@@ -113,17 +113,15 @@ class PostedReceives(ReceivePool):
     come in the order sent, so the oldest posted frame holds the next one.
     """
 
+    source = None  # the one sender: an attribute, which the loop reads every request
+
     def __init__(self, comm, frames, tag, sender):
         super().__init__(comm, frames, tag)
-        self.sender = sender
+        self.sender = self.source = sender
         self.persistent = {}  # id(frame) -> the persistent receive into it
         self.posted = deque()  # (index, request) in the order posted
         while self.free:
             self.release(self.free.pop())
-
-    @property
-    def source(self):
-        return self.sender
 
     def wait_next(self, poll_every, on_quiet, deadline, describe, between=None):
         """Return the index of the frame that holds the next message (see the base)."""

@@ -92,7 +92,6 @@ class Service(Handlers, Cuts, Losses):
         # no push since start-up or a pause (state.last_push None) gets the whole deadline.
         self.stall = StepClock.for_ps(self.deadline, assignment.adaptive, self.num_workers)
         self.check_every = None if self.deadline is None else min(1.0, self.deadline / 10)
-        self.replica = None  # the buddy ring (ps/replica.py), with --ps-replication-steps
         # What the policy decides about an apply: the update rule (the optimizer's, or an
         # average put in place), whether the ps clips, and the one-frame update that needs
         # nothing beside it (no buckets, tables, clipping or timeline; one rule).
@@ -108,6 +107,12 @@ class Service(Handlers, Cuts, Losses):
         self.plain_replies = not self.shard.reply.unpublished and buddy is None and \
             self.shard.average_frame is None and not self.pipeline.bucketed
         self.sends = {}  # worker -> its persistent reply send (plain_replies)
+        # The state whose step replies and checkpoint cuts name: a served copy's is its
+        # buddy's under async (the pushes in flight when the ps died count on the buddy's
+        # own shard or on the copy, not always on both, so the two counts drift by a step
+        # or two); where the policy's steps stay together (sync, local SGD), its own.
+        self.cut_state = buddy.state if buddy is not None and \
+            not policy.mode.steps_together else self.state
         self.at_once = AtOnce.for_service(self)  # one-frame pushes applied as they land
         self.serve = self._serve if self.at_once is None else self.at_once.serve
         self._handlers = {P.PUSH: self._on_push, P.RATES: self._on_rates,
@@ -118,6 +123,10 @@ class Service(Handlers, Cuts, Losses):
                           P.SAVE: self._on_save, P.COUNTERS: self._on_counters}
         if assignment.restore:
             self._restore(self.state, assignment.restore)
+        # The buddy ring (ps/replica.py), with --ps-replication-steps: this ps's copies to
+        # its buddy, and the ward that serves the previous ps's shard once that ps is lost.
+        self.replica = self._replication() if buddy is None and \
+            config.ps_replication_steps and assignment.ward is not None else None
 
     # -- what policies call -------------------------------------------------------------
 
@@ -134,33 +143,63 @@ class Service(Handlers, Cuts, Losses):
                 self.sparse.discard(worker)
         self.reply(worker, bucket=bucket)
 
-    def apply(self, grad, workers, bucket=0, steps=1):
-        """Apply a gradient (or ``workers``' mean) to a bucket's slice, after its readers.
+    def apply_and_reply(self, grad, workers, bucket=0, steps=1, reply=True):
+        """Apply ``grad`` (or ``workers``' mean) to a bucket's slice; answer each of ``workers``.
 
-        The one way a push changes the shard, whichever path it took. The policy's update
-        rule (the optimizer's, or local SGD's average put in place) advances the global
-        step by ``steps`` once the last bucket is in. A push's last bucket completes the
-        step, with the sparse pushes of ``workers`` (embedding tables; their sum divided
-        by as many), applied once the replies have left (:meth:`SparseInbox.flush`,
-        before the next request is read).
+        The one way a push changes the shard and is answered, on every path. The update
+        runs once the replies reading the slice have left; the last bucket advances the
+        step by ``steps``. ``reply`` False: the policy answers later (ssp holds a worker).
+        A whole host reply to a worker that does not stage goes out by a persistent send
+        of its own, restarted without a test first (every reply was finished above).
         """
         pipe, state = self.pipeline, self.state
         if pipe.bucketed or pipe.whole:  # replies still reading what changes now
             pipe.finish(self.stall.steady, self.describe_reply, bucket)
         step = state.global_step
+        last = bucket == pipe.last
         if self.whole_update is not None:  # one frame and nothing beside the update (4 KiB)
             size = self.shard.size
             if len(grad) != size:  # a ward's push lands in its buddy's larger pool frame:
                 grad = grad[:size]  # a view made only then, not one every push
             self.whole_update(grad, step)
-            pipe.steps[0] += steps
+            hi = None
+        else:
+            lo, hi = self._update(grad, workers, bucket, step, last)
+        pipe.steps[bucket] += steps
+        if last:
             state.global_step = step + steps
             state.counters["pushes_applied"] += 1
-            self.write_header()
+            self.write_header(hi if pipe.bucketed else None)
+        else:
+            self.shard.publish(lo, hi)
+        if not reply:
             return
-        last = bucket == pipe.last
+        if not (self.plain_replies and last):
+            for w in workers:
+                self.reply(w, bucket=bucket)
+            return
+        comm, frame, sends, counters = self.comm, self.shard.reply, self.sends, state.counters
+        for w in workers:
+            send = sends.get(w)
+            if send is None:
+                if w in state.chunked_workers:
+                    self.reply(w, bucket=bucket)
+                    continue
+                send = sends[w] = P.frame_op(comm.Send_init, frame.bytes, self.worker_ranks[w],
+                                             pipe.reply_tag)
+            send.Start()
+            pipe.sent(send, w)
+            counters["bytes_out"] += frame.bytes.nbytes
+
+    def _update(self, grad, workers, bucket, step, last):
+        """Run the update rule on ``bucket``'s slice (not the one-frame update); return it.
+
+        Clipped here where the mode says the ps clips; a push's last bucket applies the
+        sparse pushes of ``workers`` too (embedding tables; their sum divided by as many),
+        once the replies have left (:meth:`SparseInbox.flush`, before the next request).
+        """
         start = time.perf_counter()
-        lo, hi = pipe.ranges[bucket]
+        lo, hi = self.pipeline.ranges[bucket]
         if self.clip_norm is not None:  # the policy clips here: one bucket
             if grad.dtype != self.shard.dtype:  # one worker's, in a 16-bit wire dtype
                 grad = self.shard.widen(grad, lo, hi)
@@ -170,39 +209,7 @@ class Service(Handlers, Cuts, Losses):
             self.sparse.apply(workers, step)
         if self.timeline.enabled:
             self.timeline.add("apply", start, time.perf_counter(), step=step, bucket=bucket)
-        pipe.steps[bucket] += steps
-        if last:
-            state.global_step = step + steps
-            state.counters["pushes_applied"] += 1
-            self.write_header(hi if pipe.bucketed else None)
-        else:
-            self.shard.publish(lo, hi)
-
-    def apply_and_reply(self, grad, workers, bucket=0, steps=1):
-        """Apply ``grad`` (see :meth:`apply`) and answer each of ``workers`` with the result.
-
-        What every policy does with a step's gradient, and all the one-frame path does.
-        A plain host reply to a worker that does not stage goes out by a persistent send
-        of its own, restarted without a test first: :meth:`apply` finished every reply.
-        """
-        self.apply(grad, workers, bucket, steps)
-        if not self.plain_replies or bucket != self.pipeline.last:
-            for w in workers:
-                self.reply(w, bucket=bucket)
-            return
-        pipe, comm, reply, sends = self.pipeline, self.comm, self.shard.reply, self.sends
-        counters = self.state.counters
-        for w in workers:
-            send = sends.get(w)
-            if send is None:
-                if w in self.state.chunked_workers:
-                    self.reply(w, bucket=bucket)
-                    continue
-                send = sends[w] = P.frame_op(comm.Send_init, reply.bytes, self.worker_ranks[w],
-                                             pipe.reply_tag)
-            send.Start()
-            pipe.sent(send, w)
-            counters["bytes_out"] += reply.bytes.nbytes
+        return lo, hi
 
     def reply(self, worker, frame=None, bucket=None):
         """Send the parameters (or ``frame``, or one bucket's) to ``worker``, not blocking."""
@@ -243,11 +250,19 @@ class Service(Handlers, Cuts, Losses):
 
     # -- internals -----------------------------------------------------------------------
 
+    def _replication(self):
+        """Return the buddy ring's end on this ps (ps/replica.py), with its ward idle."""
+        server = self.server
+        ps_ranks = server.ranks_of("ps")
+        server.survive(ps_ranks)  # a ps's death is no error now (its buddy serves its shard)
+        ward = Service(server, self.config, self.assignment.ward, buddy=self)
+        return Replication(self, ward, self.config.ps_replication_steps, ps_ranks)
+
     def write_header(self, hi=None):
         """Refresh the reply header (none in flight) and publish the payload (up to ``hi``)."""
         state, reply, average = self.state, self.shard.reply, self.shard.average_frame
         c = state.counters
-        c["global_step"] = step = self.cut_step(state)
+        c["global_step"] = step = self.cut_state.global_step
         H.pack_reply(reply.header, step, self.ps_task,
                      (P.FLAG_PAUSE if state.pausing else 0) | state.chief_flags,
                      c["pushes_applied"], c["stale_dropped"], c["max_staleness"], c["max_lead"])
@@ -347,13 +362,13 @@ class Service(Handlers, Cuts, Losses):
         """
         pool, replica, sparse, serve = self.pool, self.replica, self.sparse, self.serve
         state = self.state
+        waits = (self.check_every, self._timeout, self.deadline, self._describe_sender,
+                 None if replica is None else replica.watch)  # made once, not per request
         while len(state.done) < self.num_workers or (
                 replica is not None and replica.adopted and
                 len(replica.ward.state.done) < self.num_workers):
             try:
-                index = pool.wait_next(self.check_every, self._timeout, self.deadline,
-                                       self._describe_sender,
-                                       None if replica is None else replica.watch)
+                index = pool.wait_next(*waits)
             except MPI.Exception as exc:
                 self.lose_failed(state, exc)
                 continue
@@ -385,15 +400,6 @@ class Service(Handlers, Cuts, Losses):
         return EXIT_REQUEUE if state.requeue else 0
 
 
-def _replication(service, config, assignment):
-    """Return the buddy ring's end on this ps (ps/replica.py): the ward's service, idle."""
-    server = service.server
-    ps_ranks = server.ranks_of("ps")
-    server.survive(ps_ranks)  # a ps's death is no error now (its buddy serves its shard)
-    ward = Service(server, config, assignment.ward, buddy=service)
-    return Replication(service, ward, config.ps_replication_steps, ps_ranks)
-
-
 def serve(server):
     """Receive the configuration from the chief and serve until every worker is done.
 
@@ -411,8 +417,6 @@ def serve(server):
         server.comm, chief, P.TAG_CONTROL, server.deadline,
         lambda: server.peer(chief, "configuration of the ps"))
     service = Service(server, config, assignment)
-    if config.ps_replication_steps and assignment.ward is not None:
-        service.replica = _replication(service, config, assignment)
     code = service.run()
     if config.timeline:  # collective with the workers' end of training
         service.timeline.gather_and_write(server.comm, config.timeline)

@@ -19,6 +19,7 @@ from ..checks import number_from_environment
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.frame import Frame
+from .handles import PushPullHandle
 
 # How often a progress thread probes while buckets travel to a ps on another node.
 REMOTE_PROGRESS_US = 500
@@ -83,6 +84,7 @@ class BucketedPush:
         self.link, self.buckets, self.stage, self.replies = link, buckets, stage, replies
         self.grad_views, self.rates, self.backend = grad_views, rates, backend
         self.timeline = timeline
+        self.handle_class = PushPullHandle.kind_for(link)  # a reply: whole or in chunks
         nmax = max(len(b) for b in buckets)
         self.order = [(p, k) for k in range(nmax) for p in range(len(buckets))
                       if k < len(buckets[p])]
@@ -204,12 +206,8 @@ class BucketedPush:
             return
         link, tl = self.link, self.timeline
         start = time.perf_counter()
-        if link.chunked:
-            self.reply[i].receive_chunks(self.receives[i], link.deadline,
-                                         lambda _, i=i: self._describe(i))
-        else:
-            P.wait_all(self.receives[i], link.deadline, lambda _, i=i: self._describe(i),
-                       between, nbytes=2 * self.reply[i].bytes.nbytes)  # push and reply
+        self.handle_class.wait_reply(self.reply[i], self.receives[i], link.deadline,
+                                     lambda _, i=i: self._describe(i), between)
         self.stage.widen_params(*self.order[i])
         self.arrived[i] = True
         if tl is not None and tl.enabled:

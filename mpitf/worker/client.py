@@ -247,7 +247,7 @@ class Client:
         sends = []
         for p, rank in enumerate(link.ranks):
             sends.extend(self.param_frames[p].isend(link.comm, rank, P.TAG_REQUEST))
-        PushPullHandle(link, [], sends, "init").wait_sends()
+        PushPullHandle.over(link, [], sends, "init").wait_sends()
 
     def send_control(self, kind, flags=0):
         """Send a header-only request (done, paused, save) to every ps."""

@@ -99,25 +99,53 @@ class PushPullHandle:
 
     Waiting returns a :class:`Reply` read by ``replies`` (None when nothing was asked
     back: a handle of sends alone). Every wait carries the link's deadline and names the
-    silent ps.
+    silent ps. How the requests complete is the link's, one class each, chosen once by
+    :meth:`over`: this one, whole frames to ps ranks that stay (one wait over every
+    request; persistent requests made once, :meth:`persist`, restarted by :meth:`start`
+    every push), :class:`ChunkedHandle` (frames staged through host memory) or
+    :class:`ReroutingHandle` (a lost ps's frame asked again at its buddy). Each also says
+    how one reply (a bucket's) completes: :meth:`wait_reply`.
     """
 
     __slots__ = ("link", "receives", "sends", "operation", "replies", "reply", "resend",
                  "requests")
 
-    def __init__(self, link, receives, sends, operation, replies=None, resend=None,
-                 requests=None):
+    def __init__(self, link, receives, sends, operation, replies=None, resend=None):
         self.link = link
         self.receives = receives  # per ps: the requests of its reply frame
         self.sends = sends
-        self.requests = requests  # receives, then sends, flat (None: made in wait)
+        self.requests = None  # persistent: receives, then sends, flat (see persist)
         self.operation = operation
         self.replies = replies
         self.reply = None
         self.resend = resend  # resend(p): post ps p's receive and send again (re-routed)
 
-    def _describe(self, p):
+    @staticmethod
+    def kind_for(link):
+        """Return the handle class of requests over ``link``: re-routable, chunked or whole."""
+        if link.replicated:
+            return ReroutingHandle
+        return ChunkedHandle if link.chunked else PushPullHandle
+
+    @classmethod
+    def over(cls, link, receives, sends, operation, replies=None, resend=None):
+        """Return a handle of the class ``link`` asks for (see :meth:`kind_for`)."""
+        return cls.kind_for(link)(link, receives, sends, operation, replies, resend)
+
+    def describe(self, p):
+        """Return keyword arguments naming ps ``p`` and this handle's operation."""
         return self.link.describe(p, self.operation)
+
+    def persist(self):
+        """Keep these (persistent) requests for every later push; return self."""
+        self.requests = [r for rs in self.receives for r in rs] + self.sends
+        return self
+
+    def start(self):
+        """Start every persistent request again (receives first); return self, to be waited."""
+        MPI.Prequest.Startall(self.requests)
+        self.reply = None
+        return self
 
     def done(self):
         """Return True when the round trip has completed (without blocking)."""
@@ -126,49 +154,78 @@ class PushPullHandle:
         return all(MPI.Request.Testall(r) for r in self.receives) and \
             MPI.Request.Testall(self.sends)
 
-    def wait_sends(self):
-        """Wait until every request has left this rank."""
-        if self.link.replicated:
-            return self._wait_rerouting()
-        n = max(1, len(self.sends) // max(1, len(self.link.ranks)))
-        P.wait_all(self.sends, self.link.deadline, lambda i: self._describe(i // n))
-
     def wait(self):
         """Block until every ps answered; raise on a deadline or a refused gradient."""
-        if self.reply is None:
-            link = self.link
-            if link.replicated:  # ps by ps: a lost one's frame goes to its buddy
-                self._wait_rerouting()
-            elif not link.flags & P.FLAG_CHUNKED:  # one wait for everything: in place
-                # One receive and one send per ps, in ps order: request i is ps i % P's.
-                requests = self.requests or [r for rs in self.receives for r in rs] + \
-                    self.sends
-                if not MPI.Request.Testall(requests):
-                    nps = len(link.ranks)
-                    P.wait_all(requests, link.deadline, lambda i: self._describe(i % nps),
-                               nbytes=2 * self.replies.nbytes)  # the push and its reply
-            else:
-                frames = self.replies.frames
-                for p, requests in enumerate(self.receives):
-                    frames[p].receive_chunks(requests, link.deadline,
-                                             lambda i, p=p: self._describe(p))
-                self.wait_sends()
+        if self.reply is None:  # one wait for everything, in place (the 4 KiB path: inline)
+            # One receive and one send per ps, in ps order: request i is ps i % P's.
+            requests = self.requests or [r for rs in self.receives for r in rs] + self.sends
+            if not MPI.Request.Testall(requests):
+                link = self.link
+                nps = len(link.ranks)
+                P.wait_all(requests, link.deadline, lambda i: self.describe(i % nps),
+                           nbytes=2 * self.replies.nbytes)  # the push and its reply
             self.reply = self.replies.finish()
         return self.reply
 
+    def wait_sends(self):
+        """Wait until every request has left this rank."""
+        link, sends = self.link, self.sends
+        n = max(1, len(sends) // max(1, len(link.ranks)))
+        P.wait_all(sends, link.deadline, lambda i: self.describe(i // n))
 
-    def _wait_rerouting(self):
-        """Wait ps by ps (one frame each); a ps lost under ULFM is asked again at its buddy.
+    @staticmethod
+    def wait_reply(frame, requests, deadline, describe, between=None):
+        """Wait for the reply ``requests`` receive into ``frame`` (``between``: see wait_all)."""
+        P.wait_all(requests, deadline, describe, between,
+                   nbytes=2 * frame.bytes.nbytes)  # the push and its reply
 
-        The request in flight to the lost ps is sent again, whole, to its buddy, which
-        holds the copy of its shard (ps/replica.py).
-        """
+
+class ChunkedHandle(PushPullHandle):
+    """Frames staged through host memory: each reply is received chunk by chunk."""
+
+    __slots__ = ()
+
+    def wait(self):
+        """Receive each ps's reply in chunks, wait for the sends; return the Reply."""
+        if self.reply is None:
+            link, frames = self.link, self.replies.frames
+            for p, requests in enumerate(self.receives):
+                frames[p].receive_chunks(requests, link.deadline,
+                                         lambda i, p=p: self.describe(p))
+            self.wait_sends()
+            self.reply = self.replies.finish()
+        return self.reply
+
+    @staticmethod
+    def wait_reply(frame, requests, deadline, describe, between=None):
+        """Receive the reply ``requests`` began into ``frame``, chunk by chunk."""
+        frame.receive_chunks(requests, deadline, describe)
+
+
+class ReroutingHandle(PushPullHandle):
+    """A ps's shard copied to its buddy (replication): a lost ps is asked again there.
+
+    Waits ps by ps (one frame each); the request in flight to a ps lost under ULFM is
+    sent again, whole, to its buddy, which holds the copy of its shard (ps/replica.py).
+    """
+
+    __slots__ = ()
+
+    def wait(self):
+        """Wait ps by ps, re-routing a lost ps's request; return the Reply."""
+        if self.reply is None:
+            self.wait_sends()
+            self.reply = self.replies.finish()
+        return self.reply
+
+    def wait_sends(self):
+        """Wait ps by ps (receives too, if any), re-routing a lost ps's request."""
         link, receives, sends = self.link, self.receives, self.sends
         for p in range(len(link.ranks)):
             while True:
                 try:
                     mine = (list(receives[p]) if receives else []) + [sends[p]]
-                    P.wait_all(mine, link.deadline, lambda i, p=p: self._describe(p))
+                    P.wait_all(mine, link.deadline, lambda i, p=p: self.describe(p))
                     break
                 except MPI.Exception as exc:
                     if self.resend is None or not link.reroute(p, exc):

@@ -47,4 +47,4 @@ class GroupRates:
         sends = []
         for rank in link.ranks:
             sends.extend(frame.isend(link.comm, rank, P.TAG_REQUEST))
-        self._sent, self._sends = tuple(rates), PushPullHandle(link, [], sends, "rates")
+        self._sent, self._sends = tuple(rates), PushPullHandle.over(link, [], sends, "rates")

@@ -10,6 +10,10 @@ strategy overrides only what differs from :class:`FlatTransport`:
 - :class:`NodeTransport`: the replicas of a node sum their gradients in a shared window
   and the leader alone talks to the ps (:mod:`mpitf.worker.node`).
 
+Whichever it is, a push returns a round trip to wait on (``wait()``, ``done()``):
+:class:`~mpitf.worker.handles.PushPullHandle`, a :class:`BucketedPush` or a
+:class:`~mpitf.worker.handles.NodeHandle`; how its requests complete (whole frames,
+chunks, re-routing) is the link's, :meth:`~mpitf.worker.handles.PushPullHandle.over`.
 The 16-bit wire is no strategy: the wire stage (:mod:`mpitf.worker.wire_frames`) converts
 before a frame leaves and after it lands, whichever strategy moves it.
 """
@@ -17,7 +21,6 @@ before a frame leaves and after it lands, whichever strategy moves it.
 from typing import NamedTuple
 
 import numpy as np
-from mpi4py import MPI
 
 from ..errors import ConfigurationError
 from ..runtime.backend import numpy_backend
@@ -35,28 +38,6 @@ class Frames(NamedTuple):
     requests: list  # per ps: a small host frame for header-only requests (pull, done, ...)
     segments: list  # per ps: (header, payload start, end) of the model's float32 layout
     chunk_bytes: object  # chunk size when frames are staged (None: whole)
-
-
-class Round:
-    """A push's requests when they are persistent: made by the first push, restarted after.
-
-    Whole frames (no chunks) to ps ranks that never change (no re-routing) are sent and
-    received by the same persistent requests every step (:meth:`Frame.isend`), so the
-    handle that holds them is made once too, and every push restarts it.
-    """
-
-    __slots__ = ("handle",)
-
-    def __init__(self, handle):
-        handle.requests = [r for rs in handle.receives for r in rs] + handle.sends
-        self.handle = handle
-
-    def start(self):
-        """Start every request again (receives first); return the handle, to be waited."""
-        handle = self.handle
-        MPI.Prequest.Startall(handle.requests)
-        handle.reply = None
-        return handle
 
 
 def transport_for(node, bucketed):
@@ -97,7 +78,7 @@ class FlatTransport:
         self.grad_views, self.rates, self.backend = grad_views, rates, backend
         self.timeline = timeline
         self.position_frames = None  # requests with int64 words after the header
-        self.round = None  # a push's persistent requests, once known (see send_push)
+        self.round = None  # a push's persistent handle, once made (see send_push)
         self.counts = [c - b for _, b, c in frames.segments]  # per ps: a push's elements
         self.on_gpu = backend.is_gpu  # a host push has no stream to synchronise
         self.device_frames = [f for f in frames.grads if f.unpublished]  # headers to copy
@@ -147,10 +128,10 @@ class FlatTransport:
         for p, rank in enumerate(link.ranks):
             receives.append(params[p].irecv(link.comm, rank, link.reply_tags[p]))
             sends.extend(grads[p].isend(link.comm, rank, P.TAG_REQUEST))
-        handle = PushPullHandle(link, receives, sends, "push_pull", self.replies,
-                                self._resend_push if link.replicated else None)
+        handle = PushPullHandle.over(link, receives, sends, "push_pull", self.replies,
+                                     self._resend_push if link.replicated else None)
         if not (link.chunked or link.replicated):  # whole frames to fixed ranks: keep them
-            self.round = Round(handle)
+            self.round = handle.persist()
         return handle
 
     def request(self, kind, want_reply, flags=0, operation="pull", payload=None):
@@ -180,7 +161,8 @@ class FlatTransport:
         if link.replicated:
             def resend(p, reply):
                 return self._resend(frames[p], p, reply)
-        handle = PushPullHandle(link, receives, sends, operation, self.replies, resend)
+        handle = PushPullHandle.over(link, receives, sends, operation, self.replies,
+                                     resend)
         return handle.wait() if want_reply else handle.wait_sends()
 
     def _resend_push(self, p, reply):

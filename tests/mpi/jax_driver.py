@@ -1,7 +1,10 @@
 """mpitf.jax under mpiexec: 1 ps + W workers train a small MLP from a plain ``jax.grad``
 loop; each worker also trains it in one process with the ps's update rule (written here
 in numpy) on the W batches' mean gradient and prints how far the two are apart
-(``maxrel: X``). ``--break`` hands step() a bad gradient pytree at step 2."""
+(``maxrel: X``). ``--break`` hands step() a bad gradient pytree at step 2. ``--local K``:
+local SGD (each worker steps its own copy with the rule, the ps averages the copies every
+K steps); the reference then keeps one copy per worker, and the chief prints the ps's
+push counts (``pushes: N applied: M``)."""
 
 from ps_first import serve_if_ps
 
@@ -61,31 +64,55 @@ def schedule(step, base):
 
 
 class Reference:
-    """The ps's rule in numpy float32, on the mean gradient of every worker's batch."""
+    """The ps's rule in numpy float32, on the mean gradient of every worker's batch.
 
-    def __init__(self, name, workers, masked=False):
-        self.name, self.workers = name, workers
+    ``local`` K: local SGD instead, each worker's copy (and slots) stepped on its own
+    batch, the copies' mean put in every copy after each K-th step.
+    """
+
+    def __init__(self, name, workers, masked=False, local=0):
+        self.name, self.workers, self.local = name, workers, local
         names = [jax.tree_util.keystr(p) for p, _ in
                  jax.tree_util.tree_flatten_with_path(init())[0]]
         # --masked: weight decay on the matrices only; the last layer's matrix at half rate
         self.decay = [0.1 if not masked or "'w'" in n else 0.0 for n in names]
         self.scale = [0.5 if masked and n == "['layers'][1]['w']" else 1.0 for n in names]
-        self.params = [np.array(p) for p in jax.tree_util.tree_leaves(init())]
-        self.slots = [[np.zeros_like(p), np.zeros_like(p)] for p in self.params]
+        copies = workers if local else 1
+        self.copies = [[np.array(p) for p in jax.tree_util.tree_leaves(init())]
+                       for _ in range(copies)]
+        self.params = self.copies[0]  # what a worker ends with (every copy, once averaged)
+        self.slots = [[[np.zeros_like(p), np.zeros_like(p)] for p in self.params]
+                      for _ in range(copies)]
+
+    def _grad(self, params, x, y):
+        tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(init()),
+                                            [jnp.asarray(p) for p in params])
+        _, g = grad_fn(tree, x, y)
+        return [np.array(leaf) for leaf in jax.tree_util.tree_leaves(g)]
 
     def step(self, s):
         x, y = batches(s, self.workers)
-        tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(init()),
-                                            [jnp.asarray(p) for p in self.params])
+        if self.local:  # each copy on its own batch; the mean every K steps
+            for w in range(self.workers):
+                self._apply(s, self.copies[w], self._grad(self.copies[w], x[w], y[w]),
+                            self.slots[w])
+            if (s + 1) % self.local == 0:
+                for leaves in zip(*self.copies):
+                    mean = sum(leaves[1:], leaves[0].copy()) / np.float32(self.workers)
+                    for leaf in leaves:
+                        leaf[...] = mean
+            return
         grads = [np.zeros_like(p) for p in self.params]
         for w in range(self.workers):
-            _, g = grad_fn(tree, x[w], y[w])
-            for acc, leaf in zip(grads, jax.tree_util.tree_leaves(g)):
-                acc += np.asarray(leaf)
-        for p, g, (a, b), wd, f in zip(self.params, grads, self.slots, self.decay,
-                                       self.scale):
-            lr = schedule(s, LR[self.name] * f)
+            for acc, leaf in zip(grads, self._grad(self.params, x[w], y[w])):
+                acc += leaf
+        for g in grads:
             g *= np.float32(1.0 / self.workers)
+        self._apply(s, self.params, grads, self.slots[0])
+
+    def _apply(self, s, params, grads, slots):
+        for p, g, (a, b), wd, f in zip(params, grads, slots, self.decay, self.scale):
+            lr = schedule(s, LR[self.name] * f)
             if self.name == "momentum":  # tf.train.MomentumOptimizer
                 a *= 0.9
                 a += g
@@ -107,6 +134,8 @@ def main():
     p.add_argument("--break", dest="brk", default="none", choices=("none", "missing"))
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--local", type=int, default=0,
+                   help="local SGD: --mode local with --local-steps K (0: deterministic sync)")
     p.add_argument("--masked", action="store_true",
                    help="adamw: an optax-style weight-decay mask (matrices only) and the "
                         "last layer's matrix at half the rate")
@@ -126,12 +155,14 @@ def main():
             masked = dict(mask=lambda t: jax.tree_util.tree_map_with_path(
                 lambda path, _: jax.tree_util.keystr(path).endswith("['w']"), t),
                 groups=[{"variables": ["layers/1/w"], "learning_rate": half}])
+        mode = dict(mode="local", local_steps=args.local) if args.local else \
+            dict(deterministic=True)
         opt = DistributedOptimizer(params, server, args.optimizer, learning_rate=lr,
-                                   **OPTIONS[args.optimizer], **masked, deterministic=True,
+                                   **OPTIONS[args.optimizer], **masked, **mode,
                                    last_step=args.steps, checkpoint_dir=args.checkpoint_dir,
                                    log_every=1)
         params = opt.params
-        ref = Reference(args.optimizer, workers, args.masked)
+        ref = Reference(args.optimizer, workers, args.masked, args.local)
         for s in range(opt.global_step):  # a resumed run: bring the reference to the step
             ref.step(s)
         while not opt.should_stop():
@@ -143,6 +174,9 @@ def main():
             params = opt.step(grads, loss)
             time.sleep(args.sleep)
             ref.step(s)
+        if args.local and k == 0:  # the last push was an average: every worker's is in
+            (counters,) = opt.client.ps_counters()
+            say(f"pushes: {counters['pushes_received']} applied: {counters['pushes_applied']}")
         code = opt.close()
         ours = [np.asarray(a) for a in jax.tree_util.tree_leaves(params)]
         worst = max(float(np.linalg.norm(a - b) / np.linalg.norm(b))
