@@ -116,9 +116,8 @@ def default_bucket_bytes(across_nodes):
 
 def _one_frame_or_buckets(config):
     """The default bucket size: one frame where an option needs the whole push at once."""
-    one = config.clip_norm is not None or config.clients is not None or \
-        config.aggregate_per_node or config.consistency.applies_locally or \
-        config.ps_replication_steps
+    one = config.clients is not None or config.aggregate_per_node or \
+        config.consistency.applies_locally or config.ps_replication_steps
     return 0 if one else default_bucket_bytes(config.across_nodes)
 
 
@@ -182,7 +181,8 @@ class TrainingConfig:
     clip_norm: float = option(
         None, check=number(low=0.0, low_open=True),
         help="clip to this global L2 norm (None: none): sync, the aggregated gradient (the ps "
-             "tasks agree on its norm); async and ssp, each push on its worker")
+             "tasks agree on its norm; with buckets each ps holds the step's until its last "
+             "is in); async and ssp, each push on its worker")
     ps_strategy: str = option(
         None, "--ps-strategy", flag_default="round_robin",
         flag_choices=("round_robin", "greedy"),
@@ -284,10 +284,6 @@ class TrainingConfig:
             raise ConfigurationError(f"deterministic (--deterministic) needs mode 'sync', got "
                                      f"{self.mode!r}: in {self.mode} mode the order of updates "
                                      "depends on timing; drop one of them")
-        if self.clip_norm is not None and self.bucket_bytes:
-            raise ConfigurationError(
-                "clip_norm needs the whole gradient before any of it is applied, but bucket_"
-                f"bytes={self.bucket_bytes} applies it in buckets: leave bucket_bytes at 0 to clip")
         if self.aggregate_per_node:
             self._refuse("aggregate_per_node (--aggregate-per-node)", (
                 (not self.consistency.sums_gradients, f"mode {self.mode!r} (--mode): it "

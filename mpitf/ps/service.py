@@ -13,7 +13,6 @@ import time
 from mpi4py import MPI
 
 from ..errors import ConfigurationError, DeadlineError, PeerError
-from ..models.clipping import clip_by_global_norm
 from ..runtime.backend import get_backend
 from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
 from ..runtime.stall import StepClock
@@ -22,6 +21,7 @@ from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.frame import Frame
 from .at_once import AtOnce
+from .clip import StepClip
 from .consistency import make_policy
 from .cuts import Cuts
 from .handlers import Handlers
@@ -94,14 +94,16 @@ class Service(Handlers, Cuts, Losses):
         self.check_every = None if self.deadline is None else min(1.0, self.deadline / 10)
         self.replica = None  # the buddy ring (ps/replica.py), with --ps-replication-steps
         # What the policy decides about an apply: the update rule (the optimizer's, or an
-        # average put in place), whether the ps clips, and the one-frame update that needs
-        # nothing beside it (no buckets, tables, clipping or timeline; one rule).
+        # average put in place), whether the ps clips (sync: the session's clip_norm, or
+        # the workers' clip_grad_norm_, see ps/clip.py), and the one-frame update that
+        # needs nothing beside it (no buckets, tables, clipping or timeline; one rule).
         policy = self.policy
         self.update = self.shard.apply if policy.applies_gradients else self.shard.assign
-        self.clip_norm = config.clip_norm if policy.mode.clips_on_ps else None
-        self.whole_update = self.shard.apply_whole if (
+        self.clip = StepClip(None, server.job_comm, self.pipeline.count)
+        self._whole_update = self.shard.apply_whole if (
             policy.applies_gradients and not self.pipeline.bucketed and self.tables is None
-            and self.clip_norm is None and not self.timeline.enabled) else None
+            and not self.timeline.enabled) else None
+        self.set_clip_norm(config.clip_norm if policy.mode.clips_on_ps else None)
         # A host reply frame with nothing to publish beside it (a moving average) goes out
         # by a persistent send per worker (see apply_and_reply); not a ward's (a lost ps's
         # shard), whose replies go to whoever is re-routed to it.
@@ -161,10 +163,10 @@ class Service(Handlers, Cuts, Losses):
         last = bucket == pipe.last
         start = time.perf_counter()
         lo, hi = pipe.ranges[bucket]
-        if self.clip_norm is not None:  # the policy clips here: one bucket
+        if self.clip.max_norm is not None and not pipe.bucketed:  # the whole mean is here
             if grad.dtype != self.shard.dtype:  # one worker's, in a 16-bit wire dtype
                 grad = self.shard.widen(grad, lo, hi)
-            clip_by_global_norm((grad,), self.clip_norm, self.server.job_comm)
+            self.clip.clip((grad,))
         self.update(grad, step, lo, hi)
         if self.tables and last:
             self.sparse.apply(workers, step)
@@ -184,7 +186,16 @@ class Service(Handlers, Cuts, Losses):
         What every policy does with a step's gradient, and all the one-frame path does.
         A plain host reply to a worker that does not stage goes out by a persistent send
         of its own, restarted without a test first: :meth:`apply` finished every reply.
+        A clipped step's buckets wait for its last one (ps/clip.py), then go in order.
         """
+        if self.holds_buckets:
+            if self.clip.hold(self, grad, workers, bucket, steps):
+                for held in self.clip.release(self):
+                    self._apply_and_reply(*held)
+            return
+        self._apply_and_reply(grad, workers, bucket, steps)
+
+    def _apply_and_reply(self, grad, workers, bucket, steps):
         self.apply(grad, workers, bucket, steps)
         if not self.plain_replies or bucket != self.pipeline.last:
             for w in workers:
@@ -219,6 +230,18 @@ class Service(Handlers, Cuts, Losses):
         """Give pool frame ``index`` back to the receives (a held gradient was used)."""
         self.pool.release(index)
 
+    def set_clip_norm(self, max_norm):
+        """Clip each step's mean to ``max_norm`` from the next step on (None: no clipping).
+
+        A clipped step is not the one-frame update; with buckets its buckets are held
+        until the last is in (``holds_buckets``: :meth:`apply_and_reply` asks it first).
+        """
+        self.clip.max_norm = max_norm
+        if max_norm is None:
+            self.clip.last_norm = None
+        self.whole_update = self._whole_update if max_norm is None else None
+        self.holds_buckets = max_norm is not None and self.pipeline.bucketed
+
     def take_learning_rate(self, request):
         """Set the rate a push carries (mpitf.torch's): the next update applies it."""
         lr = H.learning_rate_of(request)
@@ -250,7 +273,8 @@ class Service(Handlers, Cuts, Losses):
         c["global_step"] = step = self.cut_step(state)
         H.pack_reply(reply.header, step, self.ps_task,
                      (P.FLAG_PAUSE if state.pausing else 0) | state.chief_flags,
-                     c["pushes_applied"], c["stale_dropped"], c["max_staleness"], c["max_lead"])
+                     c["pushes_applied"], c["stale_dropped"], c["max_staleness"], c["max_lead"],
+                     norm=self.clip.last_norm)
         if reply.unpublished:  # a host frame is as MPI reads it
             reply.publish(0, hi)
         if average is not None:

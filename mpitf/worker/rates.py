@@ -1,10 +1,12 @@
-"""``GroupRates``: the learning rates a worker asks every ps to apply.
+"""``GroupRates``: the learning rates (and clip norm) a worker asks every ps to apply.
 
 One rate (``learning_rate``) travels in each push header. mpitf.torch's param groups each
 keep their own learning rate, which a scheduler may change every step (mpitf/ps/groups.py
 holds the groups on the ps); several travel in a ``RATES`` request, one float64 per
 group, sent on the request tag before the push whenever a rate changed: MPI keeps a
-pair's messages on one tag in order, so every ps has them when the push arrives.
+pair's messages on one tag in order, so every ps has them when the push arrives. A loop
+that clips (mpitf.torch's ``clip_grad_norm_``, sync mode) adds one more float64 after the
+groups' rates, the norm the ps clips the step's mean gradient to (0: none; ps/clip.py).
 """
 
 import numpy as np
@@ -22,22 +24,31 @@ class GroupRates:
     """The rates to send and what was sent.
 
     ``learning_rate``: the one rate every push header carries (None: the ps's own);
-    ``values``: several groups' rates (a tuple, one per group, or None).
+    ``values``: several groups' rates (a tuple, one per group, or None); ``clip_norm``:
+    the norm the ps clips the step to (0.0: none this step; None: the loop never clips).
     """
 
     def __init__(self):
         self.learning_rate = None
         self.values = None
+        self.clip_norm = None
         self._frame = None  # made once, at the first send
         self._sent = None  # the rates the frame holds
         self._sends = None  # their sends in flight: completed before the frame is written
 
+    @property
+    def travels(self):
+        """Return whether a ``RATES`` request goes before each push (when changed)."""
+        return self.values is not None or self.clip_norm is not None
+
     def send(self, link):
-        """Send ``values`` to every ps of ``link`` unless they are the ones last sent."""
+        """Send ``values`` (and ``clip_norm``) to every ps of ``link`` unless last sent."""
         rates = self.values
+        if self.clip_norm is not None:
+            rates = (rates or ()) + (self.clip_norm,)
         if rates is None or rates == self._sent:
             return
-        if self._frame is None:
+        if self._frame is None or self._frame.payload.size != len(rates):
             self._frame = Frame.allocate(numpy_backend(), len(rates), np.float64)
         if self._sends is not None:
             self._sends.wait_sends()
