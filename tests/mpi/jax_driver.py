@@ -1,7 +1,9 @@
 """mpitf.jax under mpiexec: 1 ps + W workers train a small MLP from a plain ``jax.grad``
 loop; each worker also trains it in one process with the ps's update rule (written here
 in numpy) on the W batches' mean gradient and prints how far the two are apart
-(``maxrel: X``). ``--break`` hands step() a bad gradient pytree at step 2."""
+(``maxrel: X``). ``--break`` hands step() a bad gradient pytree at step 2. ``--clip X``:
+the session's clip_norm, optax.clip_by_global_norm(X) of the mean gradient (the reference
+clips its mean as the ps does: scale X / (norm + 1e-6) when below 1)."""
 
 from ps_first import serve_if_ps
 
@@ -63,8 +65,8 @@ def schedule(step, base):
 class Reference:
     """The ps's rule in numpy float32, on the mean gradient of every worker's batch."""
 
-    def __init__(self, name, workers, masked=False):
-        self.name, self.workers = name, workers
+    def __init__(self, name, workers, masked=False, clip=None):
+        self.name, self.workers, self.clip, self.clipped = name, workers, clip, 0
         names = [jax.tree_util.keystr(p) for p, _ in
                  jax.tree_util.tree_flatten_with_path(init())[0]]
         # --masked: weight decay on the matrices only; the last layer's matrix at half rate
@@ -82,10 +84,17 @@ class Reference:
             _, g = grad_fn(tree, x[w], y[w])
             for acc, leaf in zip(grads, jax.tree_util.tree_leaves(g)):
                 acc += np.asarray(leaf)
+        for g in grads:
+            g *= np.float32(1.0 / self.workers)
+        if self.clip is not None:  # the mean's global norm
+            norm = math.sqrt(sum(float(np.vdot(g, g)) for g in grads))
+            if self.clip / (norm + 1e-6) < 1.0:
+                self.clipped += 1
+                for g in grads:
+                    g *= self.clip / (norm + 1e-6)
         for p, g, (a, b), wd, f in zip(self.params, grads, self.slots, self.decay,
                                        self.scale):
             lr = schedule(s, LR[self.name] * f)
-            g *= np.float32(1.0 / self.workers)
             if self.name == "momentum":  # tf.train.MomentumOptimizer
                 a *= 0.9
                 a += g
@@ -107,6 +116,9 @@ def main():
     p.add_argument("--break", dest="brk", default="none", choices=("none", "missing"))
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--num-ps", type=int, default=1)
+    p.add_argument("--clip", type=float, default=None, help="the session's clip_norm")
+    p.add_argument("--bucket-bytes", type=int, default=None, help="default: the session's")
     p.add_argument("--masked", action="store_true",
                    help="adamw: an optax-style weight-decay mask (matrices only) and the "
                         "last layer's matrix at half the rate")
@@ -129,9 +141,10 @@ def main():
         opt = DistributedOptimizer(params, server, args.optimizer, learning_rate=lr,
                                    **OPTIONS[args.optimizer], **masked, deterministic=True,
                                    last_step=args.steps, checkpoint_dir=args.checkpoint_dir,
-                                   log_every=1)
+                                   log_every=1, clip_norm=args.clip,
+                                   bucket_bytes=args.bucket_bytes)
         params = opt.params
-        ref = Reference(args.optimizer, workers, args.masked)
+        ref = Reference(args.optimizer, workers, args.masked, args.clip)
         for s in range(opt.global_step):  # a resumed run: bring the reference to the step
             ref.step(s)
         while not opt.should_stop():
@@ -150,6 +163,8 @@ def main():
         moved = max(float(np.abs(a - np.asarray(b)).max())
                     for a, b in zip(ref.params, jax.tree_util.tree_leaves(init())))
         say(f"worker {k}: step {opt.global_step} maxrel: {worst:.3g} moved: {moved:.3g}")
+        if args.clip is not None:
+            say(f"worker {k}: the reference clipped {ref.clipped} of {opt.global_step} steps")
         if k == 0:
             digest = hashlib.sha256(b"".join(a.tobytes() for a in ours)).hexdigest()
             say(f"names: {','.join(opt.layout.names)} digest: {digest[:16]}")
