@@ -86,8 +86,10 @@ class Service(Handlers, Cuts, Losses):
         self.pool = buddy.pool if buddy is not None else receive_pool(  # a ward's: FLAG_WARD
             self.comm, [Frame.allocate(self.backend, size, wire, capacity)
                         for _ in range(frames)], P.TAG_REQUEST, self.worker_ranks,
-            bool(config.ps_replication_steps), server.ulfm)
+            bool(config.ps_replication_steps), server.ulfm,
+            self._grown_frame if self.tables else None)
         self.sparse = SparseInbox(self, size, wire, capacity) if self.tables else None
+        self.frames_grown = 0  # receive frames made larger for a request (tables)
         # Stall detection: the gaps between a worker's pushes are its steps; a worker with
         # no push since start-up or a pause (state.last_push None) gets the whole deadline.
         self.stall = StepClock.for_ps(self.deadline, assignment.adaptive, self.num_workers)
@@ -280,6 +282,14 @@ class Service(Handlers, Cuts, Losses):
         if average is not None:
             average.header[...] = reply.header
             average.publish(0, hi)
+
+    def _grown_frame(self, nbytes):
+        """Return a receive frame for a request of ``nbytes`` (sparse: the batch grew)."""
+        if not self.frames_grown:
+            _log.info("ps task %d: a request of %d bytes, more than its receive frames "
+                      "held: they grow to fit (each once)", self.ps_task, nbytes)
+        self.frames_grown += 1
+        return Frame.allocate(self.backend, self.shard.size, self.shard.wire, nbytes)
 
     def _describe_sender(self, rank):
         worker = self.worker_of.get(rank)
