@@ -23,6 +23,7 @@ import torch.nn.utils
 import torch.nn.utils.clip_grad as _clip_grad
 
 from ..errors import ConfigurationError
+from ..worker.frontend import ends_the_job
 
 __all__ = ["Clipping"]
 
@@ -111,6 +112,7 @@ class Clipping:
     """
 
     def __init__(self, parameters, grads, refusal=None):
+        self._server = None  # a refusal ends every rank of a multi-rank job (ends_the_job)
         self._ids = {id(p) for p in parameters}
         self._grads = {g.data_ptr() for g in grads}
         self._refusal = refusal
@@ -134,6 +136,7 @@ class Clipping:
             refusal = ("clip_grad_norm_ over a model with mpitf.torch tables: the ps clips "
                        "the dense parameters only (not yet the tables' rows); drop the clip")
         clipping = cls([p for _, p in named], grads, refusal)
+        clipping._server = session.server
         clipping.open()
         return clipping
 
@@ -150,6 +153,7 @@ class Clipping:
             if not _OPEN:
                 _uninstall()
 
+    @ends_the_job
     def claims(self, parameters):
         """Return True for all of this model's parameters that have a gradient.
 
@@ -168,6 +172,7 @@ class Clipping:
                 "pass model.parameters()")
         return True
 
+    @ends_the_job
     def check_norm_type(self, grads, norm_type):
         """Refuse a norm other than L2 of this model's gradients (the ps's is L2)."""
         if float(norm_type) != 2.0 and any(g.data_ptr() in self._grads for g in grads):
@@ -175,6 +180,7 @@ class Clipping:
                 f"clip_grad_norm_ with norm_type={norm_type} over a wrapped model: the ps "
                 "tasks clip the mean gradient by its L2 norm; use norm_type=2")
 
+    @ends_the_job
     def note(self, max_norm, total_norm):
         """The loop clipped this model's gradient: keep ``max_norm`` and the returned norm."""
         if self._refusal is not None:
@@ -190,6 +196,7 @@ class Clipping:
         self.max_norm, self.clipped = max_norm, True
         self._norms.append(total_norm)
 
+    @ends_the_job
     def ask(self, rates, pushed, step):
         """Set the norm the step's push asks the ps to clip to (0.0: none; None: never).
 
