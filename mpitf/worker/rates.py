@@ -33,7 +33,7 @@ class GroupRates:
         self.values = None
         self.clip_norm = None
         self._frame = None  # made once, at the first send
-        self._sent = None  # the rates the frame holds
+        self._sent_rates = self._sent_clip = None  # what the frame holds
         self._sends = None  # their sends in flight: completed before the frame is written
 
     @property
@@ -43,19 +43,24 @@ class GroupRates:
 
     def send(self, link):
         """Send ``values`` (and ``clip_norm``) to every ps of ``link`` unless last sent."""
-        rates = self.values
-        if self.clip_norm is not None:
-            rates = (rates or ()) + (self.clip_norm,)
-        if rates is None or rates == self._sent:
+        rates, clip = self.values, self.clip_norm
+        if (rates is None and clip is None) or (rates == self._sent_rates and
+                                                 clip == self._sent_clip):
             return
-        if self._frame is None or self._frame.payload.size != len(rates):
-            self._frame = Frame.allocate(numpy_backend(), len(rates), np.float64)
+        groups = 0 if rates is None else len(rates)
+        count = groups + (clip is not None)
+        if self._frame is None or self._frame.payload.size != count:
+            self._frame = Frame.allocate(numpy_backend(), count, np.float64)
         if self._sends is not None:
             self._sends.wait_sends()
         frame = self._frame
-        frame.payload[...] = rates
-        H.pack_rates(frame.header, link.worker, len(rates))
+        if groups:
+            frame.payload[:groups] = rates
+        if clip is not None:
+            frame.payload[groups] = clip
+        H.pack_rates(frame.header, link.worker, count)
         sends = []
         for rank in link.ranks:
             sends.extend(frame.isend(link.comm, rank, P.TAG_REQUEST))
-        self._sent, self._sends = tuple(rates), PushPullHandle(link, [], sends, "rates")
+        self._sent_rates, self._sent_clip = None if rates is None else tuple(rates), clip
+        self._sends = PushPullHandle(link, [], sends, "rates")
