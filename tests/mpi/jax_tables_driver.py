@@ -95,6 +95,7 @@ def main():
     p.add_argument("--initial", action="store_true", help="the chief gives the table's rows")
     p.add_argument("--bad", default=None)
     p.add_argument("--grows", action="store_true", help="a table that grows")
+    p.add_argument("--num-ps", type=int, default=1)  # read by serve_if_ps
     p.add_argument("--max-ids", type=int, default=BATCH * PER,
                    help="the table's max_ids (fewer than a step's: its buffers grow)")
     args = p.parse_args()
