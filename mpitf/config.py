@@ -118,9 +118,8 @@ def default_bucket_bytes(across_nodes):
 
 def _one_frame_or_buckets(config):
     """The default bucket size: one frame where an option needs the whole push at once."""
-    one = config.clip_norm is not None or config.clients is not None or \
-        config.aggregate_per_node or config.consistency.applies_locally or \
-        config.ps_replication_steps
+    one = config.clients is not None or config.aggregate_per_node or \
+        config.consistency.applies_locally or config.ps_replication_steps
     return 0 if one else default_bucket_bytes(config.across_nodes)
 
 
@@ -184,7 +183,8 @@ class TrainingConfig:
     clip_norm: float = option(
         None, check=number(low=0.0, low_open=True),
         help="clip to this global L2 norm (None: none): sync, the aggregated gradient (the ps "
-             "tasks agree on its norm); async and ssp, each push on its worker")
+             "tasks agree on its norm; with buckets each ps holds the step's until its last "
+             "is in); async and ssp, each push on its worker")
     ps_strategy: str = option(
         None, "--ps-strategy", flag_default="round_robin",
         flag_choices=("round_robin", "greedy"),

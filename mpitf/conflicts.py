@@ -37,10 +37,6 @@ def refuse_combinations(config):
         raise ConfigurationError(f"deterministic (--deterministic) needs mode 'sync', got "
                                  f"{config.mode!r}: in {config.mode} mode the order of updates "
                                  "depends on timing; drop one of them")
-    if config.clip_norm is not None and config.bucket_bytes:
-        raise ConfigurationError(
-            "clip_norm needs the whole gradient before any of it is applied, but bucket_"
-            f"bytes={config.bucket_bytes} applies it in buckets: leave bucket_bytes at 0 to clip")
     if config.aggregate_per_node:
         _refuse("aggregate_per_node (--aggregate-per-node)", (
             (not config.consistency.sums_gradients, f"mode {config.mode!r} (--mode): it "

@@ -76,6 +76,7 @@ LONG_MODULES = {
     "mpitf/testing/netcluster.py": "the cluster in a box: make, use and remove it",
     "mpitf/torch/optimizer.py": "mpitf.torch.DistributedOptimizer",
     "mpitf/worker/client.py": "the worker's flat buffers and its round trips to the ps",
+    "mpitf/worker/embedding.py": "a worker's table lookups: dedup, pull, sum, push, grow",
     "mpitf/worker/session.py": "TrainingSession: start, steps, checkpoints, signals",
 }
 LONG_FUNCTIONS = {

@@ -33,8 +33,8 @@ class Table:
         dim: the length of each row.
         initial: the rows (an array of that shape) every ps starts from, the chief's;
             None: drawn on the ps, U(-0.05, 0.05).
-        max_ids: the most ids one step looks up in it (the size of the buffers, made once
-            on every rank).
+        max_ids: the ids one step is expected to look up in it (the size of the buffers
+            made at the start on every rank; a step of more makes them larger, said once).
         dynamic: True, or a :class:`~mpitf.tables.growth.Growth` for admission and
             eviction: a table that grows, any int64 id, its rows drawn on the ps from
             (seed, table, id); ``num_embeddings=None`` alone means the same.
@@ -115,10 +115,6 @@ class TableSteps:
         if ids.dtype.kind not in "iu":
             raise ConfigurationError(f"table {name!r}: ids must be integers, got "
                                      f"{ids.dtype.name}")
-        if ids.size > table.max_ids:
-            raise ConfigurationError(
-                f"table {name!r}: a step looks up {ids.size} ids, more than max_ids="
-                f"{table.max_ids}; declare the Table with a larger max_ids")
         rows = None if table.num_embeddings is None or table.dynamic not in (None, False) \
             else operator.index(table.num_embeddings)
         check_range(name, rows, ids)

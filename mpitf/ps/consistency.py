@@ -59,10 +59,13 @@ class SyncReplicas:
         """Return True for a push of the bucket's current step; drop an older one (False).
 
         A dropped push is answered with the parameters and changes nothing; a push of a
-        step the ps has not reached is a broken worker's, and raises.
+        step the ps has not reached is a broken worker's, and raises. A bucket whose mean
+        is held for clipping (ps/clip.py) has had its step: a backup worker's is late.
         """
         pipe = svc.pipeline
         g = pipe.steps[bucket]
+        if svc.holds_buckets and svc.clip.held[bucket] is not None:
+            g += 1
         if step == g:
             if bucket == pipe.last:
                 svc.state.note_staleness(0)

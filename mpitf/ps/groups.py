@@ -167,10 +167,14 @@ class ElementRules:
         return getattr(self.optimizer, "base", self.optimizer)
 
     @property
+    def group_count(self):
+        """Return the optimizer's groups (0: one set of options, whose rate a push carries)."""
+        return len(getattr(self.optimizer, "groups", ()))
+
+    @property
     def rates_bytes(self):
-        """Return the bytes of a ``RATES`` request for these groups (0: none is sent)."""
-        groups = getattr(self.optimizer, "groups", ())
-        return HEADER_BYTES + 8 * len(groups) if groups else 0
+        """Return the most bytes of a ``RATES`` request: each group's rate and a clip norm."""
+        return HEADER_BYTES + 8 * (self.group_count + 1)
 
     @property
     def optimizers(self):

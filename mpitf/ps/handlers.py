@@ -38,9 +38,14 @@ class Handlers:
         return policy.on_push(self, worker, frame, index, bucket)
 
     def _on_rates(self, state, worker, request, frame, index, now):
-        # Before a push, within its step: each group's learning rate.
-        rates = frame.bytes[H.HEADER_BYTES:H.HEADER_BYTES + 8 * request.count]
-        self.shard.set_learning_rates(rates.view(np.float64))
+        # Before a push, within its step: each group's learning rate, then (mpitf.torch's
+        # clip_grad_norm_ in sync mode) the norm to clip the step's mean to, 0 for none.
+        rates = frame.bytes[H.HEADER_BYTES:H.HEADER_BYTES + 8 * request.count].view(np.float64)
+        groups = self.shard.rules.group_count
+        if groups:
+            self.shard.set_learning_rates(rates[:groups])
+        if request.count > groups:
+            self.set_clip_norm(float(rates[groups]) or None)
         return True
 
     def _on_sparse(self, state, worker, request, frame, index, now):

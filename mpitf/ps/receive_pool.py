@@ -28,15 +28,18 @@ from mpi4py import MPI
 from ..wire import protocol as P
 
 
-def receive_pool(comm, frames, tag, senders, rerouted=False, ulfm=False):
+def receive_pool(comm, frames, tag, senders, rerouted=False, ulfm=False, grow=None):
     """Return the pool for ``frames``: receives posted from the one sender, or probes.
 
     Probes where another rank may speak too: ``senders`` (the ranks that push) are more
     than one, a lost buddy's workers may be ``rerouted`` here (replication), or a dead
-    worker's requests must be told apart (``ulfm``).
+    worker's requests must be told apart (``ulfm``), and where a message may be larger
+    than the frames: ``grow(nbytes)`` then makes a frame that holds one (embedding
+    tables' sparse requests, whose size follows the batch), in place of the free frame
+    the probed message would not fit.
     """
-    if len(senders) != 1 or rerouted or ulfm:
-        return ReceivePool(comm, frames, tag)
+    if len(senders) != 1 or rerouted or ulfm or grow is not None:
+        return ReceivePool(comm, frames, tag, grow)
     return PostedReceives(comm, frames, tag, senders[0])
 
 
@@ -45,11 +48,12 @@ class ReceivePool:
 
     ``wait_next`` returns the index of the frame that holds the next message; the frame
     stays the caller's until ``release(index)`` (a held gradient keeps its frame);
-    ``swap(index, frame)`` lends the frame away and puts another in its place.
+    ``swap(index, frame)`` lends the frame away and puts another in its place; ``grow``
+    (see :func:`receive_pool`) makes a larger frame for a message that would not fit.
     """
 
-    def __init__(self, comm, frames, tag):
-        self.comm, self.tag = comm, tag
+    def __init__(self, comm, frames, tag, grow=None):
+        self.comm, self.tag, self.grow = comm, tag, grow
         self.frames = list(frames)
         self.free = list(range(len(self.frames)))[::-1]  # a stack: the warmest frame first
         self.status = MPI.Status()
@@ -78,6 +82,10 @@ class ReceivePool:
         message = P.wait_message(self.comm, self.tag, poll_every, on_quiet, self.status,
                                  between)
         index = self.free.pop()
+        if self.grow is not None:
+            nbytes = self.status.Get_count(MPI.BYTE)
+            if nbytes > self.frames[index].bytes.nbytes:  # a free frame: no one reads it
+                self.frames[index] = self.grow(nbytes)
         try:
             frame = self.frames[index].bytes
             request = message.Irecv([frame, MPI.BYTE])

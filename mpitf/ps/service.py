@@ -13,7 +13,6 @@ import time
 from mpi4py import MPI
 
 from ..errors import ConfigurationError, DeadlineError, PeerError
-from ..models.clipping import clip_by_global_norm
 from ..runtime.backend import get_backend
 from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
 from ..runtime.stall import StepClock
@@ -22,6 +21,7 @@ from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.frame import Frame
 from .at_once import AtOnce
+from .clip import StepClip
 from .consistency import make_policy
 from .cuts import Cuts
 from .handlers import Handlers
@@ -86,21 +86,25 @@ class Service(Handlers, Cuts, Losses):
         self.pool = buddy.pool if buddy is not None else receive_pool(  # a ward's: FLAG_WARD
             self.comm, [Frame.allocate(self.backend, size, wire, capacity)
                         for _ in range(frames)], P.TAG_REQUEST, self.worker_ranks,
-            bool(config.ps_replication_steps), server.ulfm)
+            bool(config.ps_replication_steps), server.ulfm,
+            self._grown_frame if self.tables else None)
         self.sparse = SparseInbox(self, size, wire, capacity) if self.tables else None
+        self.frames_grown = 0  # receive frames made larger for a request (tables)
         # Stall detection: the gaps between a worker's pushes are its steps; a worker with
         # no push since start-up or a pause (state.last_push None) gets the whole deadline.
         self.stall = StepClock.for_ps(self.deadline, assignment.adaptive, self.num_workers)
         self.check_every = None if self.deadline is None else min(1.0, self.deadline / 10)
         # What the policy decides about an apply: the update rule (the optimizer's, or an
-        # average put in place), whether the ps clips, and the one-frame update that needs
-        # nothing beside it (no buckets, tables, clipping or timeline; one rule).
+        # average put in place), whether the ps clips (sync: the session's clip_norm, or
+        # the workers' clip_grad_norm_, see ps/clip.py), and the one-frame update that
+        # needs nothing beside it (no buckets, tables, clipping or timeline; one rule).
         policy = self.policy
         self.update = self.shard.apply if policy.applies_gradients else self.shard.assign
-        self.clip_norm = config.clip_norm if policy.mode.clips_on_ps else None
-        self.whole_update = self.shard.apply_whole if (
+        self.clip = StepClip(None, server.job_comm, self.pipeline.count)
+        self._whole_update = self.shard.apply_whole if (
             policy.applies_gradients and not self.pipeline.bucketed and self.tables is None
-            and self.clip_norm is None and not self.timeline.enabled) else None
+            and not self.timeline.enabled) else None
+        self.set_clip_norm(config.clip_norm if policy.mode.clips_on_ps else None)
         # A host reply frame with nothing to publish beside it (a moving average) goes out
         # by a persistent send per worker (see apply_and_reply); not a ward's (a lost ps's
         # shard), whose replies go to whoever is re-routed to it.
@@ -143,15 +147,18 @@ class Service(Handlers, Cuts, Losses):
                 self.sparse.discard(worker)
         self.reply(worker, bucket=bucket)
 
-    def apply_and_reply(self, grad, workers, bucket=0, steps=1, reply=True):
+    def apply_and_reply(self, grad, workers, bucket=0, steps=1, reply=True, released=False):
         """Apply ``grad`` (or ``workers``' mean) to a bucket's slice; answer each of ``workers``.
 
         The one way a push changes the shard and is answered, on every path. The update
         runs once the replies reading the slice have left; the last bucket advances the
         step by ``steps``. ``reply`` False: the policy answers later (ssp holds a worker).
-        A whole host reply to a worker that does not stage goes out by a persistent send
-        of its own, restarted without a test first (every reply was finished above).
+        A clipped step's buckets wait for its last one (ps/clip.py), then come back here
+        ``released``, in order. A whole host reply to a worker that does not stage goes
+        out by a persistent send of its own, restarted without a test first.
         """
+        if self.holds_buckets and not released:
+            return self._hold_for_clip(grad, workers, bucket, steps, reply)
         pipe, state = self.pipeline, self.state
         if pipe.bucketed or pipe.whole:  # replies still reading what changes now
             pipe.finish(self.stall.steady, self.describe_reply, bucket)
@@ -191,6 +198,12 @@ class Service(Handlers, Cuts, Losses):
             pipe.sent(send, w)
             counters["bytes_out"] += frame.bytes.nbytes
 
+    def _hold_for_clip(self, grad, workers, bucket, steps, reply):
+        """Hold a clipped step's bucket; at its last, apply and answer every bucket in order."""
+        if self.clip.hold(self, grad, workers, bucket, steps):
+            for held in self.clip.release(self):
+                self.apply_and_reply(*held, reply=reply, released=True)
+
     def _update(self, grad, workers, bucket, step, last):
         """Run the update rule on ``bucket``'s slice (not the one-frame update); return it.
 
@@ -200,10 +213,10 @@ class Service(Handlers, Cuts, Losses):
         """
         start = time.perf_counter()
         lo, hi = self.pipeline.ranges[bucket]
-        if self.clip_norm is not None:  # the policy clips here: one bucket
+        if self.clip.max_norm is not None and not self.pipeline.bucketed:  # the whole mean
             if grad.dtype != self.shard.dtype:  # one worker's, in a 16-bit wire dtype
                 grad = self.shard.widen(grad, lo, hi)
-            clip_by_global_norm((grad,), self.clip_norm, self.server.job_comm)
+            self.clip.clip((grad,))
         self.update(grad, step, lo, hi)
         if self.tables and last:
             self.sparse.apply(workers, step)
@@ -225,6 +238,18 @@ class Service(Handlers, Cuts, Losses):
     def release(self, index):
         """Give pool frame ``index`` back to the receives (a held gradient was used)."""
         self.pool.release(index)
+
+    def set_clip_norm(self, max_norm):
+        """Clip each step's mean to ``max_norm`` from the next step on (None: no clipping).
+
+        A clipped step is not the one-frame update; with buckets its buckets are held
+        until the last is in (``holds_buckets``: :meth:`apply_and_reply` asks it first).
+        """
+        self.clip.max_norm = max_norm
+        if max_norm is None:
+            self.clip.last_norm = None
+        self.whole_update = self._whole_update if max_norm is None else None
+        self.holds_buckets = max_norm is not None and self.pipeline.bucketed
 
     def take_learning_rate(self, request):
         """Set the rate a push carries (mpitf.torch's): the next update applies it."""
@@ -265,12 +290,21 @@ class Service(Handlers, Cuts, Losses):
         c["global_step"] = step = self.cut_state.global_step
         H.pack_reply(reply.header, step, self.ps_task,
                      (P.FLAG_PAUSE if state.pausing else 0) | state.chief_flags,
-                     c["pushes_applied"], c["stale_dropped"], c["max_staleness"], c["max_lead"])
+                     c["pushes_applied"], c["stale_dropped"], c["max_staleness"], c["max_lead"],
+                     norm=self.clip.last_norm)
         if reply.unpublished:  # a host frame is as MPI reads it
             reply.publish(0, hi)
         if average is not None:
             average.header[...] = reply.header
             average.publish(0, hi)
+
+    def _grown_frame(self, nbytes):
+        """Return a receive frame for a request of ``nbytes`` (sparse: the batch grew)."""
+        if not self.frames_grown:
+            _log.info("ps task %d: a request of %d bytes, more than its receive frames "
+                      "held: they grow to fit (each once)", self.ps_task, nbytes)
+        self.frames_grown += 1
+        return Frame.allocate(self.backend, self.shard.size, self.shard.wire, nbytes)
 
     def _describe_sender(self, rank):
         worker = self.worker_of.get(rank)

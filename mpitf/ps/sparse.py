@@ -20,6 +20,8 @@ sync mode each step's gradients are summed by id across workers in worker order
 gradients, as the dense mean, so deterministic sync is bit for bit a single process's sum.
 """
 
+import logging
+
 import numpy as np
 
 from ..errors import PeerError
@@ -30,6 +32,8 @@ from ..tables.shard import TableShard
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.sparse import SparseLayout
+
+_log = logging.getLogger("mpitf")
 
 
 def message_layout(tables, batch_size):
@@ -59,7 +63,7 @@ class SparseTables:
 
     def __init__(self, sparse, ps, num_ps, optimizer, seed, num_workers):
         self.specs = tuple(sparse["tables"])
-        self.ps, self.optimizer = ps, optimizer
+        self.ps, self.optimizer, self.num_workers = ps, optimizer, num_workers
         self.layout = message_layout(self.specs, sparse["batch_size"])
         self.placements = [t.row_placement(num_ps) for t in self.specs]
         given = sparse.pop("initial", None) or {}  # the chief's rows of a table, if sent
@@ -70,15 +74,40 @@ class SparseTables:
                        for t, pl, n in zip(self.specs, self.placements, self.layout.max_ids)]
         self.messages = [None] * num_workers  # each worker's push, in the frame it came in
         self.pending = [None] * num_workers  # ... and its local rows of every table
-        self.locals = [[np.empty(n, np.int64) for n in self.layout.max_ids]
-                       for _ in range(num_workers)]
         self.has_pending = [False] * num_workers
-        self.replies = [self.layout.allocate(reply=True) for _ in range(num_workers)]
-        total = [n * num_workers for n in self.layout.max_ids]
+        self._make_buffers()
+
+    def _make_buffers(self):
+        """Make the buffers of a step's messages, for the layout's ids per table."""
+        workers, max_ids = self.num_workers, self.layout.max_ids
+        self.locals = [[np.empty(n, np.int64) for n in max_ids] for _ in range(workers)]
+        self.replies = [self.layout.allocate(reply=True) for _ in range(workers)]
+        total = [n * workers for n in max_ids]
         self.cat_ids = [np.empty(n, np.int64) for n in total]
         self.dedup = [Dedup(n) for n in total]
         self.cat_grads = [np.empty((n, t.dim), t.dtype) for n, t in zip(total, self.specs)]
         self.scratch = [np.empty(len(t.grad_buf) * t.spec.dim) for t in self.tables]
+
+    def _fit(self, counts, message, end, describe):
+        """Check a message's ids per table; grow the buffers if a step holds more than ever.
+
+        A worker's buffers grow when its batch does (worker/embedding.py); the ps grows
+        its own when a message first holds more (said once a growth): nothing is sized by
+        hand, and a step within the sizes allocates nothing.
+        """
+        if any(c < 0 for c in counts) or end(counts) > len(message):
+            raise PeerError(f"sparse message with {counts} ids per table, which its "
+                            f"{len(message)} bytes do not hold", **describe)
+        old = self.layout.max_ids
+        if all(c <= m for c, m in zip(counts, old)):
+            return
+        grown = [max(m, c, 2 * m) if c > m else m for c, m in zip(counts, old)]
+        self.layout = SparseLayout([(t.dim, t.dtype) for t in self.specs], grown)
+        for table, n in zip(self.tables, grown):
+            table.fit(n * self.num_workers, self.optimizer)
+        self._make_buffers()
+        _log.info("ps task %d: a sparse message of %s ids per table, more than the %s its "
+                  "buffers held: they grow to %s", self.ps, counts, old, grown)
 
     def saved(self, step):
         """Return this ps's rows of every table as a checkpoint writes them (at ``step``)."""
@@ -99,9 +128,9 @@ class SparseTables:
 
     def pull(self, worker, message, step, describe):
         """Gather the rows a pull asks for into ``worker``'s reply buffer; return the view."""
+        counts = self.layout.counts(message).tolist()
+        self._fit(counts, message, self.layout.ids_end, describe)
         lay, reply = self.layout, self.replies[worker]
-        counts = lay.counts(message).tolist()
-        self._check_counts(counts, describe)
         for table, ids, rows in zip(self.tables, lay.ids(message, counts),
                                     lay.reply_rows(reply, counts)):
             table.gather(ids, rows, describe)
@@ -113,9 +142,9 @@ class SparseTables:
 
         Its ids are checked now; their local rows are kept for the apply (checked once).
         """
+        counts = self.layout.counts(message).tolist()
+        self._fit(counts, message, self.layout.end, describe)
         lay = self.layout
-        counts = lay.counts(message).tolist()
-        self._check_counts(counts, describe)
         self.pending[worker] = [table.locate(ids, describe, out) for table, ids, out in
                                 zip(self.tables, lay.ids(message, counts), self.locals[worker])]
         self.messages[worker] = message
@@ -161,8 +190,3 @@ class SparseTables:
         uids, inverse = table.unique(self.dedup[t], cat_ids[:n])
         return table.locate(uids, {}), segment_sum(cat_grads[:n], inverse,
                                                    table.grad_buf[:len(uids)], self.scratch[t])
-
-    def _check_counts(self, counts, describe):
-        if any(c < 0 or c > m for c, m in zip(counts, self.layout.max_ids)):
-            raise PeerError(f"sparse message with {counts} ids per table; at most "
-                            f"{self.layout.max_ids} fit", **describe)

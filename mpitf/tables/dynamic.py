@@ -49,6 +49,15 @@ class DynamicShard(TableShard):
         self.slots = {k: cache_aligned((0, dim), dtype) for k in self.slot_start}
         self.ids, self.last_seen, self.uses, self.free = (np.empty(0, np.int64) for _ in range(4))
         self._grow(START_ROWS)
+        self.fit(max_rows, optimizer)
+        self.admitted = self.evicted = self.skipped = 0
+        self.warned_at = 0  # the rows evicted for capacity when last said (doubling: not a flood)
+
+    # -- storage ---------------------------------------------------------------------------
+
+    def fit(self, max_rows, optimizer):
+        """Make the buffers of one apply for ``max_rows`` rows (again when a step needs more)."""
+        dim, dtype = self.spec.dim, self.params.dtype
         rows = max(1, int(max_rows))
         self.gathered = {k: v.reshape(-1, dim) if v.size else v.reshape(0, dim)
                          for k, v in optimizer.make_slots(rows * dim, np, dtype).items()}
@@ -56,10 +65,6 @@ class DynamicShard(TableShard):
         self.local, self.found = np.empty(rows, np.int64), np.empty(rows, np.int64)
         self.admit = np.empty(rows, np.bool_)
         self.compact_grads = np.empty((rows, dim), dtype)
-        self.admitted = self.evicted = self.skipped = 0
-        self.warned_at = 0  # the rows evicted for capacity when last said (doubling: not a flood)
-
-    # -- storage ---------------------------------------------------------------------------
 
     def _grow(self, rows):
         """Make the row storage hold ``rows`` rows (copying the slots in use)."""

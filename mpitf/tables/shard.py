@@ -45,16 +45,21 @@ class TableShard:
                 f"ps task {ps} cannot hold its {n} rows of table {spec.name!r} ({need:.0f} "
                 f"MiB with the optimizer's slots): split the table over more ps tasks "
                 f"(--num-ps)") from None
-        rows = min(n, max_rows)
+        self.fit(max_rows, optimizer)
+        self.mod = placement.kind == "mod" and placement.num_ps > 1
+        self.lo, self.hi = (0, n) if self.mod else (int(placement.starts[ps]),
+                                                    int(placement.starts[ps + 1]))
+        self.same = not self.mod and self.lo == 0  # local rows are the ids (one ps, say)
+
+    def fit(self, max_rows, optimizer):
+        """Make the buffers of one apply for ``max_rows`` rows (again when a step needs more)."""
+        dim, dtype = self.spec.dim, self.params.dtype
+        rows = min(len(self.params), max_rows)
         self.gathered = {k: v.reshape(-1, dim) if v.size else v.reshape(0, dim)
                          for k, v in optimizer.make_slots(rows * dim, np, dtype).items()}
         self.rows_buf = np.empty((rows, dim), dtype)
         self.grad_buf = np.empty((rows, dim), dtype)
         self.local = np.empty(rows, np.int64)
-        self.mod = placement.kind == "mod" and placement.num_ps > 1
-        self.lo, self.hi = (0, n) if self.mod else (int(placement.starts[ps]),
-                                                    int(placement.starts[ps + 1]))
-        self.same = not self.mod and self.lo == 0  # local rows are the ids (one ps, say)
 
     def locate(self, ids, worker_desc, out=None):
         """Return the local rows of ``ids`` (in ``out``, else scratch); refuse ids not held here.

@@ -21,7 +21,7 @@ class TorchVariables:
 
     ``tables`` (name -> mpitf.torch table module) are its embedding tables: looked up in
     the modules' forward (the session's ``lookup``), so one step's buffers hold
-    ``max_ids`` ids of each (``table_batch_size`` 1).
+    ``max_ids`` ids of each (``table_batch_size`` 1) until a step looks up more.
     """
 
     table_batch_size = 1

@@ -13,10 +13,11 @@ layers' buckets first, the order backward produces them, as DDP guesses), and ``
 pushes the rest and waits. The first step pushes at ``step()`` and learns what the loop
 does between backward and ``step()``: with one backward per step and the gradients and
 learning rates left as backward and the loop's top set them, the hooks push from the
-second step on; with gradient accumulation, or gradients changed after backward (torch's
-``clip_grad_norm_`` changes them in place, which bumps the tensors' version counters), or
-a rate set there, every step pushes its buckets at ``step()``, since a bucket must not
-leave before the gradient is final.
+second step on; with gradient accumulation, or gradients changed after backward (a scaling
+in place bumps the tensors' version counters), or a rate set there, every step pushes its
+buckets at ``step()``, since a bucket must not leave before the gradient is final. In sync
+mode torch's ``clip_grad_norm_`` leaves the gradients alone: the ps clips the workers'
+mean, as DDP's clips the all-reduced gradient (:mod:`.clipping`, :mod:`mpitf.ps.clip`).
 """
 
 import contextlib
@@ -30,6 +31,7 @@ from ..runtime.cores import node_share, ranks_on_host, usable_cores
 from ..worker.frontend import SessionFrontEnd, ends_the_job
 from ..worker.session import TrainingSession
 from .buffers import check_model
+from .clipping import Clipping
 from .model import TorchVariables, sparse_message, table_modules, trainable
 from .position import data_position
 from .tables import Embedding
@@ -153,6 +155,8 @@ class DistributedOptimizer(SessionFrontEnd):
         self._bind()
         for name, module in tables.items():
             module.bind(name, self)
+        self._clipping = Clipping.for_session(self.session, self._named,
+                                              [v[3] for v in self._views], tables)
         claim(model, optimizer)  # a wrapping refused above leaves them free
 
     @ends_the_job
@@ -406,6 +410,8 @@ class DistributedOptimizer(SessionFrontEnd):
         changed = self._learning and self._changed_after_backward(lr)
         self._check()
         self._set_rates(lr)
+        if self._clipping is not None:  # sync: the loop's clip_grad_norm_ goes to the ps
+            self._clipping.ask(self.client.rates, handle is not None, self.global_step)
         self._variables.loss = float("nan") if loss is None else float(
             loss.detach() if isinstance(loss, torch.Tensor) else loss)
         self.optimizer._opt_called = True  # torch's LR schedulers look for a step() call
@@ -418,6 +424,8 @@ class DistributedOptimizer(SessionFrontEnd):
             self.session.finish_push(handle)
         else:
             self.session.run(_BATCH)
+        if self._clipping is not None:
+            self._clipping.finish(self.client.replies.clipped_norm)
         if self._learning:
             self._learn(changed)
         self._fired = [0] * len(self._views)
@@ -467,5 +475,7 @@ class DistributedOptimizer(SessionFrontEnd):
         """Checkpoint at the end (chief), tell every ps this worker is done; return exit_code."""
         self._hooks_push = False  # a backward after training (evaluation) pushes nothing
         self._step_hook.remove()
+        if self._clipping is not None:
+            self._clipping.close()
         release(self.model, self.optimizer)
         return super().close()

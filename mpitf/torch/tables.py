@@ -109,10 +109,6 @@ class _RowTable(torch.nn.Module):
         gradients into ``rows.grad``, the push's buffer (else :class:`RowGather` writes
         them there).
         """
-        if input.numel() > self.max_ids:
-            raise ConfigurationError(
-                f"table {self.table_name!r}: a step looks up {input.numel()} ids, more than "
-                f"max_ids={self.max_ids}; build the module with a larger max_ids")
         lookup = pull(self, input.numpy())
         rows = torch.from_numpy(lookup.unique_rows)
         grad = lookup.unique_grad  # zero: what is pushed if backward never comes
@@ -129,11 +125,15 @@ class _RowTable(torch.nn.Module):
                 pad = int(lookup.inverse.reshape(-1)[hits[0]])
         return rows, inverse, pad, lookup
 
-    def _scratch(self):
-        """Return the float64 scratch of the backward's sums (made once, on first use)."""
-        if self._acc is None:
+    def _scratch(self, size):
+        """Return the float64 scratch of the backward's sums, of at least ``size`` floats.
+
+        Made on first use for ``max_ids`` rows; a step of more rows makes it twice as large.
+        """
+        if self._acc is None or self._acc.size < size:
             n = self.max_ids if self.dynamic else min(self.max_ids, self.num_embeddings)
-            self._acc = np.empty(n * self.embedding_dim)
+            self._acc = np.empty(max(size, n * self.embedding_dim,
+                                     2 * (0 if self._acc is None else self._acc.size)))
         return self._acc
 
     def extra_repr(self):
@@ -149,8 +149,9 @@ class EmbeddingBag(_RowTable):
     Args: torch's (``num_embeddings``, ``embedding_dim``, ``mode``, ``padding_idx``,
     ``include_last_offset``, ``_weight``, ``dtype``; ``sparse`` is accepted and ignored,
     the rows are always updated sparsely; ``max_norm`` and ``scale_grad_by_freq`` are
-    refused), and ``max_ids``: the most ids one step looks up in this table (the size
-    of the buffers, made once on every worker and ps). ``num_embeddings=None`` (or
+    refused), and ``max_ids``: the ids one step is expected to look up in this table
+    (the size of the buffers made at the start on every worker and ps; a step of more
+    makes them larger, doubling, said once in the log). ``num_embeddings=None`` (or
     ``dynamic=True``, or a :class:`~mpitf.tables.growth.Growth` for admission and
     eviction): a table that grows, any int64 id, its rows made on the ps when an id is
     admitted and drawn from (seed, table, id) (U(-0.05, 0.05)).
@@ -197,7 +198,7 @@ class EmbeddingBag(_RowTable):
         padded = None if self.padding_idx is None or per_sample_weights is None else \
             input.numpy().reshape(-1) == self.padding_idx
         return RowGather.apply(rows, per_sample_weights, run, lookup, bag, weight,
-                               self._scratch(), padded)
+                               self._scratch(lookup.unique_grad.size), padded)
 
 
 class Embedding(_RowTable):
@@ -224,4 +225,4 @@ class Embedding(_RowTable):
             return F.embedding(inverse, rows, pad)
         weight = None if pad is None else (input.numpy().reshape(-1) != self.padding_idx) * 1.0
         return RowGather.apply(rows, None, lambda r, _: F.embedding(inverse, r, pad), lookup,
-                               None, weight, self._scratch())
+                               None, weight, self._scratch(lookup.unique_grad.size))

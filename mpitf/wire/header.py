@@ -25,8 +25,9 @@ word  request (push, pull, init, done, ...)        reply
       to apply (push with ``FLAG_LEARNING_RATE``;
       else 0)
 7     bucket (push): index << 32 | count of the    max_lead: largest lead over the slowest
-      buckets of this push, in push order (0: the  worker (``ssp``; 0 in other modes)
-      whole frame, one bucket)
+      buckets of this push, in push order (0: the  worker (``ssp``; 0 in other modes);
+      whole frame, one bucket)                     with ``FLAG_CLIPPED`` (sync): the float64
+                                                   bits of the clipped step's gradient norm
 ====  ===========================================  =========================================
 
 A sparse reply (``SPARSE_REPLY``, the rows a sparse pull asked for) has the reply's words.
@@ -175,10 +176,22 @@ def mark_ward(words):
 
 
 def pack_reply(words, step, ps, flags, pushes_applied, stale_dropped, max_staleness, max_lead,
-               kind=P.REPLY):
-    """Write a reply header (``REPLY`` or ``SPARSE_REPLY``) into ``words`` (in place)."""
+               kind=P.REPLY, norm=None):
+    """Write a reply header (``REPLY`` or ``SPARSE_REPLY``) into ``words`` (in place).
+
+    ``norm``: the gradient norm of the last step the ps clipped (sync mode), which then
+    takes ``max_lead``'s word as its float64 bits, with ``FLAG_CLIPPED``.
+    """
+    if norm is not None:
+        flags |= P.FLAG_CLIPPED
+        max_lead = _I64.unpack(_F64.pack(norm))[0]
     _WORDS.pack_into(words, 0, kind, step, ps, pushes_applied, flags, stale_dropped,
                      max_staleness, max_lead)
+
+
+def norm_of(word):
+    """Return the gradient norm a ``FLAG_CLIPPED`` reply's last word holds."""
+    return _F64.unpack(_I64.pack(word))[0]
 
 
 # tuple.__new__ straight from the words: _make's length check costs more than the rest

@@ -50,7 +50,8 @@ COUNTERS = 8  # no payload; the ps answers with a pickled dict of counters on TA
 SKIP = 9  # no payload; the worker dropped a NaN/Inf gradient: count it, reply parameters
 SPARSE_PULL = 10  # payload: ids per table (wire/sparse.py); reply: their rows (SPARSE_REPLY)
 SPARSE_PUSH = 11  # payload: ids and row gradients per table; no reply (the PUSH after it has)
-RATES = 12  # payload: one float64 learning rate per optimizer group; no reply (before a PUSH)
+RATES = 12  # payload: a float64 learning rate per optimizer group, then perhaps the clip
+#   norm (ps/clip.py); no reply (before a PUSH)
 # Reply kinds (ps -> worker).
 REPLY = 21
 SPARSE_REPLY = 22  # on TAG_SPARSE_REPLY: the rows a SPARSE_PULL asked for
@@ -61,6 +62,8 @@ FLAG_REQUEUE = 8  # (in done) the job ends on a signal: exit with the requeue co
 FLAG_CHUNKED = 16  # (in requests) this worker stages through host memory: frames in chunks
 FLAG_LEARNING_RATE = 32  # (in push) the header's last word is the learning rate to apply
 FLAG_WARD = 64  # (in requests) for the shard of a lost ps, which its buddy now serves
+FLAG_CLIPPED = 128  # (in replies) the last word is the float64 bits of the norm the ps
+#   clipped the step's mean gradient by (sync mode, whose max_lead is 0)
 CHIEF_SHIFT = 32  # (in replies) flags >> 32, once the chief died (ULFM): 1 + the replica
 #   index that has its duties now (0: the chief lives)
 

@@ -11,11 +11,14 @@ runs forward and backward on the pulled rows (:class:`Lookup`): per occurrence
 (``unique_rows``, ``inverse``, ``unique_grad``). The summed row gradients are pushed
 with their ids, one message per ps, just before the dense push (same tag, so MPI keeps
 them in order and the ps applies both under one policy decision). Buffers are made once
-for the largest batch (``batch_size * lookups`` ids per table); messages are views of
+for the batch declared (``batch_size * lookups`` ids per table) and grow, doubling and
+said in the log, when a step looks up more (the ps's follow); messages are views of
 them; with one ps the model reads the rows in the reply and writes their gradients into
 the push itself (no copy either way). A worker never holds more of a table than one
 batch's rows.
 """
+
+import logging
 
 import numpy as np
 
@@ -25,6 +28,8 @@ from ..tables.rows import Dedup, all_finite, segment_sum, take_rows
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.sparse import SparseLayout
+
+_log = logging.getLogger("mpitf")
 
 
 class Lookup:
@@ -98,11 +103,11 @@ class _TableState:
     ``grads``, gathered from and scattered to each ps's messages.
     """
 
-    def __init__(self, spec, num_ps, batch_size):
+    def __init__(self, spec, num_ps, occurrences):
         self.spec = spec
         self.placement = spec.row_placement(num_ps)  # rows by range or mod, or ids by hash
-        self.max_ids = spec.max_ids(batch_size)
-        occurrences = batch_size * spec.lookups
+        self.occurrences = occurrences  # the ids one step may look up (more: it grows)
+        self.max_ids = occurrences if spec.rows is None else min(spec.rows, occurrences)
         self.dedup = Dedup(occurrences)
         self.rows = np.zeros((self.max_ids, spec.dim), spec.dtype)
         self.grads = np.zeros((self.max_ids, spec.dim), spec.dtype)
@@ -114,10 +119,6 @@ class _TableState:
     def route(self, ids):
         """Deduplicate ``ids`` and group them by ps; the inverse waits for :meth:`number`."""
         spec, flat = self.spec, ids.reshape(-1)
-        if flat.size > len(self.occ_rows):
-            raise DataError(f"table {spec.name!r}: a batch looks up {flat.size} ids, more than "
-                            f"batch_size x lookups = {len(self.occ_rows)}; raise the table's "
-                            "lookups")
         self.keys, self.offsets, bad = self.placement.route(self.dedup, flat)
         self.inverse = None  # numbered by number(), while the pulls travel
         if bad >= 0:
@@ -153,16 +154,36 @@ class Embeddings:
         self.specs = check_tables(tables)
         num_ps = len(link.ranks)
         self.batch_size = batch_size
-        self.tables = [_TableState(t, num_ps, batch_size) for t in self.specs]
-        self.layout = SparseLayout([(t.dim, t.dtype) for t in self.specs],
-                                   [t.max_ids for t in self.tables])
-        self.requests = [self.layout.allocate() for _ in range(num_ps)]
-        self.replies = [self.layout.allocate(reply=True) for _ in range(num_ps)]
+        self.tables = [_TableState(t, num_ps, batch_size * t.lookups) for t in self.specs]
+        self._make_messages()
         self.counts = np.zeros((num_ps, len(self.specs)), np.int64)
         self.sends = []
         self.lookups = {}  # this step's, until the push
         self.packed = True  # the requests hold every table's ids (one lookup of them all)
         self.bytes_sent = self.bytes_received = 0
+
+    def _make_messages(self):
+        """Make the sparse messages' layout and buffers for the tables' sizes."""
+        num_ps = len(self.link.ranks)
+        self.layout = SparseLayout([(t.dim, t.dtype) for t in self.specs],
+                                   [t.max_ids for t in self.tables])
+        self.requests = [self.layout.allocate() for _ in range(num_ps)]
+        self.replies = [self.layout.allocate(reply=True) for _ in range(num_ps)]
+
+    def _grow(self, t, ids):
+        """Make table ``t``'s buffers hold a step of ``ids`` ids (doubling), and say so.
+
+        A step within the sizes allocates nothing; the ps grows its own when a message
+        first holds more (ps/sparse.py). Called between steps' sends (none in flight).
+        """
+        table = self.tables[t]
+        grown = max(ids, 2 * table.occurrences)
+        state = _TableState(table.spec, len(self.link.ranks), grown)
+        self.tables[t] = state
+        self._make_messages()
+        _log.warning("worker %d: table %r looked up %d ids in a step, more than its "
+                     "buffers held (%d): they grow to %d ids, here and on the ps",
+                     self.link.worker, table.spec.name, ids, table.occurrences, grown)
 
     @property
     def assignment(self):
@@ -198,6 +219,9 @@ class Embeddings:
                                 f"{value.dtype.name}")
             if value.dtype != np.int64:
                 value = value.astype(np.int64)
+            if value.size > table.occurrences:
+                self._grow(t, value.size)
+                table = self.tables[t]
             table.route(value)
             values.append(value)
             chosen.append(table)

@@ -58,6 +58,7 @@ class Replies:
     def __init__(self, link, frames, stage, views):
         self.link, self.frames, self.stage, self.views = link, frames, stage, views
         self.nbytes = sum(frame.bytes.nbytes for frame in frames)
+        self.clipped_norm = None  # the norm the ps clipped the last step's mean by (sync)
 
     def finish(self, widen=True):
         """Read the reply headers, gather partitioned variables, raise on refused gradients.
@@ -80,9 +81,11 @@ class Replies:
                 self._check(words, p)
                 steps[p] = words[1]
             _, step, _, applied, flags, dropped, staleness, lead = zip(*every)
-            step, flags, dropped, applied, staleness, lead = \
-                min(step), reduce(or_, flags), sum(dropped), sum(applied), max(staleness), \
-                max(lead)
+            step, flags, dropped, applied, staleness, leads = \
+                min(step), reduce(or_, flags), sum(dropped), sum(applied), max(staleness), lead
+            lead = leads[0] if flags & P.FLAG_CLIPPED else max(leads)  # the ps agree on a norm
+        if flags & P.FLAG_CLIPPED:
+            self.clipped_norm, lead = H.norm_of(lead), 0
         if self.views.split:
             self.views.gather()
         return _new(Reply, (step, flags, dropped, applied, staleness, lead))

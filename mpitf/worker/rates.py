@@ -1,10 +1,12 @@
-"""``GroupRates``: the learning rates a worker asks every ps to apply.
+"""``GroupRates``: the learning rates (and clip norm) a worker asks every ps to apply.
 
 One rate (``learning_rate``) travels in each push header. mpitf.torch's param groups each
 keep their own learning rate, which a scheduler may change every step (mpitf/ps/groups.py
 holds the groups on the ps); several travel in a ``RATES`` request, one float64 per
 group, sent on the request tag before the push whenever a rate changed: MPI keeps a
-pair's messages on one tag in order, so every ps has them when the push arrives.
+pair's messages on one tag in order, so every ps has them when the push arrives. A loop
+that clips (mpitf.torch's ``clip_grad_norm_``, sync mode) adds one more float64 after the
+groups' rates, the norm the ps clips the step's mean gradient to (0: none; ps/clip.py).
 """
 
 import numpy as np
@@ -22,29 +24,43 @@ class GroupRates:
     """The rates to send and what was sent.
 
     ``learning_rate``: the one rate every push header carries (None: the ps's own);
-    ``values``: several groups' rates (a tuple, one per group, or None).
+    ``values``: several groups' rates (a tuple, one per group, or None); ``clip_norm``:
+    the norm the ps clips the step to (0.0: none this step; None: the loop never clips).
     """
 
     def __init__(self):
         self.learning_rate = None
         self.values = None
+        self.clip_norm = None
         self._frame = None  # made once, at the first send
-        self._sent = None  # the rates the frame holds
+        self._sent_rates = self._sent_clip = None  # what the frame holds
         self._sends = None  # their sends in flight: completed before the frame is written
 
+    @property
+    def travels(self):
+        """Return whether a ``RATES`` request goes before each push (when changed)."""
+        return self.values is not None or self.clip_norm is not None
+
     def send(self, link):
-        """Send ``values`` to every ps of ``link`` unless they are the ones last sent."""
-        rates = self.values
-        if rates is None or rates == self._sent:
+        """Send ``values`` (and ``clip_norm``) to every ps of ``link`` unless last sent."""
+        rates, clip = self.values, self.clip_norm
+        if (rates is None and clip is None) or (rates == self._sent_rates and
+                                                 clip == self._sent_clip):
             return
-        if self._frame is None:
-            self._frame = Frame.allocate(numpy_backend(), len(rates), np.float64)
+        groups = 0 if rates is None else len(rates)
+        count = groups + (clip is not None)
+        if self._frame is None or self._frame.payload.size != count:
+            self._frame = Frame.allocate(numpy_backend(), count, np.float64)
         if self._sends is not None:
             self._sends.wait_sends()
         frame = self._frame
-        frame.payload[...] = rates
-        H.pack_rates(frame.header, link.worker, len(rates))
+        if groups:
+            frame.payload[:groups] = rates
+        if clip is not None:
+            frame.payload[groups] = clip
+        H.pack_rates(frame.header, link.worker, count)
         sends = []
         for rank in link.ranks:
             sends.extend(frame.isend(link.comm, rank, P.TAG_REQUEST))
-        self._sent, self._sends = tuple(rates), PushPullHandle.over(link, [], sends, "rates")
+        self._sent_rates, self._sent_clip = None if rates is None else tuple(rates), clip
+        self._sends = PushPullHandle.over(link, [], sends, "rates")

@@ -120,7 +120,7 @@ class FlatTransport:
     def send_push(self):
         """Send the packed gradient frames and post the replies; return the handle."""
         link, grads, params = self.link, self.frames.grads, self.replies.frames
-        if self.rates.values is not None:
+        if self.rates.travels:
             self.rates.send(link)
         if self.round is not None:  # the same persistent requests as every step
             return self.round.start()

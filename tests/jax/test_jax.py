@@ -97,6 +97,17 @@ def test_local_sgd_equals_each_workers_copy_averaged_every_k_steps():
 
 @pytest.mark.slow
 @pytest.mark.mpi
+def test_clip_norm_clips_the_mean_gradient_over_two_ps_in_buckets():
+    # optax.clip_by_global_norm(0.2) of the 2 workers' mean, as the session's clip_norm: two
+    # ps hold 64-byte buckets until each step's last is in, and agree on the norm
+    run = drive(4, "--num-ps", 2, "--clip", 0.2, "--bucket-bytes", 64,
+                "--optimizer", "momentum")
+    assert max(results(run, 30, 2)) < 1e-5, run.output
+    assert run.stdout.count("the reference clipped 30 of 30 steps") == 2, run.output
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_a_gradient_pytree_missing_a_leaf_ends_every_rank_naming_it():
     run = drive(3, "--break", "missing")
     assert run.returncode != 0, run.output

@@ -4,7 +4,9 @@ in numpy) on the W batches' mean gradient and prints how far the two are apart
 (``maxrel: X``). ``--break`` hands step() a bad gradient pytree at step 2. ``--local K``:
 local SGD (each worker steps its own copy with the rule, the ps averages the copies every
 K steps); the reference then keeps one copy per worker, and the chief prints the ps's
-push counts (``pushes: N applied: M``)."""
+push counts (``pushes: N applied: M``). ``--clip X``: the session's clip_norm,
+optax.clip_by_global_norm(X) of the mean gradient (the reference clips its mean as the
+ps does: scale X / (norm + 1e-6) when below 1)."""
 
 from ps_first import serve_if_ps
 
@@ -67,11 +69,13 @@ class Reference:
     """The ps's rule in numpy float32, on the mean gradient of every worker's batch.
 
     ``local`` K: local SGD instead, each worker's copy (and slots) stepped on its own
-    batch, the copies' mean put in every copy after each K-th step.
+    batch, the copies' mean put in every copy after each K-th step. ``clip``: the mean's
+    global norm clipped to it (sync).
     """
 
-    def __init__(self, name, workers, masked=False, local=0):
+    def __init__(self, name, workers, masked=False, local=0, clip=None):
         self.name, self.workers, self.local = name, workers, local
+        self.clip, self.clipped = clip, 0
         names = [jax.tree_util.keystr(p) for p, _ in
                  jax.tree_util.tree_flatten_with_path(init())[0]]
         # --masked: weight decay on the matrices only; the last layer's matrix at half rate
@@ -108,6 +112,12 @@ class Reference:
                 acc += leaf
         for g in grads:
             g *= np.float32(1.0 / self.workers)
+        if self.clip is not None:  # the mean's global norm
+            norm = math.sqrt(sum(float(np.vdot(g, g)) for g in grads))
+            if self.clip / (norm + 1e-6) < 1.0:
+                self.clipped += 1
+                for g in grads:
+                    g *= self.clip / (norm + 1e-6)
         self._apply(s, self.params, grads, self.slots[0])
 
     def _apply(self, s, params, grads, slots):
@@ -136,6 +146,9 @@ def main():
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--local", type=int, default=0,
                    help="local SGD: --mode local with --local-steps K (0: deterministic sync)")
+    p.add_argument("--num-ps", type=int, default=1)
+    p.add_argument("--clip", type=float, default=None, help="the session's clip_norm")
+    p.add_argument("--bucket-bytes", type=int, default=None, help="default: the session's")
     p.add_argument("--masked", action="store_true",
                    help="adamw: an optax-style weight-decay mask (matrices only) and the "
                         "last layer's matrix at half the rate")
@@ -160,9 +173,10 @@ def main():
         opt = DistributedOptimizer(params, server, args.optimizer, learning_rate=lr,
                                    **OPTIONS[args.optimizer], **masked, **mode,
                                    last_step=args.steps, checkpoint_dir=args.checkpoint_dir,
-                                   log_every=1)
+                                   log_every=1, clip_norm=args.clip,
+                                   bucket_bytes=args.bucket_bytes)
         params = opt.params
-        ref = Reference(args.optimizer, workers, args.masked, args.local)
+        ref = Reference(args.optimizer, workers, args.masked, args.local, args.clip)
         for s in range(opt.global_step):  # a resumed run: bring the reference to the step
             ref.step(s)
         while not opt.should_stop():
@@ -184,6 +198,8 @@ def main():
         moved = max(float(np.abs(a - np.asarray(b)).max())
                     for a, b in zip(ref.params, jax.tree_util.tree_leaves(init())))
         say(f"worker {k}: step {opt.global_step} maxrel: {worst:.3g} moved: {moved:.3g}")
+        if args.clip is not None:
+            say(f"worker {k}: the reference clipped {ref.clipped} of {opt.global_step} steps")
         if k == 0:
             digest = hashlib.sha256(b"".join(a.tobytes() for a in ours)).hexdigest()
             say(f"names: {','.join(opt.layout.names)} digest: {digest[:16]}")

@@ -95,6 +95,9 @@ def main():
     p.add_argument("--initial", action="store_true", help="the chief gives the table's rows")
     p.add_argument("--bad", default=None)
     p.add_argument("--grows", action="store_true", help="a table that grows")
+    p.add_argument("--num-ps", type=int, default=1)  # read by serve_if_ps
+    p.add_argument("--max-ids", type=int, default=BATCH * PER,
+                   help="the table's max_ids (fewer than a step's: its buffers grow)")
     args = p.parse_args()
     with abort_on_error():
         server = SERVER
@@ -104,7 +107,7 @@ def main():
                   "b": jnp.zeros(3)}
         initial = rng.normal(0, 0.3, (ROWS, DIM)).astype(np.float32) if args.initial else None
         table = mj.Table("user", None if args.grows else ROWS, DIM, initial=initial,
-                         max_ids=BATCH * PER)
+                         max_ids=args.max_ids)
         opt = mj.DistributedOptimizer(params, server, args.optimizer, LR[args.optimizer],
                                       tables=[table], deterministic=True,
                                       last_step=args.steps)

@@ -26,6 +26,7 @@ from mpitf.ps.local import LocalAverage
 from mpitf.ps.service import Service
 from mpitf.wire import header as H
 from mpitf.wire import protocol as P
+from mpitf.wire.layout import bucket_ranges
 
 SIZE = 6  # the shard: one variable of six float32 elements
 LR = 0.1
@@ -268,3 +269,56 @@ def test_local_sgd_refuses_parameters_of_another_step_naming_the_option():
                                         r"others did: every worker needs the same "
                                         r"--local-steps \(4\)"):
         serve(TrainingConfig(mode="local", local_steps=4), sequence, 2)
+
+
+def test_a_clipped_step_holds_its_buckets_and_a_backup_workers_late_one_is_stale():
+    # Sync, 3 workers, 2 a step, two 3-element buckets, and a clip norm that the workers
+    # send in RATES (a torch loop's clip_grad_norm_): bucket 0 of step 0 is held once two
+    # workers sent it; worker 2's, arriving then, is stale (dropped and answered); the last
+    # bucket clips the mean of both and applies them in order. Step 1 sums fresh buckets.
+    slices = (VariableSlice("a.w", (3,), "float32", 0, 0, 3, 0),
+              VariableSlice("b.w", (3,), "float32", 0, 0, 3, 3))
+    ranges = bucket_ranges(slices, SIZE, 12, 4)
+    assert len(ranges) == 2
+    clip = 0.5
+
+    def part(worker, step, k, bucket):
+        words = np.zeros(H.HEADER_WORDS, np.int64)
+        lo, hi = ranges[bucket]
+        H.pack_request(words, P.PUSH, step, worker, hi - lo, bucket=bucket, buckets=2)
+        return worker + 1, words.tobytes() + GRADS[k][lo:hi].tobytes()
+
+    def rates(worker):
+        words = np.zeros(H.HEADER_WORDS, np.int64)
+        H.pack_rates(words, worker, 1)
+        return worker + 1, words.tobytes() + np.float64(clip).tobytes()
+
+    sequence = [rates(0), rates(1), rates(2),
+                part(0, 0, 0, 0), part(1, 0, 1, 0), part(2, 0, 2, 0),  # 2's: stale
+                part(0, 0, 0, 1), part(1, 0, 1, 1), part(2, 0, 2, 1),  # clip, apply; stale
+                part(1, 1, 3, 0), part(0, 1, 4, 0), part(0, 1, 4, 1), part(1, 1, 3, 1)]
+    ranks = [1, 2, 3]
+    wire = Wire([(1, request(P.INIT, 0, 0, INITIAL))] + sequence +
+                [(r, request(P.DONE, 0, w)) for w, r in enumerate(ranks)])
+    server = SimpleNamespace(comm=wire, replica_ranks=ranks, task_index=0, hosts=None, rank=0,
+                             device="cpu", ulfm=False, job_comm=None,
+                             peer=lambda rank, operation: dict(rank=rank, operation=operation))
+    assignment = PsAssignment(slices=slices, shard_size=SIZE, dtype="<f4", num_ps=1,
+                              optimizer=dict(name="torch_sgd", learning_rate=LR), chief_rank=1)
+    config = TrainingConfig(mode="sync", replicas_to_aggregate=2, bucket_bytes=12,
+                            ps_threads=1)
+    svc = Service(server, config, assignment)
+    assert svc.run() == 0 and not wire.inbox
+
+    def clipped(g):
+        norm = float(np.sqrt(np.vdot(g, g)))
+        return g * np.float32(min(1.0, clip / (norm + 1e-6)))
+
+    expected = sgd((LR, clipped(mean(0, 1))), (LR, clipped(mean(3, 4))))
+    np.testing.assert_allclose(svc.shard.params, expected, rtol=1e-6)
+    assert svc.state.counters["stale_dropped"] == 1 and svc.state.global_step == 2
+    assert svc.clip.last_norm == pytest.approx(float(np.linalg.norm(mean(3, 4))), rel=1e-6)
+    # every reply of the last step carries that norm (the worker's clip_grad_norm_ value)
+    head = H.unpack_reply(np.frombuffer(wire.replies[-1][1][:H.HEADER_BYTES], np.int64))
+    assert head.flags & P.FLAG_CLIPPED
+    assert H.norm_of(head.max_lead) == svc.clip.last_norm

@@ -90,23 +90,24 @@ def test_gradient_accumulation_with_buckets():
 
 
 @pytest.mark.slow
-def test_clip_grad_norm_after_backward_keeps_every_bucket_until_step():
-    # torch's clip_grad_norm_ in the loop: the first step sees the gradients change after
-    # backward, so no bucket leaves early and the run is plain torch's with clipping
-    run = drive(2, "--bucket-bytes", 64, "--clip-grad-norm", 0.3, "--optimizer", "sgd",
+def test_clip_grad_norm_clips_the_mean_gradient_on_the_ps_with_buckets():
+    # torch's clip_grad_norm_ in the loop clips the 2 workers' mean (DDP's meaning), on
+    # the ps: the gradients stay as backward left them, so from step 2 the 4 buckets leave
+    # during backward and the ps holds them until the last; the reference clips the mean.
+    run = drive(3, "--bucket-bytes", 64, "--clip-grad-norm", 0.3, "--optimizer", "sgd",
                 "--steps", 10)
-    (maxrel,), _ = results(run, 10, 1)
-    assert maxrel < 1e-6, run.output
-    assert "mpitf.torch: between backward() and step() the gradients change (first " \
-           "'0.weight'; clip_grad_norm_, a scaling): the 4 buckets leave at step()" in run.stdout
-    assert "buckets pushed during backward: 0" in run.stdout, run.output
-    assert CLIPPED.findall(run.stdout) == ["10 of 10"], run.output  # the bound was binding
-    # clipping from step 3 on: buckets had left, so every rank ends naming the parameter
-    late = drive(2, "--bucket-bytes", 64, "--clip-grad-norm", 0.3, "--clip-from", 3,
+    maxrels, _ = results(run, 10, 2)
+    assert max(maxrels) < 1e-6, run.output  # each worker's own clipped: 0.06 apart
+    assert "mpitf.torch: 4 buckets leave as backward produces them" in run.stdout, run.output
+    assert "buckets pushed during backward: 36" in run.stdout, run.output
+    assert CLIPPED.findall(run.stdout) == ["10 of 10"] * 2, run.output  # the bound bound
+    # clipping from step 3 on: step 3's buckets had left unclipped, so every rank ends
+    late = drive(3, "--bucket-bytes", 64, "--clip-grad-norm", 0.3, "--clip-from", 3,
                  "--optimizer", "sgd", "--steps", 10)
     assert late.returncode != 0 and "maxrel" not in late.stdout, late.output
-    assert "the gradient of '0.weight' changed between backward() and step() at step 3, " \
-           "but backward had already pushed it" in late.output, late.output
+    assert "step 3 asks the ps for clipping to 0.3 (clip_grad_norm_), but backward had " \
+           "already pushed its buckets with the last step's no clipping" in late.output, \
+        late.output
     assert "Traceback" not in late.output
 
 

@@ -68,6 +68,25 @@ def test_an_embedding_with_adagrad_equals_torch_and_resumes_bit_for_bit(tmp_path
 
 @pytest.mark.mpi
 @pytest.mark.slow
+def test_a_dlrm_batch_past_max_ids_grows_the_buffers_once_and_trains_as_sized_by_hand():
+    # 4,096 x 26 ids a worker (82k unique of 200k rows) with max_ids left at 65,536:
+    # every rank's buffers grow at the first step (the ps's too: its messages and receive
+    # frames), said once per worker, and the run is bit for bit one sized by hand
+    run = run_mpi(3, ["tests/mpi/torch_grow_driver.py"], timeout=150, cwd=str(REPO))
+    assert not run.timed_out and run.returncode == 0, run.output
+    found = dict(((int(w), r), d) for w, r, d in
+                 re.findall(r"worker (\d): run (\w+) step 3 digest (\w+)", run.stdout))
+    assert sorted(found) == [(w, r) for w in (0, 1) for r in ("default", "sized")], run.output
+    assert all(found[w, "default"] == found[w, "sized"] for w in (0, 1)), run.output
+    for w in (0, 1):
+        said = f"worker {w}: table 'emb.weight' looked up 106496 ids in a step, more than " \
+               "its buffers held (65536): they grow to 131072 ids"
+        assert run.output.count(said) == 1, run.output
+    assert run.output.count("they grow to") == 2, run.output  # the sized run: none
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
 def test_two_workers_and_two_tables_on_two_ps_equal_torch_on_the_mean_gradient():
     # sum mode with per_sample_weights and a second (mean) table, looked up after the
     # first; each table's rows split over 2 ps; Adagrad with lr_decay

@@ -127,7 +127,7 @@ def test_the_default_bucket_size_follows_the_nodes(ps_hosts, worker_hosts, given
     assert config.bucket_bytes == expected
     # still a default: an option that needs one frame resolves it to 0 again
     if given is None:
-        assert config.replace(clip_norm=1.0).bucket_bytes == 0
+        assert config.replace(aggregate_per_node=True).bucket_bytes == 0
 
 
 def _train(tmp_path, n, mode, buckets, *extra, name=None, timeout=90):
