@@ -21,59 +21,38 @@ instead of waiting in MPI's queue for a probe and a copy (2.5 µs of a 4 KiB rou
 here). The matching bug above is ``ANY_SOURCE``'s only.
 """
 
-import time
 from collections import deque
 
 from mpi4py import MPI
 
-from ..errors import DeadlineError
 from ..wire import protocol as P
 
 
-def receive_pool(comm, frames, tag, senders, rerouted=False, ulfm=False, spares=(),
-                 whole_below=None):
+def receive_pool(comm, frames, tag, senders, rerouted=False, ulfm=False):
     """Return the pool for ``frames``: receives posted from the one sender, or probes.
 
     Probes where another rank may speak too: ``senders`` (the ranks that push) are more
     than one, a lost buddy's workers may be ``rerouted`` here (replication), or a dead
-    worker's requests must be told apart (``ulfm``). ``spares`` (small frames, one bucket
-    each) let a probing pool receive from several workers at once (see :class:`ReceivePool`).
+    worker's requests must be told apart (``ulfm``).
     """
     if len(senders) != 1 or rerouted or ulfm:
-        return ReceivePool(comm, frames, tag, spares, whole_below)
+        return ReceivePool(comm, frames, tag)
     return PostedReceives(comm, frames, tag, senders[0])
 
 
 class ReceivePool:
-    """Frames that take requests from any worker on one tag, in the order they came.
+    """Frames that take requests from any worker on one tag, one at a time.
 
     ``wait_next`` returns the index of the frame that holds the next message; the frame
     stays the caller's until ``release(index)`` (a held gradient keeps its frame);
     ``swap(index, frame)`` lends the frame away and puts another in its place.
-
-    With ``spares`` every message that has arrived is matched at once and received into a
-    free frame that holds it, several at a time: over links a large message moves only once its
-    receive is posted (a rendezvous), so a ps that received one message at a time took
-    its workers' buckets one worker after another, each at that worker's share of its own
-    link, and its own link idled (incast). With a ``spares`` frame per worker every
-    worker's next bucket streams in at once. A spare takes only messages that fit it and
-    are smaller than ``whole_below`` bytes (a staged push's first chunk, of that size,
-    has the rest of its frame behind it); a larger message waits for a frame of the
-    shard's size. Messages are handed out in the order they were matched (a worker's
-    buckets stay in its order). Without spares one message is matched and received at a
-    time, when the caller asks for it.
     """
 
-    def __init__(self, comm, frames, tag, spares=(), whole_below=None):
+    def __init__(self, comm, frames, tag):
         self.comm, self.tag = comm, tag
-        self.frames = list(frames) + list(spares)
-        self.large = len(frames)  # frames below this index hold a whole shard
+        self.frames = list(frames)
         self.free = list(range(len(self.frames)))[::-1]  # a stack: the warmest frame first
-        self.whole_below = whole_below
         self.status = MPI.Status()
-        self.matched = deque()  # (message, source, bytes): matched, no frame yet
-        self.receiving = deque()  # (index, request, source, started) in matched order
-        self._source = None
 
     def __getitem__(self, index):
         return self.frames[index]
@@ -84,56 +63,7 @@ class ReceivePool:
     @property
     def source(self):
         """Return the rank that sent the message :meth:`wait_next` returned last."""
-        return self._source
-
-    def _frame_for(self, nbytes):
-        """Pop and return a free frame's index that holds ``nbytes`` (None: none does)."""
-        spare_ok = self.whole_below is None or nbytes < self.whole_below
-        for pos in range(len(self.free) - 1, -1, -1):
-            index = self.free[pos]
-            if index < self.large or (spare_ok and nbytes <= self.frames[index].bytes.nbytes):
-                return self.free.pop(pos)
-        return None
-
-    def _take_arrived(self):
-        """Match the messages that have arrived and start receiving each into a frame."""
-        while True:
-            if not self.matched:
-                if not self.free:
-                    return
-                message = self.comm.Improbe(MPI.ANY_SOURCE, self.tag, self.status)
-                if message is None:
-                    return
-                self.matched.append((message, self.status.Get_source(),
-                                     self.status.Get_count(MPI.BYTE)))
-            message, source, nbytes = self.matched[0]
-            index = self._frame_for(nbytes)
-            if index is None:
-                return
-            self.matched.popleft()
-            try:
-                request = message.Irecv([self.frames[index].bytes, MPI.BYTE])
-            except MPI.Exception:
-                self.free.append(index)  # its sender died (ULFM): the frame is free again
-                raise
-            self.receiving.append((index, request, source, time.monotonic()))
-
-    def _head_arrived(self, deadline, describe):
-        """Return True once the oldest receive has completed (match new ones meanwhile)."""
-        self._take_arrived()
-        if not self.receiving:
-            return False
-        index, request, source, started = self.receiving[0]
-        try:
-            done = request.Test()
-        except MPI.Exception:
-            self.receiving.popleft()
-            self.free.append(index)  # its sender died (ULFM): the frame is free again
-            self._source = source
-            raise
-        if not done and deadline is not None and time.monotonic() - started > deadline:
-            raise DeadlineError(f"no answer within {deadline:g} s", **describe(source))
-        return done
+        return self.status.Get_source()
 
     def wait_next(self, poll_every, on_quiet, deadline, describe, between=None):
         """Receive the next message into a free frame; return the frame's index.
@@ -142,28 +72,17 @@ class ReceivePool:
         raise), and ``between()`` between two probes; ``deadline``/``describe`` bound the
         transfer of a message once it started.
         """
-        if not self.free and not self.receiving:
+        if not self.free:
             raise RuntimeError("every receive frame is held: a policy kept more frames "
                                "than it asked for")
-        if self.large == len(self.frames):  # no spares: one message at a time
-            return self._wait_one(poll_every, on_quiet, deadline, describe, between)
-        if not self._head_arrived(deadline, describe):
-            P.wait_until(lambda: self._head_arrived(deadline, describe), poll_every, on_quiet,
-                         between)
-        index, _, self._source, _ = self.receiving.popleft()
-        return index
-
-    def _wait_one(self, poll_every, on_quiet, deadline, describe, between):
-        """Match the next message, receive it into a free frame; return the frame's index."""
         message = P.wait_message(self.comm, self.tag, poll_every, on_quiet, self.status,
                                  between)
-        self._source = self.status.Get_source()
         index = self.free.pop()
         try:
             frame = self.frames[index].bytes
             request = message.Irecv([frame, MPI.BYTE])
             if not request.Test():  # a small message has landed already
-                P.wait_all([request], deadline, lambda _: describe(self._source),
+                P.wait_all([request], deadline, lambda _: describe(self.source),
                            nbytes=frame.nbytes)
         except MPI.Exception:
             self.free.append(index)  # its sender died (ULFM): the frame is free again
@@ -183,7 +102,7 @@ class ReceivePool:
         return lent
 
     def close(self):
-        """Nothing to undo: no frame is left posted once every worker has finished."""
+        """Nothing to undo: no frame is ever left posted."""
 
 
 class PostedReceives(ReceivePool):

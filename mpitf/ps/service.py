@@ -83,15 +83,10 @@ class Service(Handlers, Cuts, Losses):
         capacity = senders.capacity(self.tables.capacity if self.tables else None)
         capacity = max(capacity or 0, self.shard.rules.rates_bytes) or None  # RATES fit
         frames = self.policy.receive_buffers(self.num_workers, self.pipeline.bucketed)
-        # with buckets, a frame of one bucket per worker: every worker's next bucket
-        # streams in at once, not one worker's after another's (ps/receive_pool.py)
-        bucket = max(hi - lo for lo, hi in self.pipeline.ranges)
-        spares = [Frame.allocate(self.backend, bucket, wire)
-                  for _ in range(self.num_workers if self.pipeline.bucketed else 0)]
         self.pool = buddy.pool if buddy is not None else receive_pool(  # a ward's: FLAG_WARD
             self.comm, [Frame.allocate(self.backend, size, wire, capacity)
                         for _ in range(frames)], P.TAG_REQUEST, self.worker_ranks,
-            bool(config.ps_replication_steps), server.ulfm, spares, assignment.chunk_bytes)
+            bool(config.ps_replication_steps), server.ulfm)
         self.sparse = SparseInbox(self, size, wire, capacity) if self.tables else None
         # Stall detection: the gaps between a worker's pushes are its steps; a worker with
         # no push since start-up or a pause (state.last_push None) gets the whole deadline.

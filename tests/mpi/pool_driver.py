@@ -1,6 +1,6 @@
 """Small requests that wait in MPI before the ps looks, received by the ps's receive pool.
 
-Run: mpiexec -n N python tests/mpi/pool_driver.py MESSAGES [posted|spares]
+Run: mpiexec -n N python tests/mpi/pool_driver.py MESSAGES [posted]
 
 Every rank but 0 sends MESSAGES small frames to rank 0 and enters a barrier; rank 0
 enters it first, so the frames have all arrived (unexpected) before it receives any, and
@@ -8,10 +8,7 @@ then takes them with one pool frame. It prints ``received: {source: [values...]}
 With receives posted ahead with ANY_SOURCE, MPICH's UCX netmod left the second frame from
 another node waiting forever (mpitf/ps/receive_pool.py). ``posted`` (two ranks): the pool
 of one sender, made before the barrier, so a frame may land in a posted receive or wait in
-MPI until the receive is posted again. ``spares``: the pool of many senders with a spare
-frame per sender, too small for each sender's second message (four times as large), so
-that one waits for the pool's one large frame; it also prints ``in flight: N``, the most
-receives the pool had started at once.
+MPI until the receive is posted again.
 """
 
 import json
@@ -31,35 +28,28 @@ def quiet():
 
 
 def main():
-    count, posted, spares = int(sys.argv[1]), sys.argv[2:] == ["posted"], \
-        sys.argv[2:] == ["spares"]
+    count, posted = int(sys.argv[1]), sys.argv[2:] == ["posted"]
     comm = MPI.COMM_WORLD.Dup()
     if posted and comm.size != 2:
         raise SystemExit("posted: two ranks, one sender")
     if comm.rank:
         for k in range(count):
-            size = 64 if spares and k == 1 else 16
-            comm.Send([np.full(size, 100 * comm.rank + k, np.int32), MPI.BYTE], 0,
-                      P.TAG_REQUEST)
+            comm.Send([np.full(16, 100 * comm.rank + k, np.int32), MPI.BYTE], 0, P.TAG_REQUEST)
         comm.Barrier()
         return
-    frames = [Frame.allocate(numpy_backend(), 64 if spares else 16, np.int32)]
+    frames = [Frame.allocate(numpy_backend(), 16, np.int32)]
     if posted:  # before the barrier: frames land in a posted receive or wait for one
         pool = receive_pool(comm, frames, P.TAG_REQUEST, [1])
     comm.Barrier()
-    if not posted:  # matched probes, any sender
-        pool = ReceivePool(comm, frames, P.TAG_REQUEST, [
-            Frame.allocate(numpy_backend(), 0, np.int32)  # its header slot: 16 int32
-            for _ in range(comm.size - 1)] if spares else ())
-    got, in_flight = {}, 0
+    if not posted:
+        pool = ReceivePool(comm, frames, P.TAG_REQUEST)  # matched probes, any sender
+    got = {}
     for _ in range(count * (comm.size - 1)):
         index = pool.wait_next(20.0, quiet, 20.0, str)
-        in_flight = max(in_flight, len(pool.receiving) + 1) if spares else 1
         got.setdefault(pool.source, []).append(int(pool[index].bytes.view(np.int32)[0]))
         pool.release(index)
     pool.close()
     print("received: " + json.dumps(got), flush=True)
-    print(f"in flight: {in_flight}", flush=True)
 
 
 if __name__ == "__main__":
