@@ -43,6 +43,8 @@ LR = 1e-3
 LAYERS = 8  # backward finishes the model in this many equal parts
 FORWARD_SHARE = 1.0 / 3.0  # of the emulated compute: forward, before any bucket is final
 POLL_SECONDS = 0.0005  # the allreduce's progress: as often as mpitf's progress thread
+# The peer's buckets: its best of 1, 4 and 16 MiB on the box (benchmarks/README.md).
+ALLREDUCE_BUCKET_BYTES = 1 << 20
 
 
 def parse_args(argv=None):
@@ -58,8 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--bucket-bytes", default=str(LINK_BUCKET_BYTES),
                    help="mpitf's buckets per ps, comma-separated sizes each measured "
                         "(default: training's across nodes)")
-    p.add_argument("--allreduce-bucket-bytes", type=int, default=LINK_BUCKET_BYTES,
-                   help="the peer's buckets (default: mpitf's default across nodes)")
+    p.add_argument("--allreduce-bucket-bytes", type=int, default=ALLREDUCE_BUCKET_BYTES,
+                   help="the peer's buckets (default 1 MiB)")
     p.add_argument("--variable-bytes", type=int, default=128 << 10,
                    help="the model's variables are this big (default 128 KiB)")
     p.add_argument("--steps", type=int, default=6, help="timed steps per block")

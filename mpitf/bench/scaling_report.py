@@ -4,6 +4,7 @@ Every plot and table says the compute is emulated (a fixed wait per step): the f
 measure communication, not arithmetic.
 """
 
+import math
 import os
 
 EMULATED = "emulated compute (a fixed wait per step)"
@@ -54,8 +55,9 @@ def plots(results, out):
                     label = f"mpitf, {ps} ps {'on own nodes' if placement == 'own' else 'beside'}"
                     line, = ax1.plot(xs, [r["step_s"] * 1e3 for r in pts], style, marker="o",
                                      label=label)
-                    ax2.plot(xs, [r["efficiency"] or 0 for r in pts], style, marker="o",
-                             color=line.get_color(), label=label)
+                    if compute > 0:
+                        ax2.plot(xs, [r["efficiency"] or math.nan for r in pts], style,
+                                 marker="o", color=line.get_color(), label=label)
                     if placement == "own":
                         ax1.plot(xs, [r["projected_s"] * 1e3 for r in pts], "x",
                                  color=line.get_color())
@@ -69,13 +71,18 @@ def plots(results, out):
                 ax1.plot(xs, [s * 1e3 for s in steps], "k--", marker="s",
                          label="MPI_Iallreduce (MPICH), same workers")
                 ax1.plot(xs, [peer[x][0]["projected_s"] * 1e3 for x in xs], "k+")
-                ax2.plot(xs, [max(p["efficiency"] or 0 for p in peer[x]) for x in xs], "k--",
-                         marker="s", label="MPI_Iallreduce")
+                if compute > 0:
+                    ax2.plot(xs, [max(p["efficiency"] or 0 for p in peer[x]) for x in xs],
+                             "k--", marker="s", label="MPI_Iallreduce")
             ax1.set_xlabel("workers (one node each)")
             ax1.set_ylabel("step time, ms (median; x, +: cost model)")
             ax1.set_xscale("log", base=2)
             ax1.set_title(f"step time: {what}", fontsize=9)
             ax1.legend(fontsize=7)
+            if compute == 0:
+                ax2.text(0.5, 0.5, "no compute: one worker's rate is its link's alone,\n"
+                         "so efficiency is not defined", ha="center",
+                         transform=ax2.transAxes)
             ax2.set_xlabel("workers")
             ax2.set_ylabel("scaling efficiency (examples/s at N / N x at 1)")
             ax2.set_xscale("log", base=2)
@@ -134,7 +141,7 @@ def write_report(results, out):
         "rate; what the cost model and the emulated compute use)",
         f"- model sizes: {', '.join(_mib(s) for s in results['sizes'])}; mpitf buckets "
         f"{', '.join(_kib(b) for b in results['buckets'])} per ps; MPI_Iallreduce in "
-        f"{_kib(results['buckets'][0])} buckets",
+        "1024 KiB buckets",
         f"- each figure: the median over {results['rounds']} alternated rounds of the "
         f"median of {results['steps']} steps (the slowest worker's step)",
         f"- load average during the run: {min(a[0] for a in results['loadavg']):.1f} to "
@@ -156,11 +163,13 @@ def write_report(results, out):
               "Step times in ms. *ratio*: mpitf's step over allreduce's in the same run; "
               "*limit*: the ratio the links allow (the ps design's busiest link over "
               "allreduce's); *model*: the cost model's step; *err*: (model - measured) / "
-              "measured.", "",
+              "measured, counted in the 15 % target where *lb* (link-bound: no compute, "
+              "over links); *eff*: examples/s at W over W x at 1 worker (the same ps count "
+              "on its own node, the same bucket size), with compute only.", "",
               "| W | P | ps | size | compute ms | bucket | mpitf | allreduce | ratio | limit "
-              "| model | err % | ex/s | eff |",
+              "| model | err % | lb | ex/s | eff |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
-              "| --- |"]
+              "| --- | --- |"]
     rows = sorted(results["points"], key=lambda r: (r["system"] != "mpitf", r["bytes"],
                                                     r["compute_s"], r["placement"],
                                                     r["workers"], r["num_ps"],
@@ -173,7 +182,8 @@ def write_report(results, out):
             f"{r['compute_s'] * 1e3:.0f} | {_kib(r['bucket_bytes'])} | {_ms(r['step_s'])} | "
             f"{_ms(r.get('allreduce_step_s'))} | {_fmt(r.get('ratio_to_allreduce'))} | "
             f"{_fmt(r.get('limit_ratio'))} | {_ms(r['projected_s'])} | "
-            f"{r['error_percent']:+.0f} | {r['examples_per_sec']:.0f} | "
+            f"{r['error_percent']:+.0f} | {'lb' if r['link_bound'] else ''} | "
+            f"{r['examples_per_sec']:.0f} | "
             f"{_fmt(r['efficiency'])} |")
     lines += ["", "MPI_Iallreduce (each worker count measured in every run of it; the median "
               "of those runs):", "", "| W | size | compute ms | step | model | err % | eff |",
@@ -186,24 +196,27 @@ def write_report(results, out):
         steps = sorted(r["step_s"] for r in sel)
         step = steps[len(steps) // 2]
         err = 100.0 * (sel[0]["projected_s"] - step) / step
-        effs = sorted(r["efficiency"] or 0 for r in sel)
+        effs = sorted(r["efficiency"] for r in sel if r["efficiency"] is not None)
+        eff = f"{effs[len(effs) // 2]:.2f}" if effs else ""
         lines.append(f"| {w} | {_mib(size)} | {compute * 1e3:.0f} | {_ms(step)} | "
-                     f"{_ms(sel[0]['projected_s'])} | {err:+.0f} | {effs[len(effs) // 2]:.2f} |")
+                     f"{_ms(sel[0]['projected_s'])} | {err:+.0f} | {eff} |")
     lines += ["", "## The planner against the measurement", "",
               "Best: the most examples/s per node used (W + P nodes with ps of their own, W "
               "beside). The planner places ps on nodes of their own.", "",
-              "| W | size | compute ms | planner: ps, bucket | measured best: ps, placement, "
-              "bucket | planner's point / best | within 10 % |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+              "| W | size | compute ms | planner: ps, bucket | measured best on own nodes: ps, "
+              "bucket | planner's point / that best | within 10 % | best of all: ps, "
+              "placement, bucket | planner's / it |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for c in results["planner"]:
-        b = c["best"]
+        b, o = c["best"], c["best_own"]
         within = "" if c["planner_over_best"] is None else \
             ("yes" if c["within_10_percent"] else "no")
         lines.append(
             f"| {c['workers']} | {_mib(c['bytes'])} | {c['compute_s'] * 1e3:.0f} | "
-            f"{c['planner_ps']}, {_kib(c['planner_bucket_bytes'])} | {b['ps']}, "
-            f"{b['placement']}, {_kib(b['bucket_bytes'])} | {_fmt(c['planner_over_best'])} | "
-            f"{within} |")
+            f"{c['planner_ps']}, {_kib(c['planner_bucket_bytes'])} | {o['ps']}, "
+            f"{_kib(o['bucket_bytes'])} | {_fmt(c['planner_over_best'])} | {within} | "
+            f"{b['ps']}, {b['placement']}, {_kib(b['bucket_bytes'])} | "
+            f"{_fmt(c['planner_over_best_overall'])} |")
     if results["errors"]:
         lines += ["", "## Failed points", ""] + [f"- {e}" for e in results["errors"]]
     lines += ["", "## Commands", "", "```sh"] + results["commands"] + ["```", ""]

@@ -401,7 +401,11 @@ def build_parser():
     g.add_argument("--rate", default=None,
                    help="--box: each link's rate as tc writes it (default 200mbit)")
     g.add_argument("--workers", default=None, help="worker counts (default 1,2,4,8)")
-    g.add_argument("--ps", default=None, help="ps counts (default 1,2,4,8)")
+    g.add_argument("--ps", default=None,
+                   help="ps counts (default 1,2,4,8; N: as many as workers)")
+    g.add_argument("--placement", default=None,
+                   help="own (ps on nodes of their own), beside (on the workers' nodes) or "
+                        "own,beside (the default)")
     g.add_argument("--sizes", default=None,
                    help="model sizes in bytes (default 4 and 16 MiB)")
     g = p.add_argument_group("planning (no benchmark runs; see docs/costmodel.md)")
