@@ -433,6 +433,11 @@ def main(argv=None):
     up.add_argument("--rate", default=None,
                     help="each link's rate, e.g. 1gbit or 10gbit, or per node, e.g. "
                          "node1=1gbit,node2=1gbit (default: unshaped)")
+    up.add_argument("--owner", type=int, default=1,
+                    help="the pid whose death frees the box for the next up's sweep "
+                         "(default 1: it stays until down)")
+    shape = sub.add_parser("shape", help="shape every link of a box that is up to a rate")
+    shape.add_argument("--rate", required=True, help="e.g. 200mbit")
     down = sub.add_parser("down", help="remove a box and every process on it")
     run = sub.add_parser("run", help="run a command under mpiexec across the box's nodes")
     run.add_argument("-n", type=int, required=True, help="number of ranks")
@@ -444,7 +449,7 @@ def main(argv=None):
                           " or Open MPI's mpiexec (run under ULFM)")
     run.add_argument("argv", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
     sub.add_parser("status", help="say which boxes are up")
-    for p in (up, down, run):
+    for p in (up, down, run, shape):
         p.add_argument("--name", default=DEFAULT_NAME, help=f"box name (default {DEFAULT_NAME})")
     args = parser.parse_args(argv)
     try:
@@ -464,11 +469,14 @@ def main(argv=None):
         if reason:
             raise BoxError(reason)
         if args.command == "up":
-            box = Box(args.nodes, args.rate, args.name).up(owner=1)  # init: never dies
+            box = Box(args.nodes, args.rate, args.name).up(owner=args.owner)
             print(f"box {box.name} up: {', '.join(box.nodes)} "
                   f"({box.rate or 'unshaped'} links); launcher {box.launcher}")
             return 0
         box = existing(args.name)
+        if args.command == "shape":
+            box.reshape(args.rate)
+            return 0
         command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
         if not command:
             raise BoxError("run: give the command after --")

@@ -15,6 +15,7 @@ import pytest
 
 from mpitf.bench import boxscaling as bs
 from mpitf.bench import costmodel as cm
+from mpitf.bench import linkfigures as lf
 from mpitf.errors import ConfigurationError
 from mpitf.worker.buckets import REMOTE_WINDOW, push_window
 from tests.support import REPO
@@ -45,10 +46,10 @@ def test_the_grid_keeps_what_the_nodes_hold_and_names_what_a_point_needs():
 
 def test_the_links_limit_is_half_of_allreduce_with_a_ps_node_per_worker():
     row = dict(workers=4, num_ps=4, bytes=1 << 20, placement="own")
-    assert bs.limit_ratio(row) == pytest.approx(4 / 6)  # N / (2 (N - 1))
-    assert bs.limit_ratio(dict(row, workers=8, num_ps=8)) == pytest.approx(8 / 14)
+    assert lf.limit_ratio(row) == pytest.approx(4 / 6)  # N / (2 (N - 1))
+    assert lf.limit_ratio(dict(row, workers=8, num_ps=8)) == pytest.approx(8 / 14)
     # beside the workers each node carries (P - 1) + (N - 1) shares each way: about equal
-    assert bs.limit_ratio(dict(row, placement="beside")) == pytest.approx(1.0)
+    assert lf.limit_ratio(dict(row, placement="beside")) == pytest.approx(1.0)
 
 
 def test_the_cost_model_projects_allreduce_and_ps_beside_the_workers():
@@ -103,7 +104,8 @@ def test_a_box_that_cannot_be_made_is_one_message_naming_why(tmp_path):
     proc = subprocess.run([*MPITF, "--box", "17", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=60, cwd=str(REPO))
     assert proc.returncode == 2, proc.stderr
-    assert "--box: --nodes 17: a box has 1 to 16 nodes" in proc.stderr, proc.stderr
+    assert "--box 17: cannot make the box: --nodes 17: a box has 1 to 16 nodes" in \
+        proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 @pytest.mark.slow
