@@ -64,10 +64,13 @@ DEFAULT_MAX_NONFINITE_SKIPS = 100
 # Buckets by default: a push leaves in parts of about this many bytes per ps, applied while
 # the next arrives (benchmarks/README.md, "Push/pull against raw MPI", "Why 2 MiB buckets").
 DEFAULT_BUCKET_BYTES = 2 << 20
-# Where ps and workers span nodes: over a link the last bucket's reply overlaps nothing, so
-# a push costs the link's ideal plus one bucket (16 MiB over 1 Gbit/s: 1.05 x the ideal in
-# 1 MiB buckets, 1.13 in 2 MiB; benchmarks/README.md, "Across nodes").
-LINK_BUCKET_BYTES = 1 << 20
+# Where ps and workers span nodes: before the first reply can leave, a round of buckets, one
+# per ps, crosses each worker's link, and the last round's replies cross after the push, so
+# a step costs about (model + ps x bucket) / link: with 4-8 ps, 1 MiB buckets cost 25-50 %
+# of a 16 MiB model. 256 KiB buckets were faster at every multi-ps point of the scaling
+# grid (4 + 4 ps, 16 MiB, 200 Mbit/s: 785 ms against 1,090; 1 ps over 1 Gbit/s: 512 KiB
+# 1.045 x the ideal, 1 MiB 1.06; benchmarks/README.md, "Across nodes", "Scaling over links").
+LINK_BUCKET_BYTES = 256 << 10
 WIRE_DTYPES = ("float32", "bfloat16", "float16")  # --wire-dtype (wire/dtypes.py maps them)
 # Global steps between TensorBoard histograms (--summary-every); see docs/design.md for the cost.
 DEFAULT_SUMMARY_EVERY = 100
@@ -210,12 +213,12 @@ class TrainingConfig:
         label="bucket_bytes (--bucket-bytes; 0 for one frame per ps)",
         help="push gradients per ps in buckets of about this many bytes, last layers first, "
              "pipelined on the ps (0: one frame per ps; default: "
-             f"{DEFAULT_BUCKET_BYTES >> 20} MiB, {LINK_BUCKET_BYTES >> 20} MiB where ps and "
+             f"{DEFAULT_BUCKET_BYTES >> 20} MiB, {LINK_BUCKET_BYTES >> 10} KiB where ps and "
              "workers span nodes; with --aggregate-per-node or --ps-replication-steps: 0)")
     across_nodes: bool = option(
         False, help="the ps tasks and training replicas run on more than one node (the "
                     "session sets it from the cluster's hosts): buckets default to "
-                    f"{LINK_BUCKET_BYTES >> 20} MiB")
+                    f"{LINK_BUCKET_BYTES >> 10} KiB")
     clients: tuple = option(
         None, check=_clients,
         help="in-graph replication: the worker tasks that talk to the ps (None: all)")

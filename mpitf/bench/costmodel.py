@@ -10,8 +10,12 @@ equations and which suite or flag measures each term):
 * :class:`PsNode`: the ps apply throughput per thread ``A`` and its threads ``T`` (the
   kernels suite), the software cost ``o`` of one message on the ps, and the node's
   shared-memory bandwidth (node-local aggregation);
-* :class:`Layout`: N = nodes x G workers, P ps (each on its own link), bucket bytes K,
-  node-local aggregation, mode (sync, backup, async, ssp).
+* :class:`Layout`: N = nodes x G workers, P ps (each on its own link, or ``beside`` the
+  workers on their nodes), bucket bytes K, node-local aggregation, mode (sync, backup,
+  async, ssp).
+
+:func:`allreduce_step` projects the peer: the same workers summing the same bytes with a
+bucketed all-reduce.
 """
 
 import math
@@ -62,6 +66,7 @@ class Layout:
     aggregate: bool = False
     mode: str = "sync"
     replicas: int = None  # backup: gradients per step (default N - 1)
+    beside: bool = False  # the ps run on the workers' nodes, one per node (P <= nodes)
 
     @property
     def workers(self):
@@ -117,6 +122,9 @@ def comm_terms(fabric, work, ps, layout, pushes):
     nb = buckets_per_ps(work.model_bytes, p, layout.bucket_bytes)
     worker_link = work.model_bytes / fabric.bandwidth
     ps_link = pushes * share / fabric.bandwidth
+    if layout.beside:  # a node's link carries its worker's and its ps's remote traffic
+        ps_link = ((p - 1) * share + (pushes - 1) * share) / fabric.bandwidth
+        worker_link = max(ps_link, worker_link if p < layout.nodes else 0.0)
     messages = pushes * nb * ps.msg_overhead
     passes = pushes + 1 if pushes > 1 else 1  # a lone push is applied where it lands
     apply = passes * share / (ps.apply_rate * ps.threads)
@@ -168,6 +176,24 @@ def project(fabric, work, ps, layout):
     terms = dict(t, comm=comm, exposed=exposed, compute=compute, overhead=work.overhead)
     return Projection(step, eps, min(1.0, eps / ideal), _bound(t, step, compute, exposed),
                       terms)
+
+
+def allreduce_step(fabric, work, workers, bucket_bytes=0):
+    """Return the step of ``workers`` summing the model with a bucketed all-reduce (s).
+
+    Each worker's link carries 2B(N - 1)/N each way (reduce-scatter, then all-gather:
+    the ring's and Rabenseifner's bytes), in 2(N - 1) rounds of a latency each; buckets
+    leave as backward finishes them, so all but the last bucket's share may hide
+    behind backward, as the ps design's buckets do (:func:`project`).
+    """
+    n = workers
+    if n <= 1:
+        return work.compute + work.overhead
+    nb = 1 if bucket_bytes <= 0 else max(1, math.ceil(work.model_bytes / bucket_bytes))
+    comm = 2.0 * work.model_bytes * (n - 1) / n / fabric.bandwidth + \
+        2.0 * (n - 1) * fabric.latency
+    hidden = BACKWARD_SHARE * work.compute * (1 - 1 / nb)
+    return work.compute + work.overhead + max(comm - hidden, comm / nb)
 
 
 def _bound(terms, step, compute, exposed):

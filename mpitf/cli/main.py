@@ -231,6 +231,10 @@ def cmd_bench(args):
         from ..bench import planner
 
         return planner.main(args)
+    if args.box is not None or (args.suite == "scaling" and args.link_scaling):
+        from ..bench import boxscaling
+
+        return boxscaling.main(args)
     from ..bench import runner as bench
 
     code = bench.main(args)
@@ -387,6 +391,23 @@ def build_parser():
                    help="rounds of the job suites, each running the profiles, every scaling "
                         "point and the 1-worker modes once; a figure is its best round "
                         "(default 3, --quick 1)")
+    g = p.add_argument_group("scaling over links (--suite scaling; mpitf against "
+                             "MPI_Iallreduce, emulated compute; see benchmarks/README.md)")
+    g.add_argument("--box", type=_at_least_one, default=None,
+                   help="make a cluster in a box of this many nodes (1-16; root) and run the "
+                        "scaling grid on it")
+    g.add_argument("--link-scaling", action="store_true",
+                   help="with --hosts: run the scaling grid over links on those hosts")
+    g.add_argument("--rate", default=None,
+                   help="--box: each link's rate as tc writes it (default 200mbit)")
+    g.add_argument("--workers", default=None, help="worker counts (default 1,2,4,8)")
+    g.add_argument("--ps", default=None,
+                   help="ps counts (default 1,2,4,8; N: as many as workers)")
+    g.add_argument("--placement", default=None,
+                   help="own (ps on nodes of their own), beside (on the workers' nodes) or "
+                        "own,beside (the default)")
+    g.add_argument("--sizes", default=None,
+                   help="model sizes in bytes (default 4 and 16 MiB)")
     g = p.add_argument_group("planning (no benchmark runs; see docs/costmodel.md)")
     g.add_argument("--plan", action="store_true",
                    help="recommend ps count, buckets and aggregation for a cluster")

@@ -43,6 +43,13 @@ DEFAULT_NAME = "mtfbox"
 SUBNET = "10.213.0"  # head .1, node k .(k + 1); routed nowhere outside the box
 BRIDGE = "br0"
 BURST = "512kb"  # tbf's bucket: about 4 ms at 1 Gbit/s
+# A link's two queues: the switch port's (the bridge's end) holds 10 ms at the link's rate;
+# a node's own (its NIC's) holds 1,000 full frames, as Linux's default transmit queue
+# (txqueuelen 1000). A node's queue of 10 ms dropped the replies a ps sends to 8 workers
+# at once (250 KB at 200 Mbit/s; a host's own queue makes TCP wait, not resend), and each
+# drop stalled its TCP stream (benchmarks/notes-47.md).
+SWITCH_QUEUE = ("latency", "10ms")
+NIC_QUEUE = ("limit", str(1000 * 1514))
 _NAME = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 _RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit)$")
 
@@ -241,13 +248,26 @@ class Box:
             _sh("ip", "-n", ns, "addr", "add", f"{self.address(node)}/24", "dev", "eth0")
             _sh("ip", "-n", ns, "link", "set", "eth0", "up")
             if node in self.rates:
-                for where, dev in ((ns, "eth0"), (self.head, port)):
+                for where, dev, queue in ((ns, "eth0", NIC_QUEUE),
+                                          (self.head, port, SWITCH_QUEUE)):
                     _sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root",
-                        "tbf", "rate", self.rates[node], "burst", BURST, "latency", "10ms")
+                        "tbf", "rate", self.rates[node], "burst", BURST, *queue)
         for path, text in ((self.launcher, LAUNCHER), (self.state / "node", NODE)):
             path.write_text(text.format(name=self.name, nodes=" ".join(self.nodes),
                                         state=self.state, threads=self.threads))
             path.chmod(0o755)
+
+    def reshape(self, rate):
+        """Shape every link to ``rate`` (as tc writes it) from now on; the box must be up."""
+        if not _RATE.match(str(rate)):
+            raise BoxError(f"rate {rate!r}: give a rate as tc writes it, e.g. 200mbit")
+        for node in self.nodes:
+            for where, dev, queue in ((self.namespace(node), "eth0", NIC_QUEUE),
+                                      (self.head, f"b-{node}", SWITCH_QUEUE)):
+                _sh("ip", "netns", "exec", where, "tc", "qdisc", "replace", "dev", dev,
+                    "root", "tbf", "rate", rate, "burst", BURST, *queue)
+            self.rates[node] = rate
+        self.rate = rate
 
     def down(self):
         """Kill every process on the box and remove all it made; safe to call twice."""
@@ -413,6 +433,11 @@ def main(argv=None):
     up.add_argument("--rate", default=None,
                     help="each link's rate, e.g. 1gbit or 10gbit, or per node, e.g. "
                          "node1=1gbit,node2=1gbit (default: unshaped)")
+    up.add_argument("--owner", type=int, default=1,
+                    help="the pid whose death frees the box for the next up's sweep "
+                         "(default 1: it stays until down)")
+    shape = sub.add_parser("shape", help="shape every link of a box that is up to a rate")
+    shape.add_argument("--rate", required=True, help="e.g. 200mbit")
     down = sub.add_parser("down", help="remove a box and every process on it")
     run = sub.add_parser("run", help="run a command under mpiexec across the box's nodes")
     run.add_argument("-n", type=int, required=True, help="number of ranks")
@@ -424,7 +449,7 @@ def main(argv=None):
                           " or Open MPI's mpiexec (run under ULFM)")
     run.add_argument("argv", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
     sub.add_parser("status", help="say which boxes are up")
-    for p in (up, down, run):
+    for p in (up, down, run, shape):
         p.add_argument("--name", default=DEFAULT_NAME, help=f"box name (default {DEFAULT_NAME})")
     args = parser.parse_args(argv)
     try:
@@ -444,11 +469,14 @@ def main(argv=None):
         if reason:
             raise BoxError(reason)
         if args.command == "up":
-            box = Box(args.nodes, args.rate, args.name).up(owner=1)  # init: never dies
+            box = Box(args.nodes, args.rate, args.name).up(owner=args.owner)
             print(f"box {box.name} up: {', '.join(box.nodes)} "
                   f"({box.rate or 'unshaped'} links); launcher {box.launcher}")
             return 0
         box = existing(args.name)
+        if args.command == "shape":
+            box.reshape(args.rate)
+            return 0
         command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
         if not command:
             raise BoxError("run: give the command after --")

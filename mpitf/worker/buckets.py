@@ -23,6 +23,8 @@ from .handles import PushPullHandle
 
 # How often a progress thread probes while buckets travel to a ps on another node.
 REMOTE_PROGRESS_US = 500
+# Across nodes, how many of a worker's buckets to one ps may travel unanswered.
+REMOTE_WINDOW = 2
 
 
 def progress_seconds(link, environ=os.environ):
@@ -41,6 +43,28 @@ def progress_seconds(link, environ=os.environ):
     here = link.host_of(link.comm.Get_rank())
     remote = any(link.host_of(rank) != here for rank in link.ranks)
     return REMOTE_PROGRESS_US / 1e6 if remote else 0.0
+
+
+def push_window(link, environ=os.environ):
+    """Return how many buckets to one ps may travel unanswered (0: no limit).
+
+    A sync ps answers bucket k once every worker's bucket k is in. Over shaped links the
+    workers' streams into one ps are not fair (TCP incast): one worker's whole push landed
+    while another's first buckets waited, and the answers bunched at the end of the
+    step, after the pushes instead of during them (4 workers on 1 ps at 200 Mbit/s: 1.7 x
+    the link's time). With at most REMOTE_WINDOW buckets unanswered per ps, a worker
+    ahead waits for its replies and leaves the ps's link to the others, so bucket k's
+    answer goes out while bucket k + 1 arrives (benchmarks/notes-47.md). On one node
+    nothing queues on a link: no limit. ``$MPITF_PUSH_WINDOW`` sets it either way (0:
+    none).
+    """
+    given = number_from_environment("MPITF_PUSH_WINDOW", "buckets", environ=environ)
+    if given is not None:
+        return int(given)
+    if link.chunked:
+        return 0
+    here = link.host_of(link.comm.Get_rank())
+    return REMOTE_WINDOW if any(link.host_of(rank) != here for rank in link.ranks) else 0
 
 
 def buckets_for_links(config, server):
@@ -116,6 +140,10 @@ class BucketedPush:
         self.left = slices_left.copy()
         self.split = {name for name, _ in grad_views.split}
         self.next = [0] * len(buckets)  # per ps, its next bucket to push
+        self.sent = [0] * len(buckets)  # per ps, its buckets sent (at most next)
+        self.answered = [0] * len(buckets)  # per ps, its buckets answered (at most sent)
+        self.window = push_window(link)
+        self._lock = threading.Lock()  # the progress thread sends too, within the window
         self.receives = [None] * len(self.order)
         self.sends = []
         self.arrived = [False] * len(self.order)
@@ -131,7 +159,9 @@ class BucketedPush:
         while True:
             self._busy.wait()
             time.sleep(self.progress_seconds)
-            if self._busy.is_set():
+            if self.window:
+                self._send_window(busy_only=True)  # its tests drive MPI as a probe does
+            elif self._busy.is_set():
                 comm.Iprobe(MPI.ANY_SOURCE, P.TAG_PROGRESS)
 
     def begin(self, data_position):
@@ -148,6 +178,8 @@ class BucketedPush:
             self.arrived[i] = False
         np.copyto(self.left, self.template)
         self.next = [0] * len(buckets)
+        self.sent = [0] * len(buckets)
+        self.answered = [0] * len(buckets)
         self.sends = []
         self.reply_value = None
         return self
@@ -170,7 +202,7 @@ class BucketedPush:
         return self
 
     def _push(self, ready):
-        link, tl = self.link, self.timeline
+        link = self.link
         start = time.perf_counter()
         go = []
         for p, n in enumerate(self.buckets):
@@ -183,12 +215,7 @@ class BucketedPush:
             self.stage.narrow_grad(*self.order[i])
             self.grad[i].commit()
         self.backend.synchronize()  # MPI must see the finished gradient
-        for i in go:
-            p, k = self.order[i]
-            self.sends.extend(self.grad[i].isend(link.comm, link.ranks[p], P.TAG_REQUEST))
-            if tl is not None and tl.enabled:
-                tl.add("push", start, time.perf_counter(), bucket=k, ps=p,
-                       step=link.steps[p])
+        self._send_window(start)
         if self.progress_seconds and not self._busy.is_set():
             if self._progress is None:
                 if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
@@ -198,6 +225,34 @@ class BucketedPush:
                 self._progress.start()
             self._busy.set()
 
+    def _send_window(self, start=None, busy_only=False):
+        """Send each ps's ready buckets, as many as its window of unanswered ones allows.
+
+        ``busy_only``: (the progress thread) only while the main thread computes; the
+        main thread, once it waits, tests the replies itself.
+        """
+        link, tl, window = self.link, self.timeline, self.window
+        with self._lock:
+            if busy_only and not self._busy.is_set():
+                return
+            for p in range(len(self.buckets)):
+                if window:  # count the replies that came, in the order the ps answers
+                    while self.answered[p] < self.sent[p]:
+                        i = self.index[(p, self.answered[p])]
+                        if not (self.arrived[i] or _test_all(self.receives[i])):
+                            break
+                        self.answered[p] += 1
+                while self.sent[p] < self.next[p] and (
+                        not window or self.sent[p] - self.answered[p] < window):
+                    k = self.sent[p]
+                    i = self.index[(p, k)]
+                    self.sends.extend(self.grad[i].isend(link.comm, link.ranks[p],
+                                                         P.TAG_REQUEST))
+                    self.sent[p] = k + 1
+                    if tl is not None and tl.enabled:
+                        tl.add("push", time.perf_counter() if start is None else start,
+                               time.perf_counter(), bucket=k, ps=p, step=link.steps[p])
+
     def _describe(self, i, operation="push_pull (bucketed)"):
         return self.link.describe(self.order[i][0], operation)
 
@@ -206,6 +261,8 @@ class BucketedPush:
             return
         link, tl = self.link, self.timeline
         start = time.perf_counter()
+        if self.window:  # the buckets behind this one leave as their replies come
+            between = self._sender(between)
         self.handle_class.wait_reply(self.reply[i], self.receives[i], link.deadline,
                                      lambda _, i=i: self._describe(i), between)
         self.stage.widen_params(*self.order[i])
@@ -215,16 +272,34 @@ class BucketedPush:
             tl.add("pull", start, time.perf_counter(), bucket=self.order[i][1], ps=p,
                    step=link.steps[p])
 
+    def _sender(self, between):
+        """Return a ``between`` that sends within the window first, then calls ``between``."""
+        if between is None:
+            return self._send_window
+
+        def both():
+            self._send_window()
+            between()
+        return both
+
+    def _main_thread_waits(self):
+        """Stop the progress thread's work (it may be inside a test of a reply now)."""
+        self._busy.clear()
+        with self._lock:  # a test it had begun has ended; it starts none now
+            pass
+
     def wait_params(self, name):
         """Wait for the buckets holding variable ``name`` (the rest may still travel)."""
-        self._busy.clear()
+        self._main_thread_waits()
         for i in self.of_variable.get(name, ()):
             self._wait_bucket(i)
 
     def done(self):
         """Return True when every bucket was pushed and answered (without blocking)."""
+        if self.window and self.reply_value is None:
+            self._send_window()
         return self.reply_value is not None or (
-            all(self.next[p] == len(b) for p, b in enumerate(self.buckets)) and
+            all(self.sent[p] == len(b) for p, b in enumerate(self.buckets)) and
             all(self.arrived[i] or _test_all(self.receives[i]) for i in range(len(self.order)))
             and _test_all(self.sends))
 
@@ -236,7 +311,7 @@ class BucketedPush:
         """
         if self.reply_value is None:
             self.push_rest()
-            self._busy.clear()
+            self._main_thread_waits()
             for i in range(len(self.order)):
                 self._wait_bucket(i, between)
             P.wait_all(self.sends, self.link.deadline, lambda _: self._describe(0))
