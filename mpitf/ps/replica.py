@@ -115,6 +115,12 @@ class Replication:
                                       P.TAG_REPLICA)
         self.sent_step = svc.state.global_step
 
+    def settle(self):
+        """Wait until the copy in flight has reached the buddy (before a heal: see ps/heals.py)."""
+        if self.sending is not None and self.buddy_alive:
+            self._wait(self.sending)
+        self.sending = None
+
     # -- receiving ---------------------------------------------------------------------------
 
     def poll(self):

@@ -25,6 +25,7 @@ from .at_once import AtOnce
 from .consistency import make_policy
 from .cuts import Cuts
 from .handlers import Handlers
+from .heals import Heals
 from .losses import Losses
 from .pipeline import Pipeline
 from .receive_pool import receive_pool
@@ -37,7 +38,7 @@ from .state import ServiceState
 _log = logging.getLogger("mpitf")
 
 
-class Service(Handlers, Cuts, Losses):
+class Service(Handlers, Cuts, Losses, Heals):
     """One ps task serving the workers of a cluster under a consistency policy.
 
     ``buddy``: this is a ward, the idle copy of the shard of the ps before ``buddy`` (a
@@ -115,7 +116,8 @@ class Service(Handlers, Cuts, Losses):
                           P.SKIP: self._on_skip, P.PULL: self._on_pull,
                           P.PULL_AVERAGE: self._on_pull, P.INIT: self._on_init,
                           P.DONE: self._on_done, P.PAUSED: self._on_paused,
-                          P.SAVE: self._on_save, P.COUNTERS: self._on_counters}
+                          P.SAVE: self._on_save, P.COUNTERS: self._on_counters,
+                          P.HEAL: self._on_heal}
         if assignment.restore:
             self._restore(self.state, assignment.restore)
 
@@ -249,7 +251,8 @@ class Service(Handlers, Cuts, Losses):
         c = state.counters
         c["global_step"] = step = self.cut_step(state)
         H.pack_reply(reply.header, step, self.ps_task,
-                     (P.FLAG_PAUSE if state.pausing else 0) | state.chief_flags,
+                     (P.FLAG_PAUSE if state.pausing else 0) |
+                     (P.FLAG_HEAL if state.healing else 0) | state.chief_flags,
                      c["pushes_applied"], c["stale_dropped"], c["max_staleness"], c["max_lead"])
         if reply.unpublished:  # a host frame is as MPI reads it
             reply.publish(0, hi)

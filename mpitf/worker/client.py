@@ -261,6 +261,10 @@ class Client:
         """
         self.transport.paused()
 
+    def rejoined(self):
+        """After a heal: the push's persistent requests were made on the old communicator."""
+        self.transport.round = None
+
     def done(self, flags=0):
         """Tell every ps this worker has finished (a node's leader: the node has)."""
         self.transport.done(flags)
