@@ -103,7 +103,8 @@ class Handlers:
     def _on_counters(self, state, worker, request, frame, index, now):
         state.last_push[worker] = None
         tables = self.tables.stats() if self.tables else {}
-        self.comm.send(dict(state.counters, ps_task=self.ps_task, tables=tables),
+        self.comm.send(dict(state.counters, ps_task=self.ps_task, tables=tables,
+                            workers_lost=len(state.lost)),
                        dest=self.worker_ranks[worker], tag=P.TAG_CONTROL)
         return True
 

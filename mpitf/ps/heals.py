@@ -72,10 +72,57 @@ class Heals:
         for send in self.sends.values():  # persistent reply sends, on the old communicator
             send.Free()
         self.sends.clear()
-        for rank in healed["lost"]:
+        lost, replica = healed["lost"], self.replica
+        if replica is not None:
+            replica.after_heal(lost)
+        for rank in lost:
             worker = self.worker_of.get(rank)
             if worker is not None:
                 self._revive(state, rank, worker, healed["seconds"])
+            elif replica is not None and replica.adopted and rank == replica.ward_rank:
+                self._hand_over(rank, healed["seconds"])
+
+    def _hand_over(self, rank, seconds):
+        """Send the ward's shard, which this ps served, to its replacement (at ``rank``)."""
+        replica = self.replica
+        lost_at = replica.lost_at.pop(replica.ward_task)
+        start = time.monotonic()
+        shard = replica.hand_over()
+        self.comm.send(shard, dest=rank, tag=P.TAG_CONTROL)  # after the chief's configuration
+        now = time.monotonic()
+        size = sum(a.nbytes for a in shard["arrays"]) / 2**20
+        peer = self.server.peer(rank, "")
+        _log.warning("replaced rank %d (/job:ps/task:%d) by a spawned process on %s at step %d, "
+                     "%.2f s after its loss (the heal %.2f s, its shard of %.3g MiB handed over "
+                     "by /job:ps/task:%d in %.2f s): it serves its shard again and its copies "
+                     "resume", rank, peer["task"], peer["host"], shard["global_step"],
+                     now - lost_at, seconds, size, self.ps_task, now - start)
+
+    @staticmethod
+    def receive_shard(server):
+        """A replacement ps: return the shard (and state) of the buddy that served it."""
+        ps_ranks = server.ranks_of("ps")
+        buddy = ps_ranks[(server.task_index + 1) % len(ps_ranks)]
+        return server.comm.recv(source=buddy, tag=P.TAG_CONTROL)
+
+    def take_shard(self, shard):
+        """A replacement ps: serve from ``shard`` (its buddy's), where the lost ps left off."""
+        from .replica import state_arrays
+
+        state = self.state
+        for mine, theirs in zip(state_arrays(self.shard), shard["arrays"]):
+            mine[...] = theirs
+        self.shard.restored()
+        state.global_step = shard["global_step"]
+        state.counters.update(shard["counters"])
+        self.pipeline.at_step(state.global_step)
+        state.initialized = True
+        state.done, state.lost = shard["done"], shard["lost"]
+        state.chief, state.chief_flags = shard["chief"], shard["chief_flags"]
+        state.positions = shard["positions"]
+        self.write_header()
+        _log.warning("/job:ps/task:%d replaces the lost task from step %d", self.ps_task,
+                     state.global_step)
 
     def _revive(self, state, rank, worker, seconds):
         """Count ``worker`` (at ``rank``, replaced) as training again; say so and what it cost."""

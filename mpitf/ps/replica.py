@@ -87,6 +87,7 @@ class Replication:
         self.copy_step = None  # the adopted copy's step
         self.pending_log = None  # the loss's log line, once a re-routed request says its cost
         self.lost_ps = set()
+        self.lost_at = {}  # ps task -> when its loss was taken (a heal says how long it took)
         self.status = MPI.Status()
         self.next_watch = 0.0
         self.known_failed = 0  # the failed ranks MPI reported, all taken
@@ -116,10 +117,39 @@ class Replication:
         self.sent_step = svc.state.global_step
 
     def settle(self):
-        """Wait until the copy in flight has reached the buddy (before a heal: see ps/heals.py)."""
+        """Before a heal (ps/heals.py): the copy in flight reaches the buddy, replies leave."""
         if self.sending is not None and self.buddy_alive:
             self._wait(self.sending)
         self.sending = None
+        if self.adopted:
+            self.ward._finish_replies()
+
+    def after_heal(self, lost):
+        """The job healed: a replaced buddy gets copies again (the next apply sends one)."""
+        self.known_failed = 0  # the new communicator has no failed rank
+        if self.buddy_rank in lost:
+            self.buddy_alive = True
+            self.sent_step = None
+            self.lost_ps.discard(self.buddy_task)
+
+    def hand_over(self):
+        """Return what the ward's replacement needs (its shard and state); serve it no more.
+
+        Its copies come from the replacement from now on; the ward's service waits, idle,
+        to be adopted again should the replacement die too.
+        """
+        state = self.ward.state
+        shard = dict(arrays=[a.copy() for a in self.theirs], global_step=state.global_step,
+                     done=set(state.done), lost=set(state.lost), chief=state.chief,
+                     chief_flags=state.chief_flags, positions=dict(state.positions),
+                     counters=dict(state.counters))
+        state.healing = False
+        state.paused.clear()
+        self.adopted = False
+        self.current = None  # its copies are of a shard that moved on
+        self.lost_ps.discard(self.ward_task)
+        self.pending_log = None
+        return shard
 
     # -- receiving ---------------------------------------------------------------------------
 
@@ -173,6 +203,7 @@ class Replication:
         if task in self.lost_ps:
             return
         self.lost_ps.add(task)
+        self.lost_at[task] = time.monotonic()
         if rank == self.buddy_rank:
             self.buddy_alive = False
         if rank != self.ward_rank:

@@ -409,13 +409,15 @@ def serve(server):
             "'worker' (or 'chief') job to the spec")
     # A checkpoint signal is the chief's to act on; the ps must only survive it.
     CheckpointSignals().install()
-    chief = server.replica_ranks[0]
+    chief = server.replica_ranks[server.chief_index]
     config, assignment = P.recv_object(
         server.comm, chief, P.TAG_CONTROL, server.deadline,
         lambda: server.peer(chief, "configuration of the ps"))
     service = Service(server, config, assignment)
     if config.ps_replication_steps and assignment.ward is not None:
         service.replica = _replication(service, config, assignment)
+    if server.replacement is not None:  # spawned for a lost ps (--heal): its buddy's shard
+        service.take_shard(Service.receive_shard(server))
     code = service.run()
     if config.timeline:  # collective with the workers' end of training
         service.timeline.gather_and_write(server.comm, config.timeline)

@@ -25,6 +25,7 @@ from mpi4py import MPI
 __all__ = ["generation", "healed", "parent", "world_size", "shrink_and_spawn",
            "join_as_replacement", "repoint", "spawn_command", "NoFreeSlot"]
 
+REPLACES = "MPITF_REPLACES"  # a replacement's environment: the rank it replaces
 generation = 0  # how many heals this process took part in (or came from)
 healed = False  # a rank of this job died and was replaced: leave without MPI_Finalize
 
@@ -47,18 +48,19 @@ def world_size():
     return spawned.Get_remote_size() + spawned.Get_size()
 
 
-def spawn_command():
-    """Return ``(command, args)`` that start this process again, as a replacement.
+def spawn_command(rank):
+    """Return ``(command, args)`` that start this process again, to replace ``rank``.
 
     The interpreter's own argument list (``sys.orig_argv``: a ``-m`` or a wrapper script
     included) is run through ``env`` with ``MPI4PY_LIBMPI`` set: a spawned process gets
     the launcher daemon's environment, without ``mpiexec -x``'s variables, and mpi4py
-    would load another MPI's library.
+    would load another MPI's library. ``MPITF_REPLACES`` names the rank it replaces
+    (its own ``COMM_WORLD`` says 0; the rank in its log lines comes from there).
     """
     argv = [sys.executable, *sys.orig_argv[1:]]
     settings = [f"{k}={os.environ[k]}" for k in ("MPI4PY_LIBMPI", "OMPI_MCA_mpi_ft_enable")
                 if k in os.environ]
-    return "/usr/bin/env", settings + argv
+    return "/usr/bin/env", [*settings, f"{REPLACES}={rank}", *argv]
 
 
 def lost_ranks(comm, shrunk):
@@ -85,11 +87,12 @@ def shrink_and_spawn(comm, known):
     shrunk = comm.Shrink()
     shrunk.Set_errhandler(MPI.ERRORS_RETURN)
     lost = lost_ranks(comm, shrunk)
-    command, args = spawn_command()
+    commands, args = zip(*(spawn_command(rank) for rank in lost))
     info = MPI.Info.Create()
     info.Set("wdir", os.getcwd())
     try:
-        inter = shrunk.Spawn(command, args, maxprocs=len(lost), info=info, root=0)
+        inter = shrunk.Spawn_multiple(list(commands), list(args), [1] * len(lost),
+                                      [info] * len(lost), root=0)
     except MPI.Exception as exc:
         raise NoFreeSlot(exc.Get_error_string()) from None
     finally:
@@ -108,14 +111,12 @@ def shrink_and_spawn(comm, known):
 def join_as_replacement(spawned):
     """A replacement: merge with the survivors; return ``(comm, what they know)``.
 
-    The new communicator gives this process the rank it replaces (the ``i``-th lost rank
-    for the ``i``-th process spawned at once).
+    The new communicator gives this process the rank it replaces (``MPITF_REPLACES``).
     """
     global generation, healed
     merged = spawned.Merge(high=True)
     known = merged.bcast(None, root=0)
-    me = known["lost"][MPI.COMM_WORLD.Get_rank()]
-    comm = merged.Split(0, me)
+    comm = merged.Split(0, int(os.environ[REPLACES]))
     comm.Set_errhandler(MPI.ERRORS_RETURN)
     merged.Free()
     generation += 1

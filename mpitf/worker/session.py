@@ -432,26 +432,27 @@ class TrainingSession:
                                       self.global_step)["heal"]
         if go:
             try:
-                server.heal()
+                healed = server.heal()
             except heal.NoFreeSlot:
                 pass  # every ps says so
             else:
-                self.client.rejoined()
+                self.client.rejoined(healed["lost"])
                 self.failures_seen = 0
         self.healing = False
 
     def _decide_heal(self):
         """Chief: collect every ps's report; heal unless a worker has finished; say so to all."""
         comm, link = self.server.comm, self.client.link
+        serving = sorted(set(link.ranks))  # a lost ps's buddy reports once
         reports = [P.recv_object(comm, rank, P.TAG_CONTROL, self.server.deadline,
                                  lambda p=p: link.describe(p, "heal"))
-                   for p, rank in enumerate(link.ranks)]
+                   for p, rank in enumerate(serving)]
         finished = sorted({w for r in reports for w in r["finished"]})
         go = not finished
         if not go:
             print(f"step {self.global_step}: no heal, as {len(finished)} worker(s) finished "
                   "already; the job ends without the lost ranks", flush=True)
-        for rank in sorted(set(link.ranks)):
+        for rank in serving:
             comm.send({"heal": go}, dest=rank, tag=P.TAG_CONTROL)
         cut.release(comm, reports, self.push_ranks, self.server.rank, {"heal": go})
         return go

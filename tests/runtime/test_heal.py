@@ -1,0 +1,121 @@
+"""A job that heals (``--heal``, Open MPI with ULFM): a lost rank is replaced by a spawned one.
+
+A rank SIGKILLs itself at a step (``MPITF_TEST_KILL``, tests/recovery/slow_job.py: the kill
+lands at that step, not at a time); the survivors shrink the job, spawn a replacement that
+takes the lost rank and task, and the job ends at full strength: every step run, the
+final summary counting every worker, the accuracy within 0.02 of an uninterrupted run.
+"""
+
+import re
+
+import pytest
+
+from tests.support import final_summary, openmpi_mpiexec, run_job
+
+pytestmark = [pytest.mark.mpi]
+
+STEPS, KILL_AT = 400, 150
+DECAY = ["--lr-decay", "0.5", "--lr-decay-steps", "150"]  # see test_ulfm.py
+HEAL = ["--heal"]
+REPLICATE = ["--ps-replication-steps", "1"]
+LOST = re.compile(r"lost rank 2 \(/job:worker/task:1 on \S+\) at step (\d+): ")
+REPLACED = re.compile(r"replaced rank 2 \(/job:worker/task:1\) by a spawned process on \S+ at "
+                      r"step (\d+), ([\d.]+) s after its loss \(the heal ([\d.]+) s\): (.*); "
+                      r"2 of 2 workers train")
+TAKES_OVER = re.compile(r"/job:worker/task:1 replaces the lost task from step (\d+), its data "
+                        r"at epoch (\d+), example (\d+)")
+BACK = {"sync": "sync steps aggregate 2 gradients again (replicas_to_aggregate 2)",
+        "async": "its pushes count again"}
+
+_WHOLE = {}  # mode -> the accuracy of an uninterrupted run
+
+
+def whole_run_accuracy(tmp_path_factory, mode, mpiexec, num_ps=1):
+    """Return the accuracy of the job run uninterrupted (once per mode and ps count)."""
+    if (mode, num_ps) not in _WHOLE:
+        tmp = tmp_path_factory.mktemp(f"whole-{mode}-{num_ps}")
+        whole = run_job(tmp, n=2 + num_ps, num_ps=num_ps, mode=mode, steps=STEPS,
+                        mpiexec=mpiexec, deterministic=False,
+                        extra=DECAY + HEAL + (REPLICATE if num_ps > 1 else []), timeout=120)
+        assert whole.returncode == 0, whole.output
+        _WHOLE[mode, num_ps] = final_summary(whole)["test_accuracy"]
+    return _WHOLE[mode, num_ps]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_killed_worker_is_replaced_and_the_job_ends_at_full_strength(tmp_path,
+                                                                       tmp_path_factory, mode):
+    mpiexec = openmpi_mpiexec()
+    expected = whole_run_accuracy(tmp_path_factory, mode, mpiexec)
+    run = run_job(tmp_path, mode=mode, steps=STEPS, mpiexec=mpiexec, deterministic=False,
+                  extra=DECAY + HEAL, env={"MPITF_TEST_KILL": f"rank2@{KILL_AT}"}, timeout=120)
+    out = run.output
+    assert run.returncode == 0, out
+    lost, replaced, takes_over = LOST.search(out), REPLACED.search(out), TAKES_OVER.search(out)
+    assert lost and replaced and takes_over, out
+    assert int(lost.group(1)) >= KILL_AT - 5 and int(replaced.group(1)) >= int(lost.group(1))
+    assert float(replaced.group(2)) >= float(replaced.group(3)) > 0, out
+    assert replaced.group(4) == BACK[mode], out
+    # the replacement starts from the ps's step (async: the chief trained on meanwhile)
+    assert int(takes_over.group(1)) >= int(replaced.group(1)), out
+    # its data position is the lost worker's, as the ps recorded it: mid-run, not the start
+    assert (int(takes_over.group(2)), int(takes_over.group(3))) != (0, 0), out
+    summary = final_summary(run)  # async: a push in flight at the last step may land too
+    assert STEPS <= summary["step"] <= STEPS + 1, summary
+    assert summary["workers"] == 2 and summary["ps"] == 1, summary
+    assert abs(summary["test_accuracy"] - expected) <= 0.02, (summary, expected)
+
+
+PS_LOST = re.compile(r"lost ps rank (\d) \(/job:ps/task:(\d) on \S+\) at step (\d+): "
+                     r"/job:ps/task:(\d) serves its shard from its copy")
+PS_REPLACED = re.compile(r"replaced rank (\d) \(/job:ps/task:(\d)\) by a spawned process on \S+ "
+                         r"at step (\d+), ([\d.]+) s after its loss \(the heal ([\d.]+) s, its "
+                         r"shard of [\d.e-]+ MiB handed over by /job:ps/task:(\d) in [\d.]+ s\): "
+                         r"it serves its shard again and its copies resume")
+PS_TAKES_OVER = re.compile(r"^\[rank (\d)\] WARNING /job:ps/task:(\d) replaces the lost task "
+                           r"from step (\d+)$", re.MULTILINE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,kills", [
+    # ps task 1 killed, then its replacement; ps task 0 (rank 0), then its buddy
+    ("sync", "rank1@150,rank1@300"),
+    ("async", "rank0@150,rank1@300"),
+])
+def test_a_killed_ps_is_replaced_and_its_pair_survives_a_second_loss(tmp_path,
+                                                                     tmp_path_factory, mode,
+                                                                     kills):
+    mpiexec = openmpi_mpiexec()
+    expected = whole_run_accuracy(tmp_path_factory, mode, mpiexec, num_ps=2)
+    run = run_job(tmp_path, n=4, num_ps=2, mode=mode, steps=STEPS, mpiexec=mpiexec,
+                  deterministic=False, extra=DECAY + HEAL + REPLICATE,
+                  env={"MPITF_TEST_KILL": kills}, timeout=150)
+    out = run.output
+    assert run.returncode == 0, out
+    victims = [int(k.split("@")[0][4:]) for k in kills.split(",")]
+    lost, replaced = PS_LOST.findall(out), PS_REPLACED.findall(out)
+    assert [int(r) for r, *_ in lost] == victims, out
+    assert [int(r) for r, *_ in replaced] == victims, out
+    for (rank, task, at, since, took, buddy), (_, _, lost_at, _) in zip(replaced, lost):
+        # each ps's buddy served it, then handed its shard to the replacement
+        assert int(buddy) == (int(task) + 1) % 2 and int(rank) == int(task), out
+        assert int(at) >= int(lost_at) and float(since) >= float(took) > 0, out
+    taken = PS_TAKES_OVER.findall(out)
+    assert [(int(r), int(t)) for r, t, _ in taken] == [(v, v) for v in victims], out
+    summary = final_summary(run)
+    assert STEPS <= summary["step"] <= STEPS + 1, summary
+    assert summary["workers"] == 2 and summary["ps"] == 2, summary
+    assert abs(summary["test_accuracy"] - expected) <= 0.02, (summary, expected)
+
+
+def test_heal_without_ulfm_is_refused_on_every_rank(tmp_path):
+    run = run_job(tmp_path, n=3, mode="async", steps=20, deterministic=False, extra=HEAL)
+    assert run.returncode == 2, run.output
+    errors = [line for line in run.output.splitlines() if line.startswith("mpitf: error")]
+    assert errors == ["mpitf: error on rank 0: heal (--heal) replaces a lost rank with a "
+                      "spawned one, which needs Open MPI with ULFM (mpitf run --mpiexec <Open "
+                      "MPI's mpiexec>); under this MPI a lost rank ends the job: drop the "
+                      "option"], \
+        run.output
+    assert "Traceback" not in run.output, run.output
