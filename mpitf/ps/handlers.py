@@ -68,7 +68,7 @@ class Handlers:
         state.last_push[worker] = None
         frame.received()
         self._finish_replies()
-        self.shard.initialize(frame.payload)
+        self.shard.initialize(frame.payload[:self.shard.size])  # a frame may be larger
         state.initialized = True
         self.pipeline.at_step(state.global_step)
         self.write_header()

@@ -110,6 +110,8 @@ class Replication:
                 raise
             self.buddy_alive = False  # the pool sees the loss too, and says it
             return
+        if not self.buddy_alive:  # it died while the last copy was under way: none follows
+            return
         svc.pipeline.finish(svc.stall.steady, svc.describe_reply)  # replies read the params
         self.out.take(self.mine, svc.state.global_step)
         self.sending = svc.comm.Isend([self.out.buffer, MPI.BYTE], self.buddy_rank,

@@ -83,9 +83,12 @@ class Service(Handlers, Cuts, Losses, Heals):
         self.chunk_bytes = assignment.chunk_bytes
         capacity = senders.capacity(self.tables.capacity if self.tables else None)
         capacity = max(capacity or 0, self.shard.rules.rates_bytes) or None  # RATES fit
+        pool_size = size  # a lost ward's pushes land in its buddy's frames too (FLAG_WARD)
+        if config.ps_replication_steps and assignment.ward is not None:
+            pool_size = max(size, assignment.ward.shard_size)
         frames = self.policy.receive_buffers(self.num_workers, self.pipeline.bucketed)
         self.pool = buddy.pool if buddy is not None else receive_pool(  # a ward's: FLAG_WARD
-            self.comm, [Frame.allocate(self.backend, size, wire, capacity)
+            self.comm, [Frame.allocate(self.backend, pool_size, wire, capacity)
                         for _ in range(frames)], P.TAG_REQUEST, self.worker_ranks,
             bool(config.ps_replication_steps), server.ulfm)
         self.sparse = SparseInbox(self, size, wire, capacity) if self.tables else None
