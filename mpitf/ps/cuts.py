@@ -58,7 +58,8 @@ class Cuts:
         """Save (or heal) once every worker is paused or done, then let them go on."""
         quiet = all(w in state.done or w in state.paused for w in range(self.num_workers))
         if state.healing and quiet and not state.pausing:
-            self.heal(state)
+            if not self.is_ward:  # a served copy's buddy heals for both
+                self.heal(state)
             return
         if state.pausing and quiet:
             self._finish_replies()

@@ -41,9 +41,11 @@ class Heals:
                       paused=sorted(state.paused))
         if self._ask_chief(state, report):
             self._take_part(state)
-        state.healing = False
-        state.paused.clear()
-        self.write_header()
+        ward = self.replica.ward if self.replica is not None else None
+        for service in (self, ward) if ward is not None else (self,):
+            service.state.healing = False  # the ward's too, flagged by re-routed requests
+            service.state.paused.clear()
+            service.write_header()
 
     def _ask_chief(self, state, report):
         """Send ``report`` to the chief; return its word (True: heal), taking copies meanwhile."""
