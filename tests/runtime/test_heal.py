@@ -6,11 +6,17 @@ takes the lost rank and task, and the job ends at full strength: every step run,
 final summary counting every worker, the accuracy within 0.02 of an uninterrupted run.
 """
 
+import json
+import os
 import re
+import socket
+import subprocess
+import sys
 
 import pytest
 
-from tests.support import final_summary, openmpi_mpiexec, run_job
+from mpitf.runtime.launch import openmpi_libmpi
+from tests.support import FINAL, JOB, REPO, final_summary, job_args, openmpi_mpiexec, run_job
 
 pytestmark = [pytest.mark.mpi]
 
@@ -107,6 +113,31 @@ def test_a_killed_ps_is_replaced_and_its_pair_survives_a_second_loss(tmp_path,
     assert STEPS <= summary["step"] <= STEPS + 1, summary
     assert summary["workers"] == 2 and summary["ps"] == 2, summary
     assert abs(summary["test_accuracy"] - expected) <= 0.02, (summary, expected)
+
+
+@pytest.mark.slow
+def test_without_a_free_slot_the_job_goes_on_weakened(tmp_path):
+    """A job that fills its slots (no --oversubscribe): the spawn fails, the job goes on."""
+    mpiexec = openmpi_mpiexec()
+    argv = [mpiexec, "--host", f"{socket.gethostname()}:3", "--bind-to", "none",
+            "--with-ft", "ulfm", "--prtemca", "state_base_recoverable", "1",
+            "-x", f"MPI4PY_LIBMPI={openmpi_libmpi(mpiexec)}", "-n", "3", sys.executable, JOB,
+            *job_args(tmp_path, mode="sync", steps=STEPS, deterministic=False,
+                      extra=DECAY + HEAL)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MPITF_TEST_KILL=f"rank2@{KILL_AT}")
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env,
+                         cwd=str(REPO), stdin=subprocess.DEVNULL)
+    out = run.stdout + run.stderr
+    assert "All nodes which are allocated for this job are already filled" in out, out
+    assert re.search(r"^\[rank 0\] WARNING no process could be spawned to replace the lost "
+                     r"ranks \(.*\): give the job free slots \(mpitf run oversubscribes\); it "
+                     r"goes on without them$", out, re.MULTILINE), out
+    finals = FINAL.findall(run.stdout)
+    assert finals, out
+    summary = json.loads(finals[-1])
+    assert summary["step"] == STEPS and summary["workers"] == 1, summary
+    # every rank ended 0, but PRRTE's mpiexec counts the failed spawn (seen: 213)
+    assert run.returncode != 0 and "Traceback" not in out, out
 
 
 def test_heal_without_ulfm_is_refused_on_every_rank(tmp_path):
