@@ -243,9 +243,9 @@ class TrainingConfig:
              "(at most K-1 of its steps lost; 0: off)")
     heal: bool = option(
         False, "--heal",
-        help="under Open MPI with ULFM: a lost worker is replaced by a process spawned into "
-             "the job (it needs a free slot: mpitf run oversubscribes), which takes the lost "
-             "task's name and trains on from the current parameters")
+        help="under Open MPI with ULFM: a lost worker or ps (with --ps-replication-steps) "
+             "is replaced by a process spawned into the job under its task's name (it needs "
+             "a free slot: mpitf run oversubscribes)")
     reset_optimizer_state: bool = option(
         False, "--reset-optimizer-state",
         help="restore the parameters of a checkpoint written by another optimizer (or with "
@@ -306,6 +306,12 @@ class TrainingConfig:
                 (self.bucket_bytes, f"bucket_bytes={self.bucket_bytes} (--bucket-bytes): a "
                  "ps copies and re-routes whole frames; give --bucket-bytes 0"),
                 (self.aggregate_per_node, "aggregate_per_node (--aggregate-per-node)")))
+        if self.heal:
+            self._refuse("heal (--heal)", (
+                (self.deterministic, "deterministic (--deterministic): a lost worker ends "
+                 "such a job before a replacement could join"),
+                (self.aggregate_per_node, "aggregate_per_node (--aggregate-per-node)"),
+                (self.clients is not None, "in-graph replication (clients)")))
         if self.wire_dtype != "float32":
             self._refuse(f"wire_dtype {self.wire_dtype} (--wire-dtype)", (
                 (self.aggregate_per_node, "aggregate_per_node (--aggregate-per-node): a "
@@ -347,18 +353,11 @@ class TrainingConfig:
                 (facts.tables, "embedding tables (their rows are not replicated yet)"),
                 (gpu, f"the {gpu} backend (frames and copies move through host memory)",
                  "use --device cpu or drop the option")), "drop the option")
-        if self.heal:
-            if not facts.ulfm:
-                raise ConfigurationError(
-                    f"{_HEAL} replaces a lost rank with a spawned one, which needs Open MPI "
-                    "with ULFM (mpitf run --mpiexec <Open MPI's mpiexec>); under this MPI a "
-                    "lost rank ends the job: drop the option")
-            self._refuse(_HEAL, (
-                (self.deterministic, "deterministic (--deterministic): a lost worker ends "
-                 "such a job before a replacement could join"),
-                (self.aggregate_per_node, "aggregate_per_node (--aggregate-per-node)"),
-                (self.clients is not None, "in-graph replication (clients)")),
-                "drop one of them")
+        if self.heal and not facts.ulfm:
+            raise ConfigurationError(
+                "heal (--heal) replaces a lost rank with a spawned one, which needs Open MPI with "
+                "ULFM (mpitf run --mpiexec <Open MPI's mpiexec>); under this MPI a lost rank "
+                "ends the job: drop the option")
         if self.aggregate_per_node:
             r = self.replicas_to_aggregate
             self._refuse(_AGGREGATION, (
@@ -380,7 +379,6 @@ class TrainingConfig:
 
 _REPLICATION = "ps_replication_steps (--ps-replication-steps)"
 _AGGREGATION = "aggregate_per_node (--aggregate-per-node)"
-_HEAL = "heal (--heal)"
 
 
 def _off_host(backends):

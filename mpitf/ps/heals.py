@@ -89,7 +89,11 @@ class Heals:
         replica = self.replica
         lost_at = replica.lost_at.pop(replica.ward_task)
         start = time.monotonic()
-        shard = replica.hand_over()
+        state = replica.ward.state
+        shard = dict(arrays=replica.hand_over(), global_step=state.global_step,
+                     done=set(state.done), lost=set(state.lost), chief=state.chief,
+                     chief_flags=state.chief_flags, positions=dict(state.positions),
+                     counters=dict(state.counters))
         self.comm.send(shard, dest=rank, tag=P.TAG_CONTROL)  # after the chief's configuration
         now = time.monotonic()
         size = sum(a.nbytes for a in shard["arrays"]) / 2**20

@@ -135,23 +135,13 @@ class Replication:
             self.lost_ps.discard(self.buddy_task)
 
     def hand_over(self):
-        """Return what the ward's replacement needs (its shard and state); serve it no more.
-
-        Its copies come from the replacement from now on; the ward's service waits, idle,
-        to be adopted again should the replacement die too.
-        """
-        state = self.ward.state
-        shard = dict(arrays=[a.copy() for a in self.theirs], global_step=state.global_step,
-                     done=set(state.done), lost=set(state.lost), chief=state.chief,
-                     chief_flags=state.chief_flags, positions=dict(state.positions),
-                     counters=dict(state.counters))
-        state.healing = False
-        state.paused.clear()
+        """Return copies of the ward's arrays for its replacement, and serve them no more."""
+        arrays = [a.copy() for a in self.theirs]
         self.adopted = False
         self.current = None  # its copies are of a shard that moved on
         self.lost_ps.discard(self.ward_task)
         self.pending_log = None
-        return shard
+        return arrays
 
     # -- receiving ---------------------------------------------------------------------------
 

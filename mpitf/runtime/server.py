@@ -128,9 +128,9 @@ class Server:
         Collective over the survivors (every rank alive calls it at a quiescent point:
         no message of the job in flight). ``facts`` (picklable) is what this rank tells
         the others and the replacements (a ps: its workers' data positions). Returns
-        ``{"lost": ranks, "seconds": s, "facts": [per rank], "hosts", "pids"}``, or
-        raises :class:`~mpitf.runtime.heal.NoFreeSlot` when nothing could be spawned
-        (the job goes on without, as before).
+        ``{"lost": ranks, "seconds": s, "facts": [per rank]}`` (the seconds from the shrink
+        to the merge), or raises :class:`~mpitf.runtime.heal.NoFreeSlot` when nothing
+        could be spawned (the job goes on without, as before).
         """
         known = dict(roles=self.roles, token=self._token, chief_index=self.chief_index)
         new, lost, seconds = heal.shrink_and_spawn(self.comm, known)

@@ -270,8 +270,9 @@ class Client:
         self.transport.round = None
         self.link.home_again(lost)
         if self.server.is_chief:
-            assignments = self._assignments(self.config, *self._started_with[:1], None,
-                                            *self._started_with[1:])
+            optimizer, total_num_replicas, sparse = self._started_with
+            assignments = self._assignments(self.config, optimizer, None, total_num_replicas,
+                                            sparse)
             for assignment, rank in zip(assignments, self.ps_ranks):
                 if rank in lost:
                     self.comm.send((self.config, assignment), dest=rank, tag=P.TAG_CONTROL)

@@ -19,7 +19,6 @@ from ..config import JobFacts, TrainingConfig
 from ..errors import ConfigurationError, NonFiniteGradientError
 from ..models.clipping import clip_by_global_norm
 from ..placement import replica_device_setter
-from ..runtime import heal, ulfm
 from ..runtime.backend import get_backend
 from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
 from ..runtime.stall import StepClock
@@ -29,6 +28,7 @@ from .buckets import buckets_for_links
 from .buffers import model_buffers
 from .client import Client
 from .embedding import Embeddings
+from .healing import Healing, succeed_chief
 from .hooks import CheckpointSaverHook, LoggingHook, StopAtStepHook
 from .local import LocalSteps
 from .node import NodeGroup
@@ -94,8 +94,6 @@ class TrainingSession:
         self.skips_in_a_row = 0
         self.loss = None  # no step run yet (e.g. resumed at the last step)
         self.committed = []  # chief: the steps of the checkpoints committed by this session
-        self.failures_seen = 0  # chief, --heal: the ranks known dead when it last asked to heal
-        self.healing = False  # chief: a heal was asked for and has not happened yet
         placement = replica_device_setter(server.cluster, ps_strategy=config.ps_strategy,
                                           partitioner=partitioner)
         self.placement = placement.place(model.variables())
@@ -129,6 +127,7 @@ class TrainingSession:
             self.hooks += [hook for hook in (LoggingHook.from_config(config, log_stream),
                                              ProfileHook.from_config(config), self.saver) if hook]
         self.hooks.extend(hooks)
+        self.healing = Healing(self) if config.heal else None  # --heal: see .healing
         self._start(optimizer)
 
     # -- start -----------------------------------------------------------------------------
@@ -167,24 +166,13 @@ class TrainingSession:
         if restore is not None and self.dataset is not None:
             self.dataset.restore(cut.data_position(restore, self.server.replica_index))
         if replacement:
-            self._take_over(replacement["facts"])
+            self.healing.take_over(replacement["facts"])
         if restore is not None and self.server.is_chief:
             print(f"restored {restore} at step {self.global_step}", flush=True)
         for hook in self.hooks:
             hook.begin(self)
         self._started = time.monotonic()
         self._start_step = self.global_step
-
-    def _take_over(self, facts):
-        """A replacement: go on from the lost worker's data position, as the ps knew it."""
-        index = self.server.replica_index
-        known = [f["positions"][index] for f in facts if f and index in f["positions"]]
-        epoch, cursor = known[0] if known else (0, 0)
-        if self.dataset is not None:
-            self.dataset.restore({"epoch": int(epoch), "cursor": int(cursor)})
-        _log.warning("/job:%s/task:%d replaces the lost task from step %d, its data at epoch "
-                     "%d, example %d", self.server.job_name, self.server.task_index,
-                     self.global_step, epoch, cursor)
 
     @property
     def elapsed(self):
@@ -270,11 +258,11 @@ class TrainingSession:
         else:
             self.last_reply = reply
             if reply.chief is not None and reply.chief != self.server.chief_index:
-                self._succeed_chief(reply.chief)
+                succeed_chief(self, reply.chief)
             self.global_step = reply.global_step
         self.steps_run += 1
         if reply is not None and reply.heal:
-            self._heal()
+            self.healing.pause_and_heal()
         if reply is not None and reply.pause:
             self._pause(relay=True)
         for hook in self.hooks:
@@ -333,26 +321,6 @@ class TrainingSession:
             return self._skip(bad)  # raises (no skip_nonfinite with buckets from backward)
         return self._finish_step(reply)
 
-    def _succeed_chief(self, index):
-        """The chief died (ULFM): replica ``index`` has its duties now; take them if it is us.
-
-        The hooks only the chief runs (logging, profile, checkpoints) start here, from this
-        step; the other replicas wait for a checkpoint's release from it.
-        """
-        self.server.chief_index = index
-        if self.node is None:
-            self.releaser = self.client_ranks[index]
-        if not self.server.is_chief:
-            return
-        print(f"step {self.global_step}: the chief was lost; /job:{self.server.job_name}/"
-              f"task:{self.server.task_index} takes over its duties", flush=True)
-        self.saver = CheckpointSaverHook.from_config(self.config)
-        duties = [hook for hook in (LoggingHook.from_config(self.config, self.log_stream),
-                                    ProfileHook.from_config(self.config), self.saver) if hook]
-        for hook in duties:
-            hook.begin(self)
-        self.hooks += duties
-
     def _skip(self, variable):
         """Drop a gradient holding NaN/Inf in ``variable`` (with skip_nonfinite), or raise.
 
@@ -390,11 +358,8 @@ class TrainingSession:
         return self.loss
 
     def _save_if_due(self):
-        """Chief, before a push or skip: send SAVE to every ps if a signal or the saver asks.
-
-        With ``--heal``, a rank found dead asks for a heal first (the cut waits for it).
-        """
-        if self.config.heal and self.server.is_chief and self._heal_if_due():
+        """Chief, before a push or skip: a heal if due (--heal), else SAVE if asked for."""
+        if self.healing is not None and self.server.is_chief and self.healing.due():
             return
         if not (self.server.is_chief and self.checkpoint_dir):
             return
@@ -402,60 +367,6 @@ class TrainingSession:
             return  # a cut lands with a push (local SGD's every K steps)
         if self.signals.requested or (self.saver is not None and self.saver.due(self)):
             self._send_save(self.global_step + 1)
-
-    def _heal_if_due(self):
-        """Chief: ask every ps for a heal if a rank died since the last; True while one is due."""
-        if not self.healing:
-            failed = ulfm.count_failed(self.server.comm)
-            if failed <= self.failures_seen:
-                return False
-            self.failures_seen = failed
-            self.healing = True
-            self.client.send_control(P.HEAL)
-        return True
-
-    def _heal(self):
-        """Pause for a heal (a ps's reply asked): the chief decides, every rank takes part.
-
-        The chief hears from every ps whether a worker has finished (then it is too late:
-        the job ends without the lost ranks) and sends each its word; the other workers
-        wait for it as for a checkpoint's release.
-        """
-        self.stall.pause()
-        self.client.deadline = self.stall.allowance
-        self.client.paused()
-        server = self.server
-        if server.is_chief:
-            go = self._decide_heal()
-        else:
-            go = cut.wait_for_release(server.comm, self.releaser, server.deadline, server.peer,
-                                      self.global_step)["heal"]
-        if go:
-            try:
-                healed = server.heal()
-            except heal.NoFreeSlot:
-                pass  # every ps says so
-            else:
-                self.client.rejoined(healed["lost"])
-                self.failures_seen = 0
-        self.healing = False
-
-    def _decide_heal(self):
-        """Chief: collect every ps's report; heal unless a worker has finished; say so to all."""
-        comm, link = self.server.comm, self.client.link
-        serving = sorted(set(link.ranks))  # a lost ps's buddy reports once
-        reports = [P.recv_object(comm, rank, P.TAG_CONTROL, self.server.deadline,
-                                 lambda p=p: link.describe(p, "heal"))
-                   for p, rank in enumerate(serving)]
-        finished = sorted({w for r in reports for w in r["finished"]})
-        go = not finished
-        if not go:
-            print(f"step {self.global_step}: no heal, as {len(finished)} worker(s) finished "
-                  "already; the job ends without the lost ranks", flush=True)
-        for rank in serving:
-            comm.send({"heal": go}, dest=rank, tag=P.TAG_CONTROL)
-        cut.release(comm, reports, self.push_ranks, self.server.rank, {"heal": go})
-        return go
 
     def _send_save(self, step):
         """Chief: ask every ps for a cut expected at ``step``; False if it is already saved."""

@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from mpitf.config import JobFacts, TrainingConfig
+from mpitf.errors import ConfigurationError
 from mpitf.runtime.launch import openmpi_libmpi
 from tests.support import FINAL, JOB, REPO, final_summary, job_args, openmpi_mpiexec, run_job
 
@@ -150,3 +152,19 @@ def test_heal_without_ulfm_is_refused_on_every_rank(tmp_path):
                       "option"], \
         run.output
     assert "Traceback" not in run.output, run.output
+
+
+@pytest.mark.parametrize("options,what", [
+    (dict(deterministic=True), "deterministic (--deterministic): a lost worker ends such a "
+                               "job before a replacement could join; drop one of them"),
+    (dict(aggregate_per_node=True), "aggregate_per_node (--aggregate-per-node); drop one of "
+                                    "them"),
+    (dict(clients=(0,)), "in-graph replication (clients); drop one of them"),
+])
+def test_heal_refuses_the_options_a_replacement_cannot_join(options, what):
+    with pytest.raises(ConfigurationError) as refused:
+        TrainingConfig(heal=True, **options)
+    assert str(refused.value) == f"heal (--heal) does not support {what}"
+    TrainingConfig(heal=True).check_job(JobFacts(num_ps=1, num_replicas=2, ulfm=True))
+    with pytest.raises(ConfigurationError, match=r"^heal \(--heal\) replaces a lost rank "):
+        TrainingConfig(heal=True).check_job(JobFacts(num_ps=1, num_replicas=2, ulfm=False))
