@@ -2,13 +2,15 @@
 
 A rank SIGKILLs itself at a step (``MPITF_TEST_KILL``, tests/recovery/slow_job.py: the kill
 lands at that step, not at a time); the survivors shrink the job, spawn a replacement that
-takes the lost rank and task, and the job ends at full strength: every step run, the
-final summary counting every worker, the accuracy within 0.02 of an uninterrupted run.
+takes the lost rank and task, and the job (launched by `mpitf run`) ends at full strength:
+every step run, the final summary counting every task, the accuracy within 0.02 of an
+uninterrupted run.
 """
 
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import pytest
 from mpitf.config import JobFacts, TrainingConfig
 from mpitf.errors import ConfigurationError
 from mpitf.runtime.launch import openmpi_libmpi
+from mpitf.testing import MPIRun, kill_group, open_mpi_session_dir
 from tests.support import FINAL, JOB, REPO, final_summary, job_args, openmpi_mpiexec, run_job
 
 pytestmark = [pytest.mark.mpi]
@@ -38,6 +41,28 @@ BACK = {"sync": "sync steps aggregate 2 gradients again (replicas_to_aggregate 2
 _WHOLE = {}  # mode -> the accuracy of an uninterrupted run
 
 
+def mpitf_run(tmp_path, n, kills, timeout=150, **kw):
+    """Run the slow job by ``mpitf run`` under Open MPI, ranks dying at ``kills``' steps."""
+    mpiexec = openmpi_mpiexec()
+    argv = [sys.executable, "-m", "mpitf.cli.main", "run", "--mpiexec", mpiexec, "-n", str(n),
+            JOB, *job_args(tmp_path, deterministic=False, **kw)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MPITF_TEST_KILL=kills)
+    session_dir = open_mpi_session_dir(mpiexec, env)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=str(REPO), start_new_session=True,
+                            stdin=subprocess.DEVNULL)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
+        pytest.fail(f"hung, killed after {timeout} s:\n{out}{err}")
+    finally:
+        if session_dir:
+            shutil.rmtree(session_dir, ignore_errors=True)
+    return MPIRun(proc.returncode, out, err, 0.0, False)
+
+
 def whole_run_accuracy(tmp_path_factory, mode, mpiexec, num_ps=1):
     """Return the accuracy of the job run uninterrupted (once per mode and ps count)."""
     if (mode, num_ps) not in _WHOLE:
@@ -56,8 +81,8 @@ def test_a_killed_worker_is_replaced_and_the_job_ends_at_full_strength(tmp_path,
                                                                        tmp_path_factory, mode):
     mpiexec = openmpi_mpiexec()
     expected = whole_run_accuracy(tmp_path_factory, mode, mpiexec)
-    run = run_job(tmp_path, mode=mode, steps=STEPS, mpiexec=mpiexec, deterministic=False,
-                  extra=DECAY + HEAL, env={"MPITF_TEST_KILL": f"rank2@{KILL_AT}"}, timeout=120)
+    run = mpitf_run(tmp_path, 3, f"rank2@{KILL_AT}", mode=mode, steps=STEPS,
+                    extra=DECAY + HEAL)
     out = run.output
     assert run.returncode == 0, out
     lost, replaced, takes_over = LOST.search(out), REPLACED.search(out), TAKES_OVER.search(out)
@@ -96,9 +121,8 @@ def test_a_killed_ps_is_replaced_and_its_pair_survives_a_second_loss(tmp_path,
                                                                      kills):
     mpiexec = openmpi_mpiexec()
     expected = whole_run_accuracy(tmp_path_factory, mode, mpiexec, num_ps=2)
-    run = run_job(tmp_path, n=4, num_ps=2, mode=mode, steps=STEPS, mpiexec=mpiexec,
-                  deterministic=False, extra=DECAY + HEAL + REPLICATE,
-                  env={"MPITF_TEST_KILL": kills}, timeout=150)
+    run = mpitf_run(tmp_path, 4, kills, num_ps=2, mode=mode, steps=STEPS,
+                    extra=DECAY + HEAL + REPLICATE)
     out = run.output
     assert run.returncode == 0, out
     victims = [int(k.split("@")[0][4:]) for k in kills.split(",")]
