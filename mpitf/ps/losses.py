@@ -76,6 +76,7 @@ class Losses:
             return ""
         state.chief = self.worker_ranks[alive[0]]
         state.chief_flags = (alive[0] + 1) << P.CHIEF_SHIFT
+        self.server.chief_index = alive[0]  # a replacement (--heal) learns it from rank 0
         self._finish_replies()  # the header is rewritten: none may be in flight
         self.write_header()
         peer = self.server.peer(state.chief, "")

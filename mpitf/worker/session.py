@@ -106,7 +106,8 @@ class TrainingSession:
                                          timeline=self.timeline)
         # who a ps's worker index w is (its checkpoint release goes there), who releases us
         self.push_ranks = [workers[n[0]] for n in node.nodes] if node else self.client_ranks
-        self.releaser = node.leader_rank if node and not node.leader else self.client_ranks[0]
+        self.releaser = node.leader_rank if node and not node.leader else \
+            self.client_ranks[server.chief_index]  # a replacement (--heal): maybe not 0
         self.stall = StepClock(server.deadline, adaptive=not server.fixed_deadline)
         # finish_push's: computed once per step, whether the wait polls it or not
         self._nonfinite_check = functools.cache(self.client.nonfinite_gradient)

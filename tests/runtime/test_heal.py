@@ -21,7 +21,17 @@ from mpitf.config import JobFacts, TrainingConfig
 from mpitf.errors import ConfigurationError
 from mpitf.runtime.launch import openmpi_libmpi
 from mpitf.testing import MPIRun, kill_group, open_mpi_session_dir
-from tests.support import FINAL, JOB, REPO, final_summary, job_args, openmpi_mpiexec, run_job
+from tests.support import (
+    FINAL,
+    JOB,
+    REPO,
+    cli_verify,
+    final_summary,
+    job_args,
+    latest_step,
+    openmpi_mpiexec,
+    run_job,
+)
 
 pytestmark = [pytest.mark.mpi]
 
@@ -29,12 +39,12 @@ STEPS, KILL_AT = 400, 150
 DECAY = ["--lr-decay", "0.5", "--lr-decay-steps", "150"]  # see test_ulfm.py
 HEAL = ["--heal"]
 REPLICATE = ["--ps-replication-steps", "1"]
-LOST = re.compile(r"lost rank 2 \(/job:worker/task:1 on \S+\) at step (\d+): ")
-REPLACED = re.compile(r"replaced rank 2 \(/job:worker/task:1\) by a spawned process on \S+ at "
-                      r"step (\d+), ([\d.]+) s after its loss \(the heal ([\d.]+) s\): (.*); "
-                      r"2 of 2 workers train")
-TAKES_OVER = re.compile(r"/job:worker/task:1 replaces the lost task from step (\d+), its data "
-                        r"at epoch (\d+), example (\d+)")
+LOST = r"lost rank {r} \(/job:worker/task:{t} on \S+\) at step (\d+): "
+REPLACED = (r"replaced rank {r} \(/job:worker/task:{t}\) by a spawned process on \S+ at step "
+            r"(\d+), ([\d.]+) s after its loss \(the heal ([\d.]+) s\): (.*); 2 of 2 workers "
+            r"train")
+TAKES_OVER = (r"/job:worker/task:{t} replaces the lost task from step (\d+), its data at epoch "
+              r"(\d+), example (\d+)")
 BACK = {"sync": "sync steps aggregate 2 gradients again (replicas_to_aggregate 2)",
         "async": "its pushes count again"}
 
@@ -76,16 +86,24 @@ def whole_run_accuracy(tmp_path_factory, mode, mpiexec, num_ps=1):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode,victim", [("sync", 2), ("async", 2), ("sync", 1)])
 def test_a_killed_worker_is_replaced_and_the_job_ends_at_full_strength(tmp_path,
-                                                                       tmp_path_factory, mode):
+                                                                       tmp_path_factory, mode,
+                                                                       victim):
+    """Worker 1 (rank 2), or the chief (rank 1: worker 1 takes over its duties, its
+    checkpoints among them, and keeps them; the replacement trains as worker 0)."""
     mpiexec = openmpi_mpiexec()
     expected = whole_run_accuracy(tmp_path_factory, mode, mpiexec)
-    run = mpitf_run(tmp_path, 3, f"rank2@{KILL_AT}", mode=mode, steps=STEPS,
-                    extra=DECAY + HEAL)
+    chief = victim == 1
+    ckpt = tmp_path / "ckpt"
+    run = mpitf_run(tmp_path, 3, f"rank{victim}@{KILL_AT}", mode=mode, steps=STEPS,
+                    ckpt=ckpt if chief else None,
+                    extra=DECAY + HEAL + (["--checkpoint-every", "100"] if chief else []))
     out = run.output
     assert run.returncode == 0, out
-    lost, replaced, takes_over = LOST.search(out), REPLACED.search(out), TAKES_OVER.search(out)
+    names = dict(r=victim, t=victim - 1)
+    lost, replaced, takes_over = (re.search(pattern.format(**names), out)
+                                  for pattern in (LOST, REPLACED, TAKES_OVER))
     assert lost and replaced and takes_over, out
     assert int(lost.group(1)) >= KILL_AT - 5 and int(replaced.group(1)) >= int(lost.group(1))
     assert float(replaced.group(2)) >= float(replaced.group(3)) > 0, out
@@ -98,6 +116,10 @@ def test_a_killed_worker_is_replaced_and_the_job_ends_at_full_strength(tmp_path,
     assert STEPS <= summary["step"] <= STEPS + 1, summary
     assert summary["workers"] == 2 and summary["ps"] == 1, summary
     assert abs(summary["test_accuracy"] - expected) <= 0.02, (summary, expected)
+    if chief:  # one chief's lines: its successor's, checkpoints cut after the heal whole
+        assert len(FINAL.findall(run.stdout)) == 1, out
+        assert len(re.findall(r"^step 300, ", run.stdout, re.MULTILINE)) == 1, out
+        assert latest_step(ckpt) == STEPS and cli_verify(ckpt).returncode == 0, out
 
 
 PS_LOST = re.compile(r"lost ps rank (\d) \(/job:ps/task:(\d) on \S+\) at step (\d+): "
