@@ -94,6 +94,11 @@ def survived_a_loss():
     if _watched is None:
         return False
     if heal.healed:  # every rank took part in the heal, the replacements too
+        try:  # still a meeting point: a worker that left first would be a loss to the ps
+            _watched.Agree(1)  # still waiting for its DONE, not a finished worker
+        except MPI.Exception as exc:
+            if not is_failure(exc):
+                raise
         return heal.parent() is None
     try:
         failed = _watched.Get_failed()
