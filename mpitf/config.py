@@ -246,6 +246,11 @@ class TrainingConfig:
         help="under Open MPI with ULFM: every K applies each ps sends its shard (parameters "
              "and optimizer slots) to its buddy, the next ps, which serves it if the ps dies "
              "(at most K-1 of its steps lost; 0: off)")
+    heal: bool = option(
+        False, "--heal",
+        help="under Open MPI with ULFM: a lost worker or ps (with --ps-replication-steps) "
+             "is replaced by a process spawned into the job under its task's name (it needs "
+             "a free slot: mpitf run oversubscribes)")
     reset_optimizer_state: bool = option(
         False, "--reset-optimizer-state",
         help="restore the parameters of a checkpoint written by another optimizer (or with "

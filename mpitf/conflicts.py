@@ -50,6 +50,12 @@ def refuse_combinations(config):
             (config.bucket_bytes, f"bucket_bytes={config.bucket_bytes} (--bucket-bytes): a "
              "ps copies and re-routes whole frames; give --bucket-bytes 0"),
             (config.aggregate_per_node, "aggregate_per_node (--aggregate-per-node)")))
+    if config.heal:
+        _refuse("heal (--heal)", (
+            (config.deterministic, "deterministic (--deterministic): a lost worker ends "
+             "such a job before a replacement could join"),
+            (config.aggregate_per_node, "aggregate_per_node (--aggregate-per-node)"),
+            (config.clients is not None, "in-graph replication (clients)")))
     if config.wire_dtype != "float32":
         _refuse(f"wire_dtype {config.wire_dtype} (--wire-dtype)", (
             (config.aggregate_per_node, "aggregate_per_node (--aggregate-per-node): a "
@@ -92,6 +98,11 @@ def check_job(config, facts):
             (facts.tables, "embedding tables (their rows are not replicated yet)"),
             (gpu, f"the {gpu} backend (frames and copies move through host memory)",
              "use --device cpu or drop the option")), "drop the option")
+    if config.heal and not facts.ulfm:
+        raise ConfigurationError(
+            "heal (--heal) replaces a lost rank with a spawned one, which needs Open MPI with "
+            "ULFM (mpitf run --mpiexec <Open MPI's mpiexec>); under this MPI a lost rank "
+            "ends the job: drop the option")
     if config.aggregate_per_node:
         r = config.replicas_to_aggregate
         _refuse(_AGGREGATION, (

@@ -151,10 +151,13 @@ def names_stopped_rank(out, victim, operation):
                      rf"{task}, on \S+, {operation})\)", out)
 
 
-def run_job(tmp, n=3, timeout=60, mpiexec=None, **kw):
-    """Run the job to its end (under a deadline) and return the MPIRun."""
+def run_job(tmp, n=3, timeout=60, mpiexec=None, env=None, **kw):
+    """Run the job to its end (under a deadline) and return the MPIRun.
+
+    ``env``: variables to set for it (e.g. ``MPITF_TEST_KILL``, see slow_job.py).
+    """
     run = run_mpi(n, [JOB, *job_args(tmp, **kw)], timeout=timeout, cwd=str(REPO),
-                  mpiexec=mpiexec)
+                  mpiexec=mpiexec, env=env)
     assert not run.timed_out, f"hung, killed after {timeout} s:\n{run.output}"
     return run
 

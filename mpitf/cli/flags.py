@@ -46,12 +46,12 @@ def growth_from_args(args):
     return growth if args.dynamic_tables else None
 
 
-def setup_backend(args, server):
+def setup_backend(args, server, comm=None):
     """Choose this rank's array backend from the flags, make it current, log it on rank 0.
 
-    Collective over ``server.comm``: a rank that cannot have the device it asked for
-    (``--device gpu`` without a working CuPy and GPU) ends every rank with one message
-    and exit 2.
+    Collective over ``comm`` (default ``server.comm``): a rank that cannot have the device
+    it asked for (``--device gpu`` without a working CuPy and GPU) ends every rank with one
+    message and exit 2.
     """
     import logging
 
@@ -65,7 +65,7 @@ def setup_backend(args, server):
                             allow_growth=args.allow_growth)
     except ConfigurationError as exc:  # handed to every rank just below
         problem = exc
-    raise_shared(server.comm, problem)
+    raise_shared(server.comm if comm is None else comm, problem)
     set_backend(be)
     if server.rank == 0 and args.device != "cpu":
         logging.getLogger("mpitf").info("%s", describe_backend(be))
@@ -262,11 +262,11 @@ def start_job(args, config, check_cluster=None, check_data=None, tables=False):
     """
     from mpi4py import MPI
 
+    from ..runtime import heal
     from ..runtime.server import Server
 
     setup_logging()
-    world = MPI.COMM_WORLD
-    cluster = resolve_cluster(args, world.Get_size())
+    cluster = resolve_cluster(args, heal.world_size())
     try:
         check_training_cluster(cluster, config.training.checkpoint_dir)
         if check_cluster is not None:
@@ -274,6 +274,9 @@ def start_job(args, config, check_cluster=None, check_data=None, tables=False):
     except MpitfError as exc:
         raise collective(exc) from None
     server = Server(cluster, deadline=config.deadline, fixed_deadline=config.fixed_deadline)
+    if server.replacement is not None:  # spawned for a lost rank: the job's checks passed
+        setup_backend(args, server, MPI.COMM_SELF)
+        return server, check_inputs(config, MPI.COMM_SELF, chief=None)
     check_roles(args, server)
     if args.log_device_placement:
         server.describe()  # rank 0 prints the rank -> task -> host table

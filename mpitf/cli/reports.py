@@ -31,7 +31,8 @@ def evaluate_session(sess, config, path, **extra):
                                         average=config.training.moving_average_decay is not None)
     counters = sess.client.ps_counters()
     summary = dict(step=sess.global_step, loss=sess.loss, test_loss=test_loss,
-                   test_accuracy=test_acc, ps=len(counters),
+                   test_accuracy=test_acc,
+                   ps=len(set(sess.client.link.ranks)),  # a lost ps's buddy serves both
                    examples_per_sec=sess.examples_seen / elapsed if elapsed > 0 else 0.0,
                    # every ps counts each skip of every worker: one ps's count is the total
                    nonfinite_skipped=max((c["nonfinite_skipped"] for c in counters),
@@ -43,6 +44,8 @@ def evaluate_session(sess, config, path, **extra):
                    pushes_received=max(c["pushes_received"] for c in counters),
                    bucket_bytes=sess.config.bucket_bytes)  # the default depends on the nodes
     summary.update(extra)
+    if "workers" in summary:  # the workers alive at the end (ULFM: a lost one not replaced)
+        summary["workers"] -= max(c.get("workers_lost", 0) for c in counters)
     if config.export:
         sess.client.pull()  # evaluation may have pulled the average
     return summary

@@ -43,9 +43,13 @@ class Cuts:
                        peer=self.server.peer)
 
     def _check_quiescent(self, state):
-        """Save once every worker is paused or done, then let them go on."""
-        if state.pausing and all(w in state.done or w in state.paused
-                                for w in range(self.num_workers)):
+        """Save (or heal) once every worker is paused or done, then let them go on."""
+        quiet = all(w in state.done or w in state.paused for w in range(self.num_workers))
+        if state.healing and quiet and not state.pausing:
+            if not self.is_ward:  # a served copy's buddy heals for both
+                self.heal(state)
+            return
+        if state.pausing and quiet:
             self._finish_replies()
             self._save(state)
             state.pausing = False

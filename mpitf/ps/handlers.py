@@ -73,7 +73,7 @@ class Handlers:
         state.last_push[worker] = None
         frame.received()
         self._finish_replies()
-        self.shard.initialize(frame.payload)
+        self.shard.initialize(frame.payload[:self.shard.size])  # a frame may be larger
         state.initialized = True
         self.pipeline.at_step(state.global_step)
         self.write_header()
@@ -108,7 +108,8 @@ class Handlers:
     def _on_counters(self, state, worker, request, frame, index, now):
         state.last_push[worker] = None
         tables = self.tables.stats() if self.tables else {}
-        self.comm.send(dict(state.counters, ps_task=self.ps_task, tables=tables),
+        self.comm.send(dict(state.counters, ps_task=self.ps_task, tables=tables,
+                            workers_lost=len(state.lost)),
                        dest=self.worker_ranks[worker], tag=P.TAG_CONTROL)
         return True
 

@@ -7,6 +7,7 @@ lost ps's shard is served by its buddy (:mod:`mpitf.ps.replica`) where there is 
 """
 
 import logging
+import time
 
 from ..errors import PeerError
 from ..runtime import ulfm
@@ -52,6 +53,7 @@ class Losses:
             step = state.global_step
             cost = self.policy.on_worker_lost(self, worker)  # deterministic: raises
             state.lost.add(worker)
+            state.lost_at[worker] = time.monotonic()
             state.done.add(worker)
             state.paused.discard(worker)
             if rank == state.chief:
@@ -74,6 +76,7 @@ class Losses:
             return ""
         state.chief = self.worker_ranks[alive[0]]
         state.chief_flags = (alive[0] + 1) << P.CHIEF_SHIFT
+        self.server.chief_index = alive[0]  # a replacement (--heal) learns it from rank 0
         self._finish_replies()  # the header is rewritten: none may be in flight
         self.write_header()
         peer = self.server.peer(state.chief, "")

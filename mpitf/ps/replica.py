@@ -87,6 +87,7 @@ class Replication:
         self.copy_step = None  # the adopted copy's step
         self.pending_log = None  # the loss's log line, once a re-routed request says its cost
         self.lost_ps = set()
+        self.lost_at = {}  # ps task -> when its loss was taken (a heal says how long it took)
         self.status = MPI.Status()
         self.next_watch = 0.0
         self.known_failed = 0  # the failed ranks MPI reported, all taken
@@ -109,11 +110,38 @@ class Replication:
                 raise
             self.buddy_alive = False  # the pool sees the loss too, and says it
             return
+        if not self.buddy_alive:  # it died while the last copy was under way: none follows
+            return
         svc.pipeline.finish(svc.stall.steady, svc.describe_reply)  # replies read the params
         self.out.take(self.mine, svc.state.global_step)
         self.sending = svc.comm.Isend([self.out.buffer, MPI.BYTE], self.buddy_rank,
                                       P.TAG_REPLICA)
         self.sent_step = svc.state.global_step
+
+    def settle(self):
+        """Before a heal (ps/heals.py): the copy in flight reaches the buddy, replies leave."""
+        if self.sending is not None and self.buddy_alive:
+            self._wait(self.sending)
+        self.sending = None
+        if self.adopted:
+            self.ward._finish_replies()
+
+    def after_heal(self, lost):
+        """The job healed: a replaced buddy gets copies again (the next apply sends one)."""
+        self.known_failed = 0  # the new communicator has no failed rank
+        if self.buddy_rank in lost:
+            self.buddy_alive = True
+            self.sent_step = None
+            self.lost_ps.discard(self.buddy_task)
+
+    def hand_over(self):
+        """Return copies of the ward's arrays for its replacement, and serve them no more."""
+        arrays = [a.copy() for a in self.theirs]
+        self.adopted = False
+        self.current = None  # its copies are of a shard that moved on
+        self.lost_ps.discard(self.ward_task)
+        self.pending_log = None
+        return arrays
 
     # -- receiving ---------------------------------------------------------------------------
 
@@ -167,6 +195,7 @@ class Replication:
         if task in self.lost_ps:
             return
         self.lost_ps.add(task)
+        self.lost_at[task] = time.monotonic()
         if rank == self.buddy_rank:
             self.buddy_alive = False
         if rank != self.ward_rank:

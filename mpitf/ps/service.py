@@ -25,6 +25,7 @@ from .clip import StepClip
 from .consistency import make_policy
 from .cuts import Cuts
 from .handlers import Handlers
+from .heals import Heals
 from .losses import Losses
 from .pipeline import Pipeline
 from .receive_pool import receive_pool
@@ -37,7 +38,7 @@ from .state import ServiceState
 _log = logging.getLogger("mpitf")
 
 
-class Service(Handlers, Cuts, Losses):
+class Service(Handlers, Cuts, Losses, Heals):
     """One ps task serving the workers of a cluster under a consistency policy.
 
     ``buddy``: this is a ward, the idle copy of the shard of the ps before ``buddy`` (a
@@ -82,9 +83,12 @@ class Service(Handlers, Cuts, Losses):
         self.chunk_bytes = assignment.chunk_bytes
         capacity = senders.capacity(self.tables.capacity if self.tables else None)
         capacity = max(capacity or 0, self.shard.rules.rates_bytes) or None  # RATES fit
+        pool_size = size  # a lost ward's pushes land in its buddy's frames too (FLAG_WARD)
+        if config.ps_replication_steps and assignment.ward is not None:
+            pool_size = max(size, assignment.ward.shard_size)
         frames = self.policy.receive_buffers(self.num_workers, self.pipeline.bucketed)
         self.pool = buddy.pool if buddy is not None else receive_pool(  # a ward's: FLAG_WARD
-            self.comm, [Frame.allocate(self.backend, size, wire, capacity)
+            self.comm, [Frame.allocate(self.backend, pool_size, wire, capacity)
                         for _ in range(frames)], P.TAG_REQUEST, self.worker_ranks,
             bool(config.ps_replication_steps), server.ulfm,
             self._grown_frame if self.tables else None)
@@ -124,7 +128,8 @@ class Service(Handlers, Cuts, Losses):
                           P.SKIP: self._on_skip, P.PULL: self._on_pull,
                           P.PULL_AVERAGE: self._on_pull, P.INIT: self._on_init,
                           P.DONE: self._on_done, P.PAUSED: self._on_paused,
-                          P.SAVE: self._on_save, P.COUNTERS: self._on_counters}
+                          P.SAVE: self._on_save, P.COUNTERS: self._on_counters,
+                          P.HEAL: self._on_heal}
         if assignment.restore:
             self._restore(self.state, assignment.restore)
         # The buddy ring (ps/replica.py), with --ps-replication-steps: this ps's copies to
@@ -289,7 +294,8 @@ class Service(Handlers, Cuts, Losses):
         c = state.counters
         c["global_step"] = step = self.cut_state.global_step
         H.pack_reply(reply.header, step, self.ps_task,
-                     (P.FLAG_PAUSE if state.pausing else 0) | state.chief_flags,
+                     (P.FLAG_PAUSE if state.pausing else 0) |
+                     (P.FLAG_HEAL if state.healing else 0) | state.chief_flags,
                      c["pushes_applied"], c["stale_dropped"], c["max_staleness"], c["max_lead"],
                      norm=self.clip.last_norm)
         if reply.unpublished:  # a host frame is as MPI reads it
@@ -446,11 +452,13 @@ def serve(server):
             "'worker' (or 'chief') job to the spec")
     # A checkpoint signal is the chief's to act on; the ps must only survive it.
     CheckpointSignals().install()
-    chief = server.replica_ranks[0]
+    chief = server.replica_ranks[server.chief_index]
     config, assignment = P.recv_object(
         server.comm, chief, P.TAG_CONTROL, server.deadline,
         lambda: server.peer(chief, "configuration of the ps"))
     service = Service(server, config, assignment)
+    if server.replacement is not None:  # spawned for a lost ps (--heal): its buddy's shard
+        service.take_shard(Service.receive_shard(server))
     code = service.run()
     if config.timeline:  # collective with the workers' end of training
         service.timeline.gather_and_write(server.comm, config.timeline)

@@ -23,6 +23,9 @@ class ServiceState:
             (``P.CHIEF_SHIFT``) once it died.
         requeue: a worker ended asking to be requeued (a signal's cut).
         pausing: a cut was asked for: replies say pause until every worker paused.
+        healing: the chief asked for the lost ranks' replacement (``--heal``): replies
+            say pause until every worker paused, then the job heals (ps/heals.py).
+        lost_at: worker -> when its loss was taken (the heal says how long it took).
         positions: replica -> (epoch, cursor) of its last applied push (the cut's).
         last_seen, last_message: when each worker, and any, was last heard.
         last_push: when each worker last pushed (None: not since start-up or a pause).
@@ -33,9 +36,9 @@ class ServiceState:
     """
 
     __slots__ = ("global_step", "initialized", "pending_pulls", "done", "paused", "lost",
-                 "chief", "chief_flags", "requeue", "pausing", "positions", "last_seen",
-                 "last_message", "last_push", "next_check", "counters", "chunked_workers",
-                 "num_workers")
+                 "chief", "chief_flags", "requeue", "pausing", "healing", "lost_at",
+                 "positions", "last_seen", "last_message", "last_push", "next_check",
+                 "counters", "chunked_workers", "num_workers")
 
     def __init__(self, num_workers, chief, fan_in_counters):
         self.num_workers = num_workers
@@ -44,7 +47,8 @@ class ServiceState:
         self.pending_pulls = []
         self.done, self.paused, self.lost = set(), set(), set()
         self.chief, self.chief_flags = chief, 0
-        self.requeue = self.pausing = False
+        self.requeue = self.pausing = self.healing = False
+        self.lost_at = {}
         self.positions = {}
         self.last_seen = {w: time.monotonic() for w in range(num_workers)}
         self.last_message = 0.0

@@ -24,8 +24,11 @@ EXIT_IO = 74
 
 
 def world_rank():
-    """Return this process's rank in COMM_WORLD, from the launcher's environment if possible."""
-    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+    """Return this process's rank in COMM_WORLD, from the launcher's environment if possible.
+
+    A process spawned to replace a lost rank (``--heal``) is that rank.
+    """
+    for name in ("MPITF_REPLACES", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
     return 0

@@ -5,8 +5,9 @@ launcher choice (the mpiexec next to this Python, from the ``mpich`` or ``openmp
 else PATH) and each launcher's options live in one place: Hydra's
 ``-disable-auto-cleanup`` (see :mod:`mpitf.runtime.lifeline`); Open MPI's
 ``--with-ft ulfm`` (a lost worker is survived, :mod:`mpitf.runtime.ulfm`),
-``--oversubscribe`` (more ranks than cores, as Hydra allows) and the library that
-mpi4py must load beside it.
+``--oversubscribe`` (more ranks than cores, as Hydra allows, and free slots for the
+replacements ``--heal`` spawns), every job recoverable (a replacement is a job of its own)
+and the library that mpi4py must load beside it.
 """
 
 import os
@@ -91,6 +92,8 @@ def mpiexec_command(n, argv, mpiexec=None, tag_output=False, hosts=None, hostfil
         lib = openmpi_libmpi(mpiexec)
         if lib:
             cmd += ["-x", f"MPI4PY_LIBMPI={lib}"]
+        if ulfm:  # a replacement spawned by --heal is a job of its own: it may die too
+            cmd += ["--prtemca", "state_base_recoverable", "1"]
     if openmpi and (hosts or hostfile):
         # with --oversubscribe, PRRTE 3.0's default mapping put every rank on the first
         # host (--host n1:2,n2:2 -n 4: all four on n1); by slot it fills each host's slots

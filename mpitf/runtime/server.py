@@ -17,7 +17,7 @@ from ..cluster.device import device_name, local_rank
 from ..cluster.roles import assign_roles, describe_roles, training_replicas
 from ..config import DEFAULT_DEADLINE, check_deadline
 from ..errors import CollectiveError, ConfigurationError
-from . import spin, ulfm
+from . import heal, spin, ulfm
 from .lifeline import Lifeline
 
 _log = logging.getLogger("mpitf")
@@ -53,55 +53,98 @@ class Server:
         self.fixed_deadline = bool(fixed_deadline)
         spin.use_environment()
         world = comm if comm is not None else MPI.COMM_WORLD
+        spawned = heal.parent()  # this process replaces a lost rank (--heal)
+        self.replacement = None  # then: what the survivors told it (see heal())
+        replacing = spawned is not None
+        if replacing:
+            world, self.replacement = heal.join_as_replacement(spawned)
         if cluster is None:
             size = world.Get_size()
             cluster = {"ps": 1 if size > 1 else 0, "worker": size - 1 if size > 1 else 1}
         self.cluster = cluster if isinstance(cluster, ClusterSpec) else ClusterSpec(cluster)
         self.rank = world.Get_rank()
-        token = world.bcast(os.urandom(6).hex() if self.rank == 0 else None, root=0)
+        token = self.replacement["token"] if replacing else \
+            world.bcast(os.urandom(6).hex() if self.rank == 0 else None, root=0)
         gathered = world.allgather((MPI.Get_processor_name(), os.getpid(), job_name, task_index))
         self.hosts = [g[0] for g in gathered]
         self.pids = [g[1] for g in gathered]
         try:
-            self.roles = assign_roles(self.cluster, self.hosts)
+            self.roles = self.replacement["roles"] if replacing else \
+                assign_roles(self.cluster, self.hosts)
         except Exception as exc:
             raise CollectiveError(exc) from exc  # every rank raised this from the same facts
         _check_claims([g[2:] for g in gathered], self.roles)
         self.job_name, self.task_index = self.roles[self.rank]
-        # A private duplicate keeps mpitf's messages apart from the user's own MPI traffic.
-        self.comm = world.Dup()
+        # A private duplicate keeps mpitf's messages apart from the user's own MPI traffic
+        # (a replacement's communicator is private already).
+        self.comm = world if replacing else world.Dup()
         # Under ULFM a lost training replica is survived (the ps acknowledges it and goes
         # on, see mpitf.ps.service): errors must come back as exceptions, not end the job.
         self.ulfm = ulfm.enabled()
         if self.ulfm:
             self.comm.Set_errhandler(MPI.ERRORS_RETURN)
             ulfm.watch(self.comm)
-        job_ids = {job: i for i, job in enumerate(sorted({j for j, _ in self.roles}))}
-        self.job_comm = self.comm.Split(job_ids[self.job_name], self.task_index)
-        self._join_replicas()
+        self.job_comm, self.replica_comm = self._split(self.comm)
+        self.chief_index = self.replacement["chief_index"] if replacing else 0
         self.local_rank, self.local_size = local_rank(self.comm)
+        if replacing:  # the last of the survivors' collectives in Server.heal
+            self.replacement["facts"] = self.comm.allgather(None)
         self.exit_code = 0
+        self._token = token
+        self._watch_peers(world)
+
+    def _watch_peers(self, world):
+        """Start the lifeline: it names a same-node rank that dies, ends this one with its proxy."""
         me = self.hosts[self.rank]
-        peers = {r: g[1] for r, g in enumerate(gathered) if g[0] == me and r != self.rank}
-        # Names a same-node rank that dies, and ends this one if its launcher's proxy does.
-        self.lifeline = Lifeline(self.rank, peers, token, self._describe_rank,
+        peers = {r: p for r, (h, p) in enumerate(zip(self.hosts, self.pids))
+                 if h == me and r != self.rank}
+        self.lifeline = Lifeline(self.rank, peers, self._token, self._describe_rank,
                                  lambda: world.Abort(1),
                                  parent=os.getppid() if world.Get_size() > 1 else None,
                                  survivable=self.replica_ranks if self.ulfm else ())
         self.lifeline.watch()
         atexit.register(self.lifeline.mark_exit)
 
-    def _join_replicas(self):
-        """Find the training replicas' ranks and this rank's index; split their communicator."""
+    def _split(self, comm):
+        """Return ``comm``'s (job communicator, replica communicator) for this rank.
+
+        Collective over ``comm``. Sets ``replica_ranks``, ``num_replicas`` and
+        ``replica_index``; the replica communicator is None on a task that does not train.
+        """
+        job_ids = {job: i for i, job in enumerate(sorted({j for j, _ in self.roles}))}
+        job_comm = comm.Split(job_ids[self.job_name], self.task_index)
         replicas = training_replicas(self.cluster)
         self.replica_ranks = [self.roles.index(role) for role in replicas]
         self.num_replicas = len(replicas)
         mine = self.roles[self.rank]
         self.replica_index = replicas.index(mine) if mine in replicas else None
-        comm = self.comm.Split(MPI.UNDEFINED if self.replica_index is None else 0,
-                               self.replica_index or 0)
-        self.replica_comm = None if comm == MPI.COMM_NULL else comm
-        self.chief_index = 0  # the replica with the chief's duties (another after a loss)
+        replica_comm = comm.Split(MPI.UNDEFINED if self.replica_index is None else 0,
+                                  self.replica_index or 0)
+        return job_comm, None if replica_comm == MPI.COMM_NULL else replica_comm
+
+    def heal(self, facts=None):
+        """Replace the lost ranks by spawned processes (``--heal``); return what changed.
+
+        Collective over the survivors (every rank alive calls it at a quiescent point:
+        no message of the job in flight). ``facts`` (picklable) is what this rank tells
+        the others and the replacements (a ps: its workers' data positions). Returns
+        ``{"lost": ranks, "seconds": s, "facts": [per rank]}`` (the seconds from the shrink
+        to the merge), or raises :class:`~mpitf.runtime.heal.NoFreeSlot` when nothing
+        could be spawned (the job goes on without, as before).
+        """
+        known = dict(roles=self.roles, token=self._token, chief_index=self.chief_index)
+        new, lost, seconds = heal.shrink_and_spawn(self.comm, known)
+        heal.repoint(self.comm, new)  # the old communicator (and the dead ranks) are left
+        gathered = self.comm.allgather((MPI.Get_processor_name(), os.getpid(), None, None))
+        self.hosts = [g[0] for g in gathered]
+        self.pids = [g[1] for g in gathered]
+        job_comm, replica_comm = self._split(self.comm)
+        heal.repoint(self.job_comm, job_comm)
+        if replica_comm is not None:
+            heal.repoint(self.replica_comm, replica_comm)
+        local_rank(self.comm)  # collective, as a replacement's Server calls it
+        facts = self.comm.allgather(facts)
+        return dict(lost=lost, seconds=seconds, facts=facts)
 
     def survive(self, ranks):
         """Count ``ranks``' deaths as survivable too (ps tasks with a buddy replica)."""

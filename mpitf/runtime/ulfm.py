@@ -11,7 +11,7 @@ import os
 
 from mpi4py import MPI
 
-__all__ = ["enabled", "is_failure", "failed_ranks", "watch", "survived_a_loss"]
+__all__ = ["enabled", "is_failure", "failed_ranks", "count_failed", "watch", "survived_a_loss"]
 
 # The communicator a Server watches under ULFM (set once, by the main thread).
 _watched = None
@@ -62,6 +62,15 @@ def failed_ranks(comm):
     return sorted(r for r in ranks if r != MPI.UNDEFINED)
 
 
+def count_failed(comm):
+    """Return how many of ``comm``'s ranks this rank knows to have failed (not collective)."""
+    group = comm.Get_failed()
+    try:
+        return group.Get_size()
+    finally:
+        group.Free()
+
+
 def watch(comm):
     """Remember ``comm`` (the Server's): at the end, :func:`survived_a_loss` asks over it."""
     global _watched
@@ -76,9 +85,21 @@ def survived_a_loss():
     without it. Whether a rank died is agreed on (``Comm.Agree``, which completes despite
     failures), so that either every survivor finalizes or none does: one finalizing alone
     would wait for the others forever. False without ULFM or a watched communicator.
+    A job that healed (``--heal``) had a rank die too, though its communicator is whole:
+    its survivors leave without, but a replacement finalizes, as its launcher counts an
+    exit without ``MPI_Finalize`` from a spawned process as the job's failure.
     """
+    from . import heal
+
     if _watched is None:
         return False
+    if heal.healed:  # every rank took part in the heal, the replacements too
+        try:  # still a meeting point: a worker that left first would be a loss to the ps
+            _watched.Agree(1)  # still waiting for its DONE, not a finished worker
+        except MPI.Exception as exc:
+            if not is_failure(exc):
+                raise
+        return heal.parent() is None
     try:
         failed = _watched.Get_failed()
         knows = failed.Get_size() > 0

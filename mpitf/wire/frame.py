@@ -12,6 +12,7 @@ match them, and the ps receives the rest of a staging worker's push, and answers
 
 import numpy as np
 
+from ..runtime import heal
 from . import protocol as P
 from .header import HEADER_WORDS
 from .layout import frame_segments
@@ -111,6 +112,7 @@ class Frame:
         self.chunks = chunk_ranges(self.bytes.nbytes, chunk_bytes if self.staged else None)
         self._sends = {}  # (peer, tag) -> a persistent send of the whole frame, made once
         self._receives = {}  # (peer, tag) -> a persistent receive of the whole frame
+        self._generation = heal.generation  # the requests are made on this heal's comm
         self._chunks_for = {}  # chunk_bytes -> byte ranges, for isend_published
 
     @classmethod
@@ -232,6 +234,8 @@ class Frame:
         the last one may still be under way (a ps may answer a worker twice before it
         tests the first reply); then that call sends instead, as MPI forbids restarting it.
         """
+        if self._generation != heal.generation:  # made on a communicator a heal replaced
+            self._forget()
         key = (peer, tag)
         request = persistent.get(key)
         if request is None:
@@ -240,6 +244,14 @@ class Frame:
             return P.frame_op(fallback, self.bytes, peer, tag)
         request.Start()
         return request
+
+    def _forget(self):
+        """Drop the persistent requests (inactive: every one was waited for) of an old heal."""
+        for persistent in (self._sends, self._receives):
+            for request in persistent.values():
+                request.Free()
+            persistent.clear()
+        self._generation = heal.generation
 
     def _elements(self, lo, hi):
         """Return the payload elements that bytes ``[lo, hi)`` of the frame cover."""

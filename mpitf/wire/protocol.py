@@ -52,12 +52,14 @@ SPARSE_PULL = 10  # payload: ids per table (wire/sparse.py); reply: their rows (
 SPARSE_PUSH = 11  # payload: ids and row gradients per table; no reply (the PUSH after it has)
 RATES = 12  # payload: a float64 learning rate per optimizer group, then perhaps the clip
 #   norm (ps/clip.py); no reply (before a PUSH)
+HEAL = 13  # no payload; the chief asks for lost ranks to be replaced (--heal, runtime/heal.py)
 # Reply kinds (ps -> worker).
 REPLY = 21
 SPARSE_REPLY = 22  # on TAG_SPARSE_REPLY: the rows a SPARSE_PULL asked for
 
 # Flags (the header's ``flags`` word).
 FLAG_PAUSE = 1  # stop after this step and wait for the chief (a checkpoint is being cut)
+FLAG_HEAL = 2  # (in replies) stop after this step: the job replaces its lost ranks
 FLAG_REQUEUE = 8  # (in done) the job ends on a signal: exit with the requeue code
 FLAG_CHUNKED = 16  # (in requests) this worker stages through host memory: frames in chunks
 FLAG_LEARNING_RATE = 32  # (in push) the header's last word is the learning rate to apply
@@ -69,7 +71,7 @@ CHIEF_SHIFT = 32  # (in replies) flags >> 32, once the chief died (ULFM): 1 + th
 
 KIND_NAMES = {PUSH: "push", PULL: "pull", PULL_AVERAGE: "pull of the average", INIT: "init",
               DONE: "done", PAUSED: "paused", SAVE: "save", COUNTERS: "counters", SKIP: "skip",
-              SPARSE_PULL: "sparse pull", SPARSE_PUSH: "sparse push", RATES: "rates",
+              SPARSE_PULL: "sparse pull", SPARSE_PUSH: "sparse push", RATES: "rates", HEAL: "heal",
               REPLY: "reply",
               SPARSE_REPLY: "sparse reply"}
 

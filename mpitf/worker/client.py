@@ -261,6 +261,22 @@ class Client:
         """
         self.transport.paused()
 
+    def rejoined(self, lost):
+        """After a heal that replaced the ``lost`` ranks: each ps serves its own shard again.
+
+        The chief configures a replaced ps as at the start (its shard comes from its buddy);
+        the push's persistent requests were made on the old communicator.
+        """
+        self.transport.round = None
+        self.link.home_again(lost)
+        if self.server.is_chief:
+            optimizer, total_num_replicas, sparse = self._started_with
+            assignments = self._assignments(self.config, optimizer, None, total_num_replicas,
+                                            sparse)
+            for assignment, rank in zip(assignments, self.ps_ranks):
+                if rank in lost:
+                    self.comm.send((self.config, assignment), dest=rank, tag=P.TAG_CONTROL)
+
     def done(self, flags=0):
         """Tell every ps this worker has finished (a node's leader: the node has)."""
         self.transport.done(flags)
@@ -293,6 +309,7 @@ class Client:
         if config.ps_replication_steps:  # a lost ps's frame goes to its buddy (ps/replica.py)
             self.server.survive(self.ps_ranks)
             self.link.replicated = True
+        self._started_with = (optimizer, total_num_replicas, sparse)  # for a ps's replacement
         if self.server.is_chief:
             assignments = self._assignments(config, optimizer, restore, total_num_replicas,
                                             sparse)

@@ -40,6 +40,11 @@ class Reply(NamedTuple):
         return bool(self.flags & P.FLAG_PAUSE)
 
     @property
+    def heal(self):
+        """Return True when a ps asked this worker to pause for a heal (``--heal``)."""
+        return bool(self.flags & P.FLAG_HEAL)
+
+    @property
     def chief(self):
         """Return the replica index that has the chief's duties since the chief died, or None."""
         return (self.flags >> P.CHIEF_SHIFT) - 1 if self.flags >> P.CHIEF_SHIFT else None

@@ -83,6 +83,14 @@ class PsLink:
                          "/job:ps/task:%d from its copy", p, self.home[p], self.steps[p], buddy)
         return True
 
+    def home_again(self, ranks):
+        """The ps at ``ranks`` were replaced (``--heal``): each serves its own shard again."""
+        for p, home in enumerate(self.home):
+            if home in ranks:
+                self.ranks[p] = home
+                self.ward_flags[p] = 0
+                self.reply_tags[p] = P.TAG_REPLY
+
     @property
     def chunked(self):
         """Return True when frames travel in chunks (staged through host memory)."""

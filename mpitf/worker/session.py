@@ -28,6 +28,7 @@ from .buckets import buckets_for_links
 from .buffers import model_buffers
 from .client import Client
 from .embedding import Embeddings
+from .healing import Healing, succeed_chief
 from .hooks import CheckpointSaverHook, LoggingHook, StopAtStepHook
 from .local import LocalSteps
 from .node import NodeGroup
@@ -105,7 +106,8 @@ class TrainingSession:
                                          timeline=self.timeline)
         # who a ps's worker index w is (its checkpoint release goes there), who releases us
         self.push_ranks = [workers[n[0]] for n in node.nodes] if node else self.client_ranks
-        self.releaser = node.leader_rank if node and not node.leader else self.client_ranks[0]
+        self.releaser = node.leader_rank if node and not node.leader else \
+            self.client_ranks[server.chief_index]  # a replacement (--heal): maybe not 0
         self.stall = StepClock(server.deadline, adaptive=not server.fixed_deadline)
         # finish_push's: computed once per step, whether the wait polls it or not
         self._nonfinite_check = functools.cache(self.client.nonfinite_gradient)
@@ -126,13 +128,15 @@ class TrainingSession:
             self.hooks += [hook for hook in (LoggingHook.from_config(config, log_stream),
                                              ProfileHook.from_config(config), self.saver) if hook]
         self.hooks.extend(hooks)
+        self.healing = Healing(self) if config.heal else None  # --heal: see .healing
         self._start(optimizer)
 
     # -- start -----------------------------------------------------------------------------
 
     def _start(self, optimizer):
         optimizer = optimizer.resolve(names := [n for n, _, _ in self.placement.variables])
-        restore = cut.agree_on_restore(
+        replacement = self.server.replacement  # spawned for a lost worker: no restore
+        restore = None if replacement else cut.agree_on_restore(
             self.server.replica_comm, self.checkpoint_dir if self.server.is_chief else None,
             self.clients, log=lambda m: _log.warning("%s", m))
         if restore is not None and self.server.is_chief:  # slots that fit, or a reset
@@ -158,10 +162,12 @@ class TrainingSession:
         # silent worker; the ps can. Its allowance (the clock's, scaled) runs out first, so
         # the message names the right rank.
         self.client.deadline = self.stall.allowance
-        if self.buffers is not None:
+        if self.buffers is not None and not replacement:
             self.buffers.start(restore)
         if restore is not None and self.dataset is not None:
             self.dataset.restore(cut.data_position(restore, self.server.replica_index))
+        if replacement:
+            self.healing.take_over(replacement["facts"])
         if restore is not None and self.server.is_chief:
             print(f"restored {restore} at step {self.global_step}", flush=True)
         for hook in self.hooks:
@@ -253,9 +259,11 @@ class TrainingSession:
         else:
             self.last_reply = reply
             if reply.chief is not None and reply.chief != self.server.chief_index:
-                self._succeed_chief(reply.chief)
+                succeed_chief(self, reply.chief)
             self.global_step = reply.global_step
         self.steps_run += 1
+        if reply is not None and reply.heal:
+            self.healing.pause_and_heal()
         if reply is not None and reply.pause:
             self._pause(relay=True)
         for hook in self.hooks:
@@ -314,26 +322,6 @@ class TrainingSession:
             return self._skip(bad)  # raises (no skip_nonfinite with buckets from backward)
         return self._finish_step(reply)
 
-    def _succeed_chief(self, index):
-        """The chief died (ULFM): replica ``index`` has its duties now; take them if it is us.
-
-        The hooks only the chief runs (logging, profile, checkpoints) start here, from this
-        step; the other replicas wait for a checkpoint's release from it.
-        """
-        self.server.chief_index = index
-        if self.node is None:
-            self.releaser = self.client_ranks[index]
-        if not self.server.is_chief:
-            return
-        print(f"step {self.global_step}: the chief was lost; /job:{self.server.job_name}/"
-              f"task:{self.server.task_index} takes over its duties", flush=True)
-        self.saver = CheckpointSaverHook.from_config(self.config)
-        duties = [hook for hook in (LoggingHook.from_config(self.config, self.log_stream),
-                                    ProfileHook.from_config(self.config), self.saver) if hook]
-        for hook in duties:
-            hook.begin(self)
-        self.hooks += duties
-
     def _skip(self, variable):
         """Drop a gradient holding NaN/Inf in ``variable`` (with skip_nonfinite), or raise.
 
@@ -371,7 +359,9 @@ class TrainingSession:
         return self.loss
 
     def _save_if_due(self):
-        """Chief, before a push or skip: send SAVE to every ps if a signal or the saver asks."""
+        """Chief, before a push or skip: a heal if due (--heal), else SAVE if asked for."""
+        if self.healing is not None and self.server.is_chief and self.healing.due():
+            return
         if not (self.server.is_chief and self.checkpoint_dir):
             return
         if not self.consistency.pushes_after(self.global_step + 1, self.config.last_step):

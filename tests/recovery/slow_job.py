@@ -5,10 +5,16 @@ default 0) is slept by every worker before each step's computation; it changes n
 a deterministic run gives the same parameters as an unslowed one. Each worker rank also
 writes its pid to ``$MPITF_TEST_PID_DIR/rank<R>-<job>-<task>.pid`` when that is set, so a
 test can signal one rank without guessing from the process tree.
+
+``MPITF_TEST_KILL=rank2@300,rank0@500`` makes rank R SIGKILL itself once its step reaches
+N (a worker before its step's compute, a ps once it has applied step N), if it started
+before step N: a replacement spawned for rank R (``--heal``) at step 310 lives on past
+``rank2@300`` and dies at ``rank2@500``. The kill lands at a step, not at a time.
 """
 
 import os
 import runpy
+import signal
 import sys
 import time
 from pathlib import Path
@@ -16,20 +22,44 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 STEP_SLEEP = float(os.environ.get("MPITF_TEST_STEP_SLEEP", "0"))
 PID_DIR = os.environ.get("MPITF_TEST_PID_DIR")
+KILLS = {}  # rank -> the steps it dies at
+for entry in filter(None, os.environ.get("MPITF_TEST_KILL", "").split(",")):
+    who, _, at = entry.partition("@")
+    KILLS.setdefault(int(who.removeprefix("rank")), []).append(int(at))
+
+
+def _die_at(rank, first, step):
+    """SIGKILL this process if ``step`` reached one of ``rank``'s kill steps after ``first``."""
+    if any(first < at <= step for at in KILLS.get(rank, ())):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _patch():
     from mpitf.runtime import server
     from mpitf.worker import session
 
-    if STEP_SLEEP > 0:
+    if STEP_SLEEP > 0 or KILLS:
         run = session.TrainingSession.run
 
         def slow_run(self, batch=None):
+            if KILLS:
+                first = self.__dict__.setdefault("_first_step", self.global_step)
+                _die_at(self.server.rank, first, self.global_step)
             time.sleep(STEP_SLEEP)
             return run(self, batch)
 
         session.TrainingSession.run = slow_run
+    if KILLS:
+        from mpitf.ps import service
+
+        apply = service.Service.apply
+
+        def apply_and_maybe_die(self, grad, workers, bucket=0, steps=1):
+            apply(self, grad, workers, bucket, steps)
+            first = self.__dict__.setdefault("_first_step", self.state.global_step - steps)
+            _die_at(self.server.rank, first, self.state.global_step)
+
+        service.Service.apply = apply_and_maybe_die
     if PID_DIR:
         init = server.Server.__init__
 

@@ -114,6 +114,8 @@ def test_the_launch_line_under_open_mpi_and_the_library_mpi4py_loads(tmp):
     argv = shlex.split(line.stdout)
     assert argv[:4] == [mpiexec, "--oversubscribe", "--with-ft", "ulfm"], argv
     assert argv[4:6] == ["-x", f"MPI4PY_LIBMPI={OPENMPI_PREFIX.resolve()}/lib/libmpi.so.40"]
+    # a replacement (--heal) is a job of its own: recoverable too, or its loss ends them all
+    assert argv[6:9] == ["--prtemca", "state_base_recoverable", "1"], argv
     run = run_mpi(2, ["-c", "import os; from mpi4py import MPI; print(MPI.COMM_WORLD.rank, "
                       "MPI.Get_library_version().split(',')[0], os.environ.get("
                       "'OMPI_MCA_mpi_ft_enable'))"], mpiexec=mpiexec, timeout=60)
