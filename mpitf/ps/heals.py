@@ -22,11 +22,11 @@ class Heals:
     """The Service's part in a heal (see the module docstring)."""
 
     def _on_heal(self, state, worker, request, frame, index, now):
+        # The flag goes out with the next applied step's replies, not before: a stale push
+        # answered now would pause its worker a step before the others, and in sync mode
+        # the ps would then hold the others' next push for it.
         state.last_push[worker] = None
-        if not state.healing:
-            self._finish_replies()  # the header is rewritten: none may be in flight
-            state.healing = True
-            self.write_header()
+        state.healing = True
         self._check_quiescent(state)
         return True
 

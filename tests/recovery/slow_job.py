@@ -7,7 +7,7 @@ writes its pid to ``$MPITF_TEST_PID_DIR/rank<R>-<job>-<task>.pid`` when that is 
 test can signal one rank without guessing from the process tree.
 
 ``MPITF_TEST_KILL=rank2@300,rank0@500`` makes rank R SIGKILL itself once its step reaches
-N (a worker before its step's compute, a ps once it has applied step N), if it started
+N (a worker before its step's compute, a ps once it has applied and answered step N), if it started
 before step N: a replacement spawned for rank R (``--heal``) at step 310 lives on past
 ``rank2@300`` and dies at ``rank2@500``. The kill lands at a step, not at a time.
 """
@@ -52,14 +52,14 @@ def _patch():
     if KILLS:
         from mpitf.ps import service
 
-        apply = service.Service.apply
+        apply_and_reply = service.Service.apply_and_reply
 
-        def apply_and_maybe_die(self, grad, workers, bucket=0, steps=1):
-            apply(self, grad, workers, bucket, steps)
+        def apply_and_maybe_die(self, grad, workers, bucket=0, steps=1, **kwargs):
+            apply_and_reply(self, grad, workers, bucket, steps, **kwargs)
             first = self.__dict__.setdefault("_first_step", self.state.global_step - steps)
             _die_at(self.server.rank, first, self.state.global_step)
 
-        service.Service.apply = apply_and_maybe_die
+        service.Service.apply_and_reply = apply_and_maybe_die
     if PID_DIR:
         init = server.Server.__init__
 
