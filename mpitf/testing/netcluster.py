@@ -47,7 +47,7 @@ BURST = "512kb"  # tbf's bucket: about 4 ms at 1 Gbit/s
 # a node's own (its NIC's) holds 1,000 full frames, as Linux's default transmit queue
 # (txqueuelen 1000). A node's queue of 10 ms dropped the replies a ps sends to 8 workers
 # at once (250 KB at 200 Mbit/s; a host's own queue makes TCP wait, not resend), and each
-# drop stalled its TCP stream (benchmarks/notes-47.md).
+# drop stalled its TCP stream (benchmarks/README.md, "Scaling over links").
 SWITCH_QUEUE = ("latency", "10ms")
 NIC_QUEUE = ("limit", str(1000 * 1514))
 _NAME = re.compile(r"^[a-z][a-z0-9]{0,7}$")
