@@ -82,8 +82,14 @@ class Pipeline:
         reply before it changes the parameters, finds nothing left to wait for.
         """
         self.newest = request
-        if not request.Test():
-            self.whole.append((request, worker))
+        try:
+            if request.Test():
+                return
+        except MPI.Exception as exc:  # a reply to a worker that died (ULFM): it is done
+            if not ulfm.is_failure(exc):
+                raise
+            return
+        self.whole.append((request, worker))
 
     def progress(self):
         """Let MPI move the replies in flight (before work that makes no MPI call).
@@ -110,9 +116,9 @@ class Pipeline:
         if pending:
             self.whole = []
             requests = [r for r, _ in pending]
-            if MPI.Request.Testall(requests):  # the usual case: they have left
-                return
             try:
+                if MPI.Request.Testall(requests):  # the usual case: they have left
+                    return
                 P.wait_all(requests, deadline, lambda i: describe(pending[i][1]))
             except MPI.Exception as exc:
                 if not ulfm.is_failure(exc):

@@ -54,8 +54,8 @@ def push_window(link, environ=os.environ):
     step, after the pushes instead of during them (4 workers on 1 ps at 200 Mbit/s: 1.7 x
     the link's time). With at most REMOTE_WINDOW buckets unanswered per ps, a worker
     ahead waits for its replies and leaves the ps's link to the others, so bucket k's
-    answer goes out while bucket k + 1 arrives (benchmarks/README.md, "Scaling over links"). On one node
-    nothing queues on a link: no limit. ``$MPITF_PUSH_WINDOW`` sets it either way (0:
+    answer goes out while bucket k + 1 arrives (benchmarks/README.md, "Scaling over
+    links"). On one node nothing queues on a link: no limit. ``$MPITF_PUSH_WINDOW`` sets it either way (0:
     none).
     """
     given = number_from_environment("MPITF_PUSH_WINDOW", "buckets", environ=environ)
