@@ -55,8 +55,8 @@ def push_window(link, environ=os.environ):
     the link's time). With at most REMOTE_WINDOW buckets unanswered per ps, a worker
     ahead waits for its replies and leaves the ps's link to the others, so bucket k's
     answer goes out while bucket k + 1 arrives (benchmarks/README.md, "Scaling over
-    links"). On one node nothing queues on a link: no limit. ``$MPITF_PUSH_WINDOW`` sets it either way (0:
-    none).
+    links"). On one node nothing queues on a link: no limit. ``$MPITF_PUSH_WINDOW``
+    sets it either way (0: none).
     """
     given = number_from_environment("MPITF_PUSH_WINDOW", "buckets", environ=environ)
     if given is not None:
