@@ -297,7 +297,7 @@ class Service(Handlers, Cuts, Losses, Heals):
                      (P.FLAG_PAUSE if state.pausing else 0) |
                      (P.FLAG_HEAL if state.healing else 0) | state.chief_flags,
                      c["pushes_applied"], c["stale_dropped"], c["max_staleness"], c["max_lead"],
-                     norm=self.clip.last_norm)
+                     P.REPLY, self.clip.last_norm)
         if reply.unpublished:  # a host frame is as MPI reads it
             reply.publish(0, hi)
         if average is not None:

@@ -30,16 +30,33 @@ class GroupRates:
 
     def __init__(self):
         self.learning_rate = None
-        self.values = None
-        self.clip_norm = None
+        self._values = self._clip_norm = None
+        # Whether a RATES request goes before each push (when changed): an attribute, as
+        # every push reads it and few loops set the two it follows.
+        self.travels = False
         self._frame = None  # made once, at the first send
         self._sent_rates = self._sent_clip = None  # what the frame holds
         self._sends = None  # their sends in flight: completed before the frame is written
 
     @property
-    def travels(self):
-        """Return whether a ``RATES`` request goes before each push (when changed)."""
-        return self.values is not None or self.clip_norm is not None
+    def values(self):
+        """The groups' rates, a tuple (None: one rate, in the push header)."""
+        return self._values
+
+    @values.setter
+    def values(self, rates):
+        self._values = rates
+        self.travels = rates is not None or self._clip_norm is not None
+
+    @property
+    def clip_norm(self):
+        """The norm the ps clips this step to (0.0: none this step; None: never)."""
+        return self._clip_norm
+
+    @clip_norm.setter
+    def clip_norm(self, norm):
+        self._clip_norm = norm
+        self.travels = norm is not None or self._values is not None
 
     def send(self, link):
         """Send ``values`` (and ``clip_norm``) to every ps of ``link`` unless last sent."""
