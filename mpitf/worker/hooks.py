@@ -137,9 +137,8 @@ class LoggingHook(Hook):
             sys.stderr.write("\r\033[K")
         skipped = f"; {session.nonfinite_skipped} non-finite skipped" \
             if session.nonfinite_skipped else ""
-        print(f"step {step}, loss = {loss:.2f} ({record['examples_per_sec']:.1f} "
-              f"examples/sec; {record['sec_per_batch']:.3f} sec/batch{skipped})",
-              file=self.stream, flush=True)
+        _say(self.stream, f"step {step}, loss = {loss:.2f} ({record['examples_per_sec']:.1f} "
+                          f"examples/sec; {record['sec_per_batch']:.3f} sec/batch{skipped})")
         if self.metrics:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
@@ -152,10 +151,10 @@ class LoggingHook(Hook):
         """Say that the chief dropped a gradient, at the first skip in a row and every few."""
         n = session.skips_in_a_row
         if self.every and (n == 1 or n % self.every == 0):
-            print(f"step {session.global_step}: skipped a gradient holding NaN or Inf in "
-                  f"{variable!r} ({n} in a row, {session.nonfinite_skipped} in all; the job "
-                  f"ends at {session.config.max_nonfinite_skips} in a row)", file=self.stream,
-                  flush=True)
+            _say(self.stream, f"step {session.global_step}: skipped a gradient holding NaN "
+                              f"or Inf in {variable!r} ({n} in a row, "
+                              f"{session.nonfinite_skipped} in all; the job ends at "
+                              f"{session.config.max_nonfinite_skips} in a row)")
 
     def _progress(self, session):
         if self.last_step and sys.stderr.isatty():
@@ -207,3 +206,13 @@ class CheckpointSaverHook(Hook):
         """Restart the counters after a checkpoint."""
         self.last_step = session.global_step
         self.last_time = time.monotonic()
+
+
+def _say(stream, line):
+    """Write ``line`` and its newline in one write, so no other rank's line runs into it.
+
+    print() makes two writes; under mpiexec another rank's line written between them was
+    glued to this one, and a loop's own line was lost to a parser.
+    """
+    stream.write(line + "\n")
+    stream.flush()

@@ -8,6 +8,8 @@ and worker 1, each node with its own PRRTE daemon (``prted``).
   job goes on, as the survival rules say (the buddy serves the lost shard, sync steps
   aggregate the survivor's gradient) and ends within 0.02 of an uninterrupted run. This is
   not a node loss: the node's daemon lives.
+- The same with ``--heal``: both are replaced by spawned processes, the buddy hands the
+  shard back, and the job ends at full strength (2 ps, 2 workers).
 - Every process of node2 killed, its daemon with them (a node loss): Open MPI 5.0.11's
   launcher, PRRTE 3.0.14, ends the whole job whatever ``--with-ft ulfm`` says (its
   errmgr aborts on any lost daemon; docs/reliability.md), so the job ends as under MPICH:
@@ -59,12 +61,13 @@ CHIEF = re.compile(r"ps task 1 \(rank 2\) was lost at step (\d+): its shard is s
 class BoxJob:
     """``mpitf run`` of the slow job under Open MPI on the box's head, output to a file."""
 
-    def __init__(self, box, tmp):
+    def __init__(self, box, tmp, heal=False):
         self.box, self.tmp, self.log = box, tmp, tmp / "log"
         tmp.mkdir()
+        args = dict(ARGS, extra=ARGS["extra"] + ["--heal"]) if heal else ARGS
         argv = [sys.executable, "-m", "mpitf.cli.main", "run", "--mpiexec", openmpi_mpiexec(),
                 "-n", "4", "--hosts", HOSTS, JOB,
-                *job_args(tmp, ckpt=tmp / "ckpt", **ARGS)]
+                *job_args(tmp, ckpt=tmp / "ckpt", **args)]
         env = dict(os.environ, PYTHONUNBUFFERED="1", MPITF_TEST_STEP_SLEEP="0.005",
                    **OPENMPI_ENV, **box.env())
         with open(self.log, "w") as out:
@@ -132,6 +135,35 @@ def test_the_ranks_of_a_node_killed_at_once_are_survived_but_not_its_daemon(box,
     assert summary["step"] == STEPS, out
     assert abs(summary["test_accuracy"] - expected) <= 0.02, (summary, expected)
     assert latest_step(job.tmp / "ckpt") >= STEPS, out  # ps 0 writes both shards' pieces
+    assert cli_verify(job.tmp / "ckpt").returncode == 0, out
+
+
+REPLACED = re.compile(r"replaced rank (\d) \(/job:(\w+)/task:1\) by a spawned process on "
+                      r"(\S+) at step (\d+)")
+
+
+def test_with_heal_the_ranks_of_a_node_killed_at_once_are_replaced(box, tmp_path):
+    whole = BoxJob(box, tmp_path / "whole", heal=True)
+    assert whole.finish(120) == 0, whole.output
+    expected = json.loads(FINAL.findall(whole.output)[-1])["test_accuracy"]
+    job = BoxJob(box, tmp_path / "healed", heal=True)
+    job.wait_for_step(KILL_AT)
+    ranks = job.ranks_on("node2")
+    assert len(ranks) == 2, ranks
+    for pid in ranks:
+        os.kill(pid, signal.SIGKILL)
+    code = job.finish(120)
+    out = job.output
+    assert code == 0, out
+    replaced = {(int(rank), job_name): (host, int(at))
+                for rank, job_name, host, at in REPLACED.findall(out)}
+    assert set(replaced) == {(2, "ps"), (3, "worker")}, out
+    assert all(host in ("node1", "node2") and at >= KILL_AT
+               for host, at in replaced.values()), out
+    summary = json.loads(FINAL.findall(out)[-1])
+    assert summary["step"] == STEPS, out
+    assert summary["workers"] == 2 and summary["ps"] == 2, summary  # full strength at the end
+    assert abs(summary["test_accuracy"] - expected) <= 0.02, (summary, expected)
     assert cli_verify(job.tmp / "ckpt").returncode == 0, out
 
 
