@@ -77,21 +77,25 @@ class Heals:
         lost, replica = healed["lost"], self.replica
         if replica is not None:
             replica.after_heal(lost)
+        replaced = {self.worker_of[rank] for rank in lost if rank in self.worker_of}
         for rank in lost:
             worker = self.worker_of.get(rank)
             if worker is not None:
                 self._revive(state, rank, worker, healed["seconds"])
             elif replica is not None and replica.adopted and rank == replica.ward_rank:
-                self._hand_over(rank, healed["seconds"])
+                self._hand_over(rank, healed["seconds"], replaced)
 
-    def _hand_over(self, rank, seconds):
-        """Send the ward's shard, which this ps served, to its replacement (at ``rank``)."""
+    def _hand_over(self, rank, seconds, replaced):
+        """Send the ward's shard, which this ps served, to its replacement (at ``rank``).
+
+        The workers ``replaced`` in the same heal train again: not lost to the new ps.
+        """
         replica = self.replica
         lost_at = replica.lost_at.pop(replica.ward_task)
         start = time.monotonic()
         state = replica.ward.state
         shard = dict(arrays=replica.hand_over(), global_step=state.global_step,
-                     done=set(state.done), lost=set(state.lost), chief=state.chief,
+                     done=state.done - replaced, lost=state.lost - replaced, chief=state.chief,
                      chief_flags=state.chief_flags, positions=dict(state.positions),
                      counters=dict(state.counters))
         self.comm.send(shard, dest=rank, tag=P.TAG_CONTROL)  # after the chief's configuration
