@@ -78,8 +78,8 @@ def once(mpiexec, mode, steps, kill_at, step_sleep, tmp, victim="worker", k=None
     killed = None
     try:
         while kill_at is not None and not (
-                metrics.exists() and any(json.loads(line)["step"] >= kill_at
-                                         for line in metrics.read_text().splitlines())):
+                metrics.exists() and any(json.loads(line)["step"] >= kill_at  # whole lines
+                                         for line in metrics.read_text().split("\n")[:-1])):
             if proc.poll() is not None:
                 raise SystemExit(f"the job ended first:\n{(tmp / 'out.log').read_text()}")
             time.sleep(0.001)
