@@ -7,9 +7,11 @@ writes its pid to ``$MPITF_TEST_PID_DIR/rank<R>-<job>-<task>.pid`` when that is 
 test can signal one rank without guessing from the process tree.
 
 ``MPITF_TEST_KILL=rank2@300,rank0@500`` makes rank R SIGKILL itself once its step reaches
-N (a worker before its step's compute, a ps once it has applied and answered step N), if it started
-before step N: a replacement spawned for rank R (``--heal``) at step 310 lives on past
-``rank2@300`` and dies at ``rank2@500``. The kill lands at a step, not at a time.
+N (a worker before its step's compute, a ps once it has applied and answered step N): a
+rank of the launch at its first step at or past the first N, however late it started (in
+async mode the chief may be past N before worker 1's first step); a replacement spawned for
+rank R (``--heal``, ``MPITF_REPLACES`` set) at step 310 only at an N past that, so it lives
+on past ``rank2@300`` and dies at ``rank2@500``. The kill lands at a step, not at a time.
 """
 
 import os
@@ -28,6 +30,11 @@ for entry in filter(None, os.environ.get("MPITF_TEST_KILL", "").split(",")):
     KILLS.setdefault(int(who.removeprefix("rank")), []).append(int(at))
 
 
+def _started(step):
+    """Return the step a kill must come after: ``step`` for a replacement, else none (-1)."""
+    return step if "MPITF_REPLACES" in os.environ else -1
+
+
 def _die_at(rank, first, step):
     """SIGKILL this process if ``step`` reached one of ``rank``'s kill steps after ``first``."""
     if any(first < at <= step for at in KILLS.get(rank, ())):
@@ -43,7 +50,7 @@ def _patch():
 
         def slow_run(self, batch=None):
             if KILLS:
-                first = self.__dict__.setdefault("_first_step", self.global_step)
+                first = self.__dict__.setdefault("_first_step", _started(self.global_step))
                 _die_at(self.server.rank, first, self.global_step)
             time.sleep(STEP_SLEEP)
             return run(self, batch)
@@ -56,7 +63,8 @@ def _patch():
 
         def apply_and_maybe_die(self, grad, workers, bucket=0, steps=1, **kwargs):
             apply_and_reply(self, grad, workers, bucket, steps, **kwargs)
-            first = self.__dict__.setdefault("_first_step", self.state.global_step - steps)
+            first = self.__dict__.setdefault("_first_step",
+                                             _started(self.state.global_step - steps))
             _die_at(self.server.rank, first, self.state.global_step)
 
         service.Service.apply_and_reply = apply_and_maybe_die
