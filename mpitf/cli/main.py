@@ -142,8 +142,9 @@ def cmd_run(args):
         code = subprocess.call(cmd, env=dict(os.environ, MPITF_LAUNCH_LOG=launch_log))
         # also after a 0: Open MPI 5.0.11's mpiexec (PRRTE 3.0.14) now and then ends a job
         # that lost a node's daemon with status 0 ("PRTE has lost communication with a
-        # remote daemon"), before the node's launcher, killed, says otherwise
-        if args.hosts and is_openmpi(mpiexec):
+        # remote daemon"), before the node's launcher, killed, says otherwise; Hydra's,
+        # failing on a lost proxy, may end before that launcher has written its line too
+        if args.hosts and (code != 0 or is_openmpi(mpiexec)):
             wait_for_launchers(launch_log, hosts)
         lost = lost_node_message(launch_log, hosts, args.n)
         if lost:
