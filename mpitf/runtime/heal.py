@@ -22,6 +22,8 @@ import time
 
 from mpi4py import MPI
 
+from . import ulfm
+
 __all__ = ["generation", "healed", "parent", "world_size", "shrink_and_spawn",
            "join_as_replacement", "repoint", "spawn_command", "NoFreeSlot"]
 
@@ -65,12 +67,7 @@ def spawn_command(rank):
 
 def lost_ranks(comm, shrunk):
     """Return the ranks of ``comm`` that are not in ``shrunk`` (the lost ones), sorted."""
-    group, alive = comm.Get_group(), shrunk.Get_group()
-    try:
-        ranks = MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), alive)
-    finally:
-        group.Free()
-        alive.Free()
+    ranks = ulfm.translate(comm.Get_group(), shrunk.Get_group())
     return [r for r, there in enumerate(ranks) if there == MPI.UNDEFINED]
 
 

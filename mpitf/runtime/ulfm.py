@@ -53,13 +53,20 @@ def failed_ranks(comm):
     rank fails.
     """
     comm.Ack_failed()
-    group, everyone = comm.Get_failed(), comm.Get_group()
+    ranks = translate(comm.Get_failed(), comm.Get_group())
+    return sorted(r for r in ranks if r != MPI.UNDEFINED)
+
+
+def translate(group, other):
+    """Return each rank of ``group`` as a rank of ``other`` (``MPI.UNDEFINED``: not in it).
+
+    Frees both groups.
+    """
     try:
-        ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), everyone)
+        return MPI.Group.Translate_ranks(group, list(range(group.Get_size())), other)
     finally:
         group.Free()
-        everyone.Free()
-    return sorted(r for r in ranks if r != MPI.UNDEFINED)
+        other.Free()
 
 
 def count_failed(comm):
