@@ -113,7 +113,8 @@ def _run_hosts(args):
 
 def cmd_run(args):
     """Run a job under the installed MPI's mpiexec and return its exit code."""
-    from ..runtime.launch import find_mpiexec, is_openmpi, lost_node_message, wait_for_launchers
+    from ..runtime.launch import find_mpiexec
+    from ..runtime.proxies import ProxyWatch
 
     if args.n < 1:
         raise ConfigurationError(f"-n {args.n}: expecting at least one rank")
@@ -131,22 +132,21 @@ def cmd_run(args):
     if args.hostfile is not None and not os.path.isfile(args.hostfile):
         raise ConfigurationError(f"--hostfile {args.hostfile}: no such file")
     hosts = _run_hosts(args)
+    if args.launcher is not None and hosts is None and args.hostfile is None:
+        raise ConfigurationError(f"--launcher {args.launcher!r} starts the ranks of other "
+                                 "hosts: give --hosts or --hostfile too")
     cmd = run_command(args.n, args.job, args.args, mpiexec=mpiexec, hosts=hosts,
                       hostfile=args.hostfile)
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
     tmp = tempfile.mkdtemp(prefix="mpitf-run-")
-    launch_log = os.path.join(tmp, "launch.log")  # launchers that know it say how each
-    try:  # node's proxy ended, so a lost node can be named (runtime/launch.py)
-        code = subprocess.call(cmd, env=dict(os.environ, MPITF_LAUNCH_LOG=launch_log))
-        # also after a 0: Open MPI 5.0.11's mpiexec (PRRTE 3.0.14) now and then ends a job
-        # that lost a node's daemon with status 0 ("PRTE has lost communication with a
-        # remote daemon"), before the node's launcher, killed, says otherwise; Hydra's,
-        # failing on a lost proxy, may end before that launcher has written its line too
-        if args.hosts and (code != 0 or is_openmpi(mpiexec)):
-            wait_for_launchers(launch_log, hosts)
-        lost = lost_node_message(launch_log, hosts, args.n)
+    try:  # over hosts, each node's proxy starts through mpitf's launcher, which says
+        # how it ended, so a lost node can be named (runtime/proxies.py)
+        watch = ProxyWatch(tmp, mpiexec, hosts, args.n, args.launcher) \
+            if hosts or args.hostfile else None
+        code = subprocess.call(cmd, env=dict(os.environ, **(watch.env if watch else {})))
+        lost = watch.lost_node(code) if watch else None
         if lost:
             sys.stderr.write(f"mpitf: {lost}\n")
             code = code or EXIT_ERROR
@@ -301,6 +301,12 @@ def build_parser():
                    help="a host file for mpiexec's -f (Open MPI: --hostfile)")
     p.add_argument("--mpiexec", default=None,
                    help="the mpiexec to use (default: the one next to this Python, else PATH)")
+    p.add_argument("--launcher", default=None,
+                   help="with --hosts or --hostfile: the command that starts mpiexec's proxy"
+                        " on each host, called as 'LAUNCHER HOST COMMAND' (default: what"
+                        " HYDRA_LAUNCHER_EXEC / PRTE_MCA_plm_ssh_agent name, else ssh); mpitf"
+                        " starts it through a script that notes how each proxy ended, to name"
+                        " a lost node")
     p.add_argument("job", metavar="JOB",
                    help="a built-in job's name (e.g. mnist_mlp), a .py file (run with this"
                         " Python) or a program")

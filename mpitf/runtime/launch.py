@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 
 def find_mpiexec():
@@ -128,51 +127,3 @@ def ranks_by_host(hosts, n):
             if rank == n:
                 break
     return placed
-
-
-def wait_for_launchers(launch_log, hosts, timeout=2.0):
-    """Wait until ``launch_log`` has a line for each of ``hosts`` (or ``timeout`` seconds).
-
-    Open MPI's mpiexec (PRRTE) returns before its launchers end, and after a lost node
-    now and then with status 0; the lost node's line, written as its launcher ends,
-    comes a few milliseconds later. Launchers that write no log cost the timeout.
-    """
-    names = {h.partition(":")[0] for h in hosts}
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            with open(launch_log) as f:
-                if names <= {line.split()[0] for line in f if line.strip()}:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.01)
-
-
-def lost_node_message(launch_log, hosts, n):
-    """Return a line naming the node whose launcher ended first and badly, or None.
-
-    ``launch_log`` holds ``HOST CODE`` lines that launchers append as their remote proxy
-    ends (``MPITF_LAUNCH_LOG``; the network box's launcher writes them). The first one
-    that failed is the node whose loss ended the job: Hydra then ends every other proxy.
-    """
-    try:
-        with open(launch_log) as f:
-            ended = [line.split() for line in f if line.strip()]
-    except OSError:
-        return None
-    placed = ranks_by_host(hosts, n) if hosts else {}
-    for host, code in (e for e in ended if len(e) == 2 and e[1].isdigit()):
-        code = int(code)
-        if code <= 128:  # it ended on its own (an abort ends every proxy that way)
-            continue
-        how = "the connection to it was lost" if code == 255 else \
-            f"killed by signal {code - 128}"
-        ranks = placed.get(host)
-        on = ""
-        if ranks:
-            word = "rank" if len(ranks) == 1 else "ranks"
-            on = f"; {word} {', '.join(map(str, ranks))} ran there"
-        return (f"node {host} was lost: its MPI launcher proxy ended ({how}) while the job "
-                f"ran, so mpiexec ended every other rank{on}")
-    return None

@@ -63,8 +63,8 @@ case " {nodes} " in
     *" $host "*) ;;
     *) echo "netcluster: box {name} has no node '$host' (it has: {nodes})" >&2; exit 255 ;;
 esac
-# In a session of its own, so that it outlives mpiexec's kill and can say how the node's
-# proxy ended (mpiexec kills its launchers as it ends).
+# In a session of its own, so that the node's proxy outlives mpiexec's kill of its
+# launchers as a job ends, and ends on its own (as a proxy over ssh does).
 setsid "$(dirname "$0")/node" "$host" "$*" &
 wait $!
 """
@@ -83,14 +83,6 @@ mkdir -p "$TMPDIR"
 ip netns exec "{name}-$1" unshare --uts --mount --ipc --pid --fork --mount-proc \\
     sh -c 'hostname "$0" && mount -t tmpfs -o mode=1777 tmpfs /dev/shm && exec sh -c "$1"' \\
     "$1" "$2"
-code=$?
-# How this node's proxy ended, for mpitf run to name a lost node (runtime/launch.py);
-# quietly, as PRRTE's mpiexec may be gone (and mpitf run's log with it) when its
-# daemons end.
-if [ -n "$MPITF_LAUNCH_LOG" ]; then
-    {{ echo "$1 $code" >> "$MPITF_LAUNCH_LOG"; }} 2>/dev/null
-fi
-exit $code
 """
 
 
