@@ -90,39 +90,56 @@ def _ps_counts(limit, needed):
     return sorted(counts)
 
 
+def nodes_used(layout):
+    """Return the nodes a layout takes: the workers' nodes, plus the ps's own unless beside."""
+    return layout.nodes if layout.beside else layout.nodes + layout.num_ps
+
+
 def node_efficiency(projection, layout):
-    """Return the efficiency per node used: the ps run on nodes of their own (own links)."""
-    return projection.efficiency * layout.nodes / (layout.nodes + layout.num_ps)
+    """Return the efficiency per node used (the ps on nodes of their own count as nodes)."""
+    return projection.efficiency * layout.nodes / nodes_used(layout)
 
 
-def plan(fabric, work, ps, nodes, workers_per_node, max_ps=None, mode="sync"):
+def plan(fabric, work, ps, nodes, workers_per_node, max_ps=None, mode="sync",
+         placements=("own", "beside")):
     """Return the recommended layout as a dict (see :func:`format_plan` for its lines).
 
     Tries every ps count (powers of two up to ``max_ps``, default ``nodes``, and the fewest
-    whose links keep up), bucket size (:data:`BUCKETS`) and aggregation (sync, G > 1). Each
-    ps has a link, so a node, of its own: the pick is the best efficiency per node used
-    (worker nodes + ps), the fewest ps, then the largest buckets within 1 % of it.
+    whose links keep up), bucket size (:data:`BUCKETS`), aggregation (sync, G > 1) and
+    placement: each ps on a node of its own, or (one worker per node) one ps beside each
+    of P worker nodes, sharing its link. The pick is the best efficiency per node used,
+    then the fewest nodes, the fewest ps, and the largest buckets within 1 % of it.
     """
     limit = max_ps or nodes
     aggs = (False, True) if workers_per_node > 1 and mode in ("sync", "backup") else (False,)
+    # beside, the model's node link carries one worker's traffic and its ps's
+    sides = [False] + ([True] if "beside" in placements and workers_per_node == 1 else [])
+    if "own" not in placements:
+        sides.remove(False)
     best, counts = [], set()
     for agg in aggs:
         counts.update(_ps_counts(limit, cm.ps_for_links(
             fabric, work, cm.Layout(nodes, workers_per_node, 1, 0, agg, mode))))
-    for agg in aggs:
-        for p in sorted(counts):
-            for k in BUCKETS:
-                if k and k >= work.model_bytes / p:
-                    continue  # one bucket is no bucket
-                lay = cm.Layout(nodes, workers_per_node, p, k, agg, mode)
-                best.append((cm.project(fabric, work, ps, lay), lay))
+    for beside in sides:
+        for agg in aggs:
+            for p in sorted(c for c in counts if not beside or c <= nodes):
+                for k in BUCKETS:
+                    if k and k >= work.model_bytes / p:
+                        continue  # one bucket is no bucket
+                    lay = cm.Layout(nodes, workers_per_node, p, k, agg, mode, beside=beside)
+                    best.append((cm.project(fabric, work, ps, lay), lay))
+    if not best:
+        raise ConfigurationError("--plan-placement beside puts one ps beside each worker "
+                                 "node, one worker per node: give --workers-per-node 1 or "
+                                 "another placement")
     by_ps = {}
     for pr, lay in best:
         by_ps[lay.num_ps] = max(by_ps.get(lay.num_ps, 0.0), pr.efficiency)
     top = max(node_efficiency(pr, lay) for pr, lay in best)
     pick_pr, pick = min(((pr, lay) for pr, lay in best
                          if node_efficiency(pr, lay) >= 0.99 * top),
-                        key=lambda x: (x[1].num_ps, x[1].aggregate, -x[1].bucket_bytes))
+                        key=lambda x: (nodes_used(x[1]), x[1].num_ps, x[1].aggregate,
+                                       -x[1].bucket_bytes))
     needed = cm.ps_for_links(fabric, work, pick)
     return dict(layout=pick, projection=pick_pr, ps_for_links=needed, by_ps=by_ps,
                 ps_for_links_without_agg=cm.ps_for_links(
@@ -147,6 +164,11 @@ def format_plan(result):
     t, n = pr.terms, lay.workers
     pushes = cm.senders(lay)
     per_link = pushes * w.model_bytes / lay.num_ps
+    load = f"{pushes} pushes x {_b(w.model_bytes)} / {lay.num_ps} ps"
+    if lay.beside:  # a node's link: its worker's share to the other ps, the others' to its
+        per_link = (lay.num_ps - 1 + pushes - 1) * w.model_bytes / lay.num_ps
+        load = (f"({lay.num_ps - 1} other ps + {pushes - 1} other workers) x "
+                f"{_b(w.model_bytes)} / {lay.num_ps} ps")
     need = result["ps_for_links"]
     bucket = "one frame per ps (no buckets)" if not lay.bucket_bytes else \
         f"--bucket-bytes {lay.bucket_bytes} ({lay.bucket_bytes >> 10} KiB; {t['buckets']} per ps)"
@@ -155,14 +177,18 @@ def format_plan(result):
         f"{lay.mode}; model {_b(w.model_bytes)}, compute {_t(w.compute)} per step; fabric "
         f"{_t(f.latency)} latency, {f.bandwidth / 1e9:.3g} GB/s per direction ({f.source})",
         f"recommended ps:          {lay.num_ps}",
+        "recommended placement:   " + (f"beside the workers (one ps on each of {lay.num_ps} "
+                                       "worker nodes)" if lay.beside else
+                                       f"on nodes of their own ({lay.num_ps} more nodes)"),
         f"recommended buckets:     {bucket}",
         "node-local aggregation:  " + ("on (--aggregate-per-node)" if lay.aggregate else "off"),
         f"expected step:           {_t(pr.step_time)} (compute {_t(w.compute)}, exposed "
         f"communication {_t(t.get('exposed', pr.step_time - w.compute))})",
         f"expected efficiency:     {pr.efficiency:.3f} of {n} workers computing alone; "
-        f"{node_efficiency(pr, lay):.3f} per node counting the {lay.num_ps} ps nodes",
+        + (f"{node_efficiency(pr, lay):.3f} per node counting the {lay.num_ps} ps nodes"
+           if not lay.beside else "the ps take no nodes of their own"),
         f"bounded by:              {pr.bound}",
-        f"ps link load:            {pushes} pushes x {_b(w.model_bytes)} / {lay.num_ps} ps = "
+        f"ps link load:            {load} = "
         f"{_b(per_link)} per direction per ps link per step = {_t(t['ps_link'])}",
     ]
     if need is None:
@@ -199,6 +225,8 @@ def main(args):
                    shm_bandwidth=parse_size(args.shm_rate, "--shm-rate"))
     max_ps = None if args.max_ps is None else parse_positive(args.max_ps, "--max-ps",
                                                              integer=True)
-    for line in format_plan(plan(fabric, work, ps, nodes, g, max_ps, args.plan_mode)):
+    placements = ("own", "beside") if args.plan_placement == "any" else (args.plan_placement,)
+    for line in format_plan(plan(fabric, work, ps, nodes, g, max_ps, args.plan_mode,
+                                 placements)):
         print(line)
     return 0

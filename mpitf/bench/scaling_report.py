@@ -202,21 +202,24 @@ def write_report(results, out):
                      f"{_ms(sel[0]['projected_s'])} | {err:+.0f} | {eff} |")
     lines += ["", "## The planner against the measurement", "",
               "Best: the most examples/s per node used (W + P nodes with ps of their own, W "
-              "beside). The planner places ps on nodes of their own.", "",
-              "| W | size | compute ms | planner: ps, bucket | measured best on own nodes: ps, "
-              "bucket | planner's point / that best | within 10 % | best of all: ps, "
-              "placement, bucket | planner's / it |",
+              "beside). The planner places the ps on nodes of their own or beside the "
+              "workers, whichever its model finds best per node; its point is the measured one of "
+              "its ps count and placement at the bucket size nearest its own.", "",
+              "| W | size | compute ms | planner: ps, placement, bucket | measured best in "
+              "that placement: ps, bucket | planner's point / that best | best of all: ps, "
+              "placement, bucket | planner's / it | within 10 % |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for c in results["planner"]:
-        b, o = c["best"], c["best_own"]
+        b, o = c["best"], c["best_same"]
         within = "" if c["planner_over_best"] is None else \
             ("yes" if c["within_10_percent"] else "no")
         lines.append(
             f"| {c['workers']} | {_mib(c['bytes'])} | {c['compute_s'] * 1e3:.0f} | "
-            f"{c['planner_ps']}, {_kib(c['planner_bucket_bytes'])} | {o['ps']}, "
-            f"{_kib(o['bucket_bytes'])} | {_fmt(c['planner_over_best'])} | {within} | "
+            f"{c['planner_ps']}, {c['planner_placement']}, "
+            f"{_kib(c['planner_bucket_bytes'])} | {o['ps']}, {_kib(o['bucket_bytes'])} | "
+            f"{_fmt(c['planner_over_best_same'])} | "
             f"{b['ps']}, {b['placement']}, {_kib(b['bucket_bytes'])} | "
-            f"{_fmt(c['planner_over_best_overall'])} |")
+            f"{_fmt(c['planner_over_best'])} | {within} |")
     if results["errors"]:
         lines += ["", "## Failed points", ""] + [f"- {e}" for e in results["errors"]]
     lines += ["", "## Commands", "", "```sh"] + results["commands"] + ["```", ""]

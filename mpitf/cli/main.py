@@ -433,6 +433,9 @@ def build_parser():
     g.add_argument("--shm-rate", default="10G",
                    help="node-local aggregation: shared-memory bytes/s (default 10G)")
     g.add_argument("--max-ps", default=None, help="most ps (default: --nodes)")
+    g.add_argument("--plan-placement", choices=("any", "own", "beside"), default="any",
+                   help="where the ps may run: on nodes of their own, beside the workers (one"
+                        " ps per worker node, one worker per node), or either (default: any)")
     g.add_argument("--plan-mode", choices=("sync", "backup", "async", "ssp"), default="sync",
                    help="consistency mode to plan for (default: sync)")
     p.set_defaults(handler=cmd_bench)

@@ -219,3 +219,38 @@ def test_the_docs_worked_example_is_what_the_planner_prints(capsys):
     for command, printed in blocks:
         assert main(shlex.split(command)[1:]) == 0
         assert capsys.readouterr().out == printed
+
+
+SLOW_LINKS = cm.Fabric(1e-4, 6.25e7)  # 500 Mbit/s, as the box's scaling runs
+
+
+def test_the_planner_puts_ps_beside_the_workers_where_a_node_is_worth_more():
+    work = cm.Workload(16e6, 0.1)
+    result = planner.plan(SLOW_LINKS, work, PS, 8, 1)
+    lay = result["layout"]
+    assert lay.beside and lay.num_ps == 8
+    own = planner.plan(SLOW_LINKS, work, PS, 8, 1, placements=("own",))["layout"]
+    assert not own.beside
+    # beside, every node used is a worker's; on nodes of their own the ps nodes count too
+    assert planner.node_efficiency(result["projection"], lay) == \
+        pytest.approx(result["projection"].efficiency)
+    own_pr = cm.project(SLOW_LINKS, work, PS, own)
+    assert planner.node_efficiency(own_pr, own) == \
+        pytest.approx(own_pr.efficiency * 8 / (8 + own.num_ps))
+    assert planner.node_efficiency(own_pr, own) < result["projection"].efficiency
+    lines = planner.format_plan(result)
+    assert "recommended placement:   beside the workers (one ps on each of 8 worker nodes)" \
+        in lines
+    # a node's link: its worker's share to the 7 other ps, the 7 other workers' to its ps
+    assert any(line.startswith("ps link load:            (7 other ps + 7 other workers) x "
+                               "16 MB / 8 ps = 28 MB per direction") for line in lines)
+
+
+def test_with_several_workers_a_node_the_planner_keeps_ps_on_nodes_of_their_own():
+    assert not planner.plan(IB, RESNET, PS, 128, 4)["layout"].beside
+    run = _plan("--nodes", "8", "--workers-per-node", "2", "--model-bytes", "16M",
+                "--compute-ms", "100", "--fabric", "1e-4,6.25e7", "--plan-placement", "beside")
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.strip() == (
+        "mpitf: error: --plan-placement beside puts one ps beside each worker node, one "
+        "worker per node: give --workers-per-node 1 or another placement")
