@@ -25,7 +25,8 @@ from .names import (
 )
 from .pieces import index_pieces
 from .restore import read_variables
-from .tables import read_tables, table_shards
+from .deltas import read_whole_tables
+from .tables import table_shards
 from .verify import verify_checkpoint
 
 
@@ -143,8 +144,22 @@ def cmd_ls(root):
         size = sum(e.stat().st_size for e in os.scandir(c["path"]) if e.is_file())
         state = "complete" if c["complete"] else "incomplete"
         mark = "  <- latest" if c["name"] == latest else ""
-        print(f"{c['name']}  step {c['global_step']:>10}  {size:>14} bytes  {state}{mark}")
+        print(f"{c['name']}  step {c['global_step']:>10}  {size:>14} bytes  {state}"
+              f"{_kind(c)}{mark}")
     return 0
+
+
+def _kind(info):
+    """Return how ``ls`` says what a complete checkpoint is: full, or a delta and its base."""
+    if not info["complete"]:
+        return ""
+    try:
+        delta = read_manifest(info["path"]).get("delta")
+    except CheckpointError:
+        return ", unreadable manifest"
+    if not delta:
+        return ", full"
+    return f", delta on {delta['base']} (chain {', '.join(delta['chain'])})"
 
 
 def cmd_show(root, step=None):
@@ -201,7 +216,7 @@ def cmd_export(root, out_npz, step=None):
         manifest = read_manifest(path)
         variables = read_variables(path, manifest)
         buffers = read_buffers(path, manifest)
-        tables = read_tables(path, manifest)
+        tables = read_whole_tables(path, manifest)
     except CheckpointError as e:
         return _fail(e)
     clash = sorted((set(variables) & set(tables)) | (set(buffers) & (set(variables)

@@ -134,7 +134,7 @@ def _set_aside(path):
 
 
 def write_manifest(root, global_step, shard_entries, variables, layout, workers, extra=None,
-                   max_to_keep=5, buffers=None):
+                   max_to_keep=5, buffers=None, delta=None):
     """Check the shards, write ``manifest.json``, move ``latest``, prune; return the dir.
 
     ``shard_entries`` are what every ps's :func:`write_shard` returned; ``variables`` is
@@ -143,6 +143,9 @@ def write_manifest(root, global_step, shard_entries, variables, layout, workers,
     worker task to its data position ``{"epoch", "cursor", ...}``; ``extra`` is any
     JSON-able dict. ``max_to_keep`` complete checkpoints are kept (None or 0 keeps all).
     ``buffers`` is the entry :func:`~mpitf.ckpt.buffers.write_buffers` returned, or None.
+    ``delta``: a delta checkpoint's entry (:func:`~mpitf.ckpt.deltas.delta_entry`), or None
+    for a full one; every checkpoint of its chain must be complete (``latest`` then names
+    something whole).
     """
     ckpt_dir = os.path.join(root, checkpoint_name(global_step))
     entries = sorted((dict(e) for e in shard_entries), key=lambda e: e["ps_task"])
@@ -160,6 +163,10 @@ def write_manifest(root, global_step, shard_entries, variables, layout, workers,
         if sha256(path) != e["sha256"]:
             raise CheckpointError(f"{path}: sha256 differs from what ps task "
                                   f"{e['ps_task']} reported")
+    for name in (delta or {}).get("chain", []):
+        if not os.path.isfile(os.path.join(root, name, MANIFEST)):
+            raise CheckpointError(f"{ckpt_dir}: base {name} of this delta checkpoint is not "
+                                  "complete")
     manifest = {
         "format_version": FORMAT_VERSION, "global_step": int(global_step),
         "layout": dict(layout),
@@ -171,6 +178,8 @@ def write_manifest(root, global_step, shard_entries, variables, layout, workers,
     }
     if buffers:
         manifest["buffers"] = dict(buffers)
+    if delta:
+        manifest["delta"] = dict(delta)
     write_text(os.path.join(ckpt_dir, MANIFEST), json.dumps(manifest, indent=1) + "\n")
     latest = os.path.join(root, LATEST)
     if os.path.isdir(latest) and not os.path.islink(latest):  # garbage; never deleted
@@ -205,6 +214,8 @@ def _prune(root, current, max_to_keep):
     step = int(CKPT_RE.match(current)[1])
     complete = [c["name"] for c in found if c["complete"] and c["global_step"] <= step]
     keep = set(complete[-max_to_keep:] if max_to_keep else complete) | {current}
+    keep |= {base for c in found if c["name"] in keep and c["complete"]
+             for base in _chain(c)}  # a kept delta keeps its bases
     newest = max((c["global_step"] for c in found if c["complete"]), default=step)
     for c in found:
         if c["name"] in keep or c["global_step"] > step:
@@ -213,6 +224,13 @@ def _prune(root, current, max_to_keep):
             _remove(c["path"])
         elif not c["complete"] and c["global_step"] < newest:
             _remove(c["path"])
+
+
+def _chain(info):
+    try:
+        return (read_manifest(info["path"]).get("delta") or {}).get("chain", [])
+    except CheckpointError:
+        return []
 
 
 def _identified(info):
