@@ -13,6 +13,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from .buffers import read_buffers
+from .deltas import read_whole_tables
 from .files import commit_file
 from .names import (
     CKPT_RE,
@@ -25,7 +26,6 @@ from .names import (
 )
 from .pieces import index_pieces
 from .restore import read_variables
-from .deltas import read_whole_tables
 from .tables import table_shards
 from .verify import verify_checkpoint
 

@@ -29,12 +29,12 @@ from ..runtime import ulfm
 from ..wire import protocol as P
 from .buffers import FILE as BUFFERS
 from .buffers import write_buffers
+from .deltas import load_chain_tables
 from .files import writing
 from .lock import acquire
 from .names import MANIFEST, checkpoint_name, read_manifest, shard_name
 from .restore import load_shard
 from .slots import check_optimizer_state  # noqa: F401 - the restore check, for the session
-from .deltas import load_chain_tables
 from .verify import find_restorable
 from .write import prepare_save, set_aside_newer, write_manifest, write_shard
 
@@ -62,9 +62,10 @@ def request(root, step, send_control, delta=False):
     """Chief: ask every ps for a cut expected at ``step``; False if it is already saved.
 
     ``delta``: the ps tasks write only the table rows changed since the last checkpoint
-    (``FLAG_DELTA``; :mod:`~mpitf.ckpt.deltas`). Checkpoints newer than the restored one were set aside at the start, so the only
-    checkpoint that can stand at ``step`` is the restored one itself (a run resumed at its
-    last step): then nothing is sent. A leftover directory is cleared first.
+    (``FLAG_DELTA``; :mod:`~mpitf.ckpt.deltas`). Checkpoints newer than the restored one
+    were set aside at the start, so the only checkpoint that can stand at ``step`` is the
+    restored one itself (a run resumed at its last step): then nothing is sent. A leftover
+    directory is cleared first.
     """
     with writing(f"{root}/{checkpoint_name(step)}", "checkpoint directory"):
         if not prepare_save(root, step):

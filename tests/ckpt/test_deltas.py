@@ -8,7 +8,6 @@ lists and verifies the chain, and a delta whose base is gone is refused by name.
 
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +15,8 @@ import pytest
 
 from mpitf.ckpt.deltas import read_table_state
 from mpitf.ckpt.names import read_manifest
-from mpitf.ckpt.tables import table_shards
 from mpitf.ckpt.restore import read_variables
+from mpitf.ckpt.tables import table_shards
 from mpitf.ckpt.verify import find_restorable, verify_checkpoint
 from mpitf.testing import run_mpi
 
@@ -146,6 +145,6 @@ def test_a_delta_of_a_step_that_touched_1_percent_of_rows_is_under_5_percent_of_
                         tables=[delta_rows(shard, 2)])
     full_bytes = os.path.getsize(tmp_path / "full" / full["file"])
     delta_bytes = os.path.getsize(tmp_path / "delta" / delta["file"])
-    sys.stdout.write(f"full {full_bytes} bytes, delta {delta_bytes} bytes\n")
+    print(f"full {full_bytes} bytes, delta {delta_bytes} bytes")
     assert full_bytes > rows * dim * 4 * 2  # rows and Adagrad's accumulator
     assert delta_bytes <= 0.05 * full_bytes, (delta_bytes, full_bytes)
