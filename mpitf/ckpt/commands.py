@@ -89,6 +89,14 @@ def describe_checkpoint(ckpt_dir):
     return "\n".join(lines)
 
 
+def _write_npz(arrays, path):
+    # np.savez(**variables) would clash with a variable named "file".
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
+        for name, value in arrays.items():
+            with z.open(name + ".npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, value)
+
+
 # ------------------------------------------------------------ `mpitf ckpt` commands
 
 
@@ -204,12 +212,14 @@ def cmd_verify(root_or_ckpt_dir):
     return 1 if bad else 0
 
 
-def cmd_export(root, out_npz, step=None):
+def cmd_export(root, out_npz, step=None, write=None):
     """Write every variable, buffer and table of a checkpoint to ``out_npz`` by name.
 
-    A table is one entry ``<table>`` of rows x dim, assembled from every ps's shard.
-    A torch model's variables and buffers are its ``state_dict()`` keys. Returns the exit
-    code.
+    A table is one entry ``<table>`` of rows x dim, assembled from every ps's shard (a
+    delta checkpoint's with its chain); a table that grows is ``<table>`` (its rows, ids
+    ascending) and ``<table>/ids``. A torch model's variables and buffers are its
+    ``state_dict()`` keys. ``write(arrays, path)`` writes another format (the torch
+    state_dict of :mod:`mpitf.torch.export`); None: an ``.npz``. Returns the exit code.
     """
     try:
         path = _choose(root, step)
@@ -226,11 +236,7 @@ def cmd_export(root, out_npz, step=None):
                      "npz entry holds one of them")
     tmp = out_npz + ".tmp"
     try:
-        # np.savez(**variables) would clash with a variable named "file".
-        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
-            for name, value in {**variables, **buffers, **tables}.items():
-                with z.open(name + ".npy", "w", force_zip64=True) as f:
-                    np.lib.format.write_array(f, value)
+        (write or _write_npz)({**variables, **buffers, **tables}, tmp)
         commit_file(tmp, out_npz)
     except OSError as e:
         return _fail(f"cannot write {out_npz} ({e})")
