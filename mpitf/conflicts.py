@@ -12,6 +12,8 @@ from .errors import ConfigurationError
 _REPLICATION = "ps_replication_steps (--ps-replication-steps)"
 _AGGREGATION = "aggregate_per_node (--aggregate-per-node)"
 _DELTAS = "full_checkpoint_every (--full-checkpoint-every)"
+_NO_TABLES = ("a model without embedding tables (a delta holds the rows of tables that changed, "
+              "beside the whole dense shard, as a full checkpoint)")
 
 
 def _off_host(backends):
@@ -115,10 +117,7 @@ def check_job(config, facts):
             (facts.tables, "embedding tables (their rows are not replicated yet)"),
             (gpu, f"the {gpu} backend (frames and copies move through host memory)",
              "use --device cpu or drop the option")), "drop the option")
-    if config.full_checkpoint_every > 1 and not facts.tables:
-        raise ConfigurationError(
-            f"{_DELTAS} writes deltas of embedding tables' rows, and this model has no "
-            "tables (a delta would hold the whole dense shard, as a full checkpoint does): "
+    _refuse(_DELTAS, ((config.full_checkpoint_every > 1 and not facts.tables, _NO_TABLES),),
             "drop the option")
     if config.heal and not facts.ulfm:
         raise ConfigurationError(

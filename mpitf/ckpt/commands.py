@@ -41,6 +41,9 @@ def describe_checkpoint(ckpt_dir):
     lines = [f"{os.path.basename(os.path.normpath(ckpt_dir))}: global step {m['global_step']}, "
              f"written {when}", f"path: {os.path.abspath(ckpt_dir)}",
              "layout: " + ", ".join(f"{k} {v}" for k, v in layout.items())]
+    if m.get("delta"):
+        lines.append(f"delta on {m['delta']['base']}: its tables hold the rows changed since "
+                     f"(chain {', '.join(m['delta']['chain'])}); the dense shard whole")
     rules = []  # options per group: each variable's rule is its group's
     if optimizer is not None:
         optimizer = dict(optimizer)

@@ -83,6 +83,12 @@ def verify_checkpoint(ckpt_dir, chain=True):
         return problems  # checking coverage would only repeat that a shard is gone
     if not manifest.get("delta"):  # a delta holds the rows that changed
         problems += check_counts(manifest, rows)
+    return problems + _coverage_problems(pieces, variables)
+
+
+def _coverage_problems(pieces, variables):
+    """Return a problem for each variable (params, slot, average) its pieces do not tile."""
+    problems = []
     groups = defaultdict(list)
     for p in pieces:
         groups[(p.kind, p.slot, p.var)].append(p)

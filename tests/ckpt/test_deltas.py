@@ -113,6 +113,18 @@ def test_ckpt_ls_and_verify_show_the_chain_and_a_delta_without_its_base_is_refus
     assert "ckpt-00000002" in text and "full" in text.split("ckpt-00000004")[0]
     assert "delta on ckpt-00000004 (chain ckpt-00000002, ckpt-00000004)" in text, text
     assert "ckpt-00000006: OK" in text
+    import h5py
+
+    shard = root / "ckpt-00000004" / "shard-00000-of-00001.h5"
+    saved = shard.read_bytes()
+    with h5py.File(shard, "r+") as f:
+        f["tables/users/rows"][0, 0] += 1
+    assert any(p.startswith("base ckpt-00000004 of this delta checkpoint: shard-00000-of-00001"
+                            ".h5: checksum mismatch in tables/users/rows")
+               for p in verify_checkpoint(root / "ckpt-00000006")), \
+        verify_checkpoint(root / "ckpt-00000006")
+    shard.write_bytes(saved)
+    assert verify_checkpoint(root / "ckpt-00000006") == []
     shutil.rmtree(root / "ckpt-00000004")
     problems = verify_checkpoint(root / "ckpt-00000006")
     assert problems == ["base ckpt-00000004 of this delta checkpoint is missing"]
@@ -155,3 +167,41 @@ def test_a_delta_of_a_step_that_touched_1_percent_of_rows_is_under_5_percent_of_
     print(f"full {full_bytes} bytes, delta {delta_bytes} bytes")
     assert full_bytes > rows * dim * 4 * 2  # rows and Adagrad's accumulator
     assert delta_bytes <= 0.05 * full_bytes, (delta_bytes, full_bytes)
+
+
+def test_the_options_refuse_what_deltas_cannot_work_with():
+    from mpitf.config import JobFacts, TrainingConfig
+    from mpitf.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="neither is given"):
+        TrainingConfig(full_checkpoint_every=3)
+    with pytest.raises(ConfigurationError, match=r"does not support heal \(--heal\)"):
+        TrainingConfig(full_checkpoint_every=3, save_checkpoint_steps=10, heal=True)
+    config = TrainingConfig(full_checkpoint_every=3, save_checkpoint_steps=10)
+    with pytest.raises(ConfigurationError, match="not support a model without embedding"):
+        config.check_job(JobFacts(num_ps=1, num_replicas=1, tables=False))
+    config.check_job(JobFacts(num_ps=1, num_replicas=1, tables=True))
+    TrainingConfig(full_checkpoint_every=1)  # all full: the default, refused by nothing
+
+
+def test_pruning_keeps_the_bases_of_the_deltas_it_keeps(tmp_path):
+    import json
+
+    from mpitf.ckpt.names import FORMAT_VERSION
+    from mpitf.ckpt.write import _prune
+
+    def make(step, chain=None):
+        path = tmp_path / f"ckpt-{step:08d}"
+        path.mkdir()
+        manifest = {"format_version": FORMAT_VERSION, "global_step": step}
+        if chain:
+            manifest["delta"] = {"base": chain[-1], "chain": chain}
+        (path / "manifest.json").write_text(json.dumps(manifest))
+
+    make(2)
+    make(4, ["ckpt-00000002"])
+    make(6, ["ckpt-00000002", "ckpt-00000004"])
+    make(8)
+    make(10, ["ckpt-00000008"])
+    _prune(str(tmp_path), "ckpt-00000010", max_to_keep=1)  # 10 kept, and its base 8
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000008", "ckpt-00000010"]
