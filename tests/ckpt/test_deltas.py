@@ -95,7 +95,7 @@ def test_a_job_killed_between_deltas_restores_full_plus_deltas_bit_for_bit(tmp_p
 
 @pytest.mark.mpi
 def test_ckpt_ls_and_verify_show_the_chain_and_a_delta_without_its_base_is_refused(tmp_path):
-    from mpitf.ckpt.commands import cmd_ls, cmd_verify
+    from mpitf.ckpt.commands import cmd_ls, cmd_show, cmd_verify
 
     root = tmp_path / "ckpt"
     ok(driver(tmp_path, 1, "--steps", 6, "--save-steps", 2, "--full-every", 3,
@@ -107,12 +107,14 @@ def test_ckpt_ls_and_verify_show_the_chain_and_a_delta_without_its_base_is_refus
     try:
         assert cmd_ls(str(root)) == 0
         assert cmd_verify(str(root)) == 0
+        assert cmd_show(str(root)) == 0
     finally:
         builtins.print = real
     text = "\n".join(lines)
     assert "ckpt-00000002" in text and "full" in text.split("ckpt-00000004")[0]
     assert "delta on ckpt-00000004 (chain ckpt-00000002, ckpt-00000004)" in text, text
     assert "ckpt-00000006: OK" in text
+    assert "delta on ckpt-00000004: its tables hold the rows changed since" in text  # show
     import h5py
 
     shard = root / "ckpt-00000004" / "shard-00000-of-00001.h5"
@@ -205,3 +207,21 @@ def test_pruning_keeps_the_bases_of_the_deltas_it_keeps(tmp_path):
     make(10, ["ckpt-00000008"])
     _prune(str(tmp_path), "ckpt-00000010", max_to_keep=1)  # 10 kept, and its base 8
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000008", "ckpt-00000010"]
+
+
+def test_marking_a_step_s_rows_allocates_nothing():
+    import tracemalloc
+
+    from mpitf.tables.changes import Changes
+
+    changes = Changes(1_000_000)
+    rows = np.random.default_rng(0).choice(1_000_000, 40_000, replace=False)
+    changes.mark(rows)
+    tracemalloc.start()
+    try:
+        changes.mark(rows)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1024, peak  # 40,000 rows marked: no array made (a bool each would be 40 kB)
+    assert int(changes.marks.sum()) == 40_000

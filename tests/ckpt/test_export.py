@@ -51,3 +51,27 @@ def test_an_exported_state_dict_loads_into_plain_torch_and_predicts_as_mpitf(tmp
     print(f"max |plain torch - mpitf| on the first test batch: {worst:.3g}")
     assert worst <= 1e-6
     assert float(np.abs(want).max()) > 0  # a trained model's outputs, not zeros
+
+
+@pytest.mark.mpi
+def test_a_growing_table_exports_as_its_rows_and_their_ids_from_a_delta(tmp_path):
+    from mpitf.ckpt.commands import cmd_export
+    from mpitf.ckpt.deltas import read_table_state
+    from mpitf.torch.export import write_state_dict
+
+    ckpt = tmp_path / "ck"
+    run = run_mpi(2, [str(REPO / "tests" / "mpi" / "sparse_driver.py"), str(tmp_path),
+                      "--num-ps", "1", "--dynamic", "--optimizer", "adagrad", "--steps", "4",
+                      "--save-steps", "2", "--full-every", "2", "--checkpoint-dir", str(ckpt)],
+                  timeout=90, cwd=str(REPO))
+    assert not run.timed_out and run.returncode == 0, run.output
+    latest = ckpt / "ckpt-00000004"
+    assert read_manifest(latest)["delta"]["base"] == "ckpt-00000002"
+    out = tmp_path / "m.pt"
+    assert cmd_export(str(ckpt), str(out), write=write_state_dict) == 0
+    state, want = torch.load(out), read_table_state(latest)
+    for name in ("users", "items"):
+        assert state[f"{name}/ids"].dtype == torch.int64
+        assert np.array_equal(state[f"{name}/ids"].numpy(), want[name]["ids"])
+        assert np.array_equal(state[name].numpy(), want[name]["rows"])
+    assert sorted(state) == ["items", "items/ids", "users", "users/ids", "w_items", "w_users"]
