@@ -54,7 +54,7 @@ def delta_rows(shard, step):
     """
     if not hasattr(shard, "map"):
         rows = np.flatnonzero(shard.changes.marks)
-        return {"spec": shard.spec, "ids": shard.placement.global_ids(shard.ps)[rows],
+        return {"spec": shard.spec, "ids": _global_ids(shard.placement, shard.ps, rows),
                 "rows": shard.params[rows],
                 "slots": {k: v[rows] for k, v in shard.slots.items()}}
     shard.evict_stale(step)
@@ -70,6 +70,13 @@ def delta_rows(shard, step):
         extra["pending/ids"], extra["pending/counts"] = shard.counts.items()
     return {"spec": shard.spec, "ids": ids, "rows": shard.params[slots],
             "slots": {k: v[slots] for k, v in shard.slots.items()}, "extra": extra}
+
+
+def _global_ids(placement, ps, rows):
+    """Return the table rows of ps ``ps``'s local rows ``rows`` (not every row's: a delta)."""
+    if placement.kind == "mod":
+        return rows * placement.num_ps + ps
+    return rows + int(placement.starts[ps])
 
 
 def apply_delta(shard, ids, values, evicted=None):

@@ -62,8 +62,9 @@ def test_a_job_killed_between_deltas_restores_full_plus_deltas_bit_for_bit(tmp_p
     a, b = tmp_path / "a", tmp_path / "b"
     common = [*tables, "--save-steps", 2]
     # full at 2, deltas at 4 and 6; the chief SIGKILLs itself at step 7
-    run = driver(a, 2, *common, "--steps", 9, "--full-every", 3, "--checkpoint-dir",
-                 a / "ckpt", "--kill-at", 7)
+    placement = [] if tables else ["--placement", "range"]  # then mod on restore, and in b
+    run = driver(a, 2, *common, *placement, "--steps", 9, "--full-every", 3,
+                 "--checkpoint-dir", a / "ckpt", "--kill-at", 7)
     assert not run.timed_out and run.returncode != 0, run.output
     assert "ckpt-00000006 at step 6 (delta on ckpt-00000004)" in run.output
     assert (a / "ckpt" / "latest").read_text().strip() == "ckpt-00000006"
@@ -225,3 +226,16 @@ def test_marking_a_step_s_rows_allocates_nothing():
         tracemalloc.stop()
     assert peak < 1024, peak  # 40,000 rows marked: no array made (a bool each would be 40 kB)
     assert int(changes.marks.sum()) == 40_000
+
+
+@pytest.mark.parametrize("kind", ["mod", "range"])
+@pytest.mark.parametrize("num_ps", [1, 2, 3])
+def test_a_delta_names_the_table_rows_of_its_local_rows(kind, num_ps):
+    from mpitf.tables.changes import _global_ids
+    from mpitf.tables.rows import RowPlacement
+
+    placement = RowPlacement(37, num_ps, kind)
+    for ps in range(num_ps):
+        every = placement.global_ids(ps)
+        local = np.arange(len(every))[::2]
+        assert np.array_equal(_global_ids(placement, ps, local), every[local])
