@@ -162,6 +162,11 @@ class TrainingConfig:
     max_to_keep: int = option(
         5, "--max-to-keep", check=integer(0),
         help="complete checkpoints kept, the newest (0: keep all)")
+    full_checkpoint_every: int = option(
+        1, "--full-checkpoint-every", check=integer(1),
+        help="of the checkpoints taken (--checkpoint-every/--checkpoint-secs), every Nth is "
+             "full and the ones between are deltas: the dense shard whole and only the "
+             "embedding-table rows changed since the checkpoint before (1: all full)")
     replicas_to_aggregate: int = option(
         None, "--replicas-to-aggregate", "--replicas_to_aggregate", check=integer(1),
         label="replicas_to_aggregate (leave it out for every worker)",

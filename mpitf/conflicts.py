@@ -11,6 +11,9 @@ from .errors import ConfigurationError
 
 _REPLICATION = "ps_replication_steps (--ps-replication-steps)"
 _AGGREGATION = "aggregate_per_node (--aggregate-per-node)"
+_DELTAS = "full_checkpoint_every (--full-checkpoint-every)"
+_NO_TABLES = ("a model without embedding tables (a delta holds the rows of tables that changed, "
+              "beside the whole dense shard, as a full checkpoint)")
 
 
 def _off_host(backends):
@@ -56,6 +59,8 @@ def refuse_combinations(config):
              "such a job before a replacement could join"),
             (config.aggregate_per_node, "aggregate_per_node (--aggregate-per-node)"),
             (config.clients is not None, "in-graph replication (clients)")))
+    if config.full_checkpoint_every > 1:
+        _refuse_deltas(config)
     if config.wire_dtype != "float32":
         _refuse(f"wire_dtype {config.wire_dtype} (--wire-dtype)", (
             (config.aggregate_per_node, "aggregate_per_node (--aggregate-per-node): a "
@@ -63,6 +68,20 @@ def refuse_combinations(config):
             (config.moving_average_decay is not None,
              "moving_average_decay (--moving-average-decay): the average would travel in "
              "a third buffer")))
+
+
+def _refuse_deltas(config):
+    """Refuse what delta checkpoints do not work with (ckpt/deltas.py)."""
+    if not (config.save_checkpoint_steps or config.save_checkpoint_secs):
+        raise ConfigurationError(
+            f"{_DELTAS} takes deltas between the checkpoints --checkpoint-every or "
+            "--checkpoint-secs takes, and neither is given (only the final checkpoint, a "
+            "full one, would be written): give one of them, or drop the option")
+    _refuse(_DELTAS, (
+        (config.heal, "heal (--heal): a replaced ps does not know which rows changed "
+         "before it joined"),
+        (config.ps_replication_steps, f"{_REPLICATION}: a buddy serving a lost ps's shard "
+         "does not know which of its rows changed")))
 
 
 def _refuse(option_name, conflicts, fix="drop one of them"):
@@ -98,6 +117,8 @@ def check_job(config, facts):
             (facts.tables, "embedding tables (their rows are not replicated yet)"),
             (gpu, f"the {gpu} backend (frames and copies move through host memory)",
              "use --device cpu or drop the option")), "drop the option")
+    _refuse(_DELTAS, ((config.full_checkpoint_every > 1 and not facts.tables, _NO_TABLES),),
+            "drop the option")
     if config.heal and not facts.ulfm:
         raise ConfigurationError(
             "heal (--heal) replaces a lost rank with a spawned one, which needs Open MPI with "

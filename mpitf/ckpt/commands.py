@@ -13,6 +13,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from .buffers import read_buffers
+from .deltas import read_whole_tables
 from .files import commit_file
 from .names import (
     CKPT_RE,
@@ -25,7 +26,7 @@ from .names import (
 )
 from .pieces import index_pieces
 from .restore import read_variables
-from .tables import read_tables, table_shards
+from .tables import table_shards
 from .verify import verify_checkpoint
 
 
@@ -40,6 +41,9 @@ def describe_checkpoint(ckpt_dir):
     lines = [f"{os.path.basename(os.path.normpath(ckpt_dir))}: global step {m['global_step']}, "
              f"written {when}", f"path: {os.path.abspath(ckpt_dir)}",
              "layout: " + ", ".join(f"{k} {v}" for k, v in layout.items())]
+    if m.get("delta"):
+        lines.append(f"delta on {m['delta']['base']}: its tables hold the rows changed since "
+                     f"(chain {', '.join(m['delta']['chain'])}); the dense shard whole")
     rules = []  # options per group: each variable's rule is its group's
     if optimizer is not None:
         optimizer = dict(optimizer)
@@ -86,6 +90,14 @@ def describe_checkpoint(ckpt_dir):
     if m.get("extra"):
         lines.append(f"extra: {json.dumps(m['extra'], sort_keys=True)}")
     return "\n".join(lines)
+
+
+def _write_npz(arrays, path):
+    # np.savez(**variables) would clash with a variable named "file".
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
+        for name, value in arrays.items():
+            with z.open(name + ".npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, value)
 
 
 # ------------------------------------------------------------ `mpitf ckpt` commands
@@ -143,8 +155,22 @@ def cmd_ls(root):
         size = sum(e.stat().st_size for e in os.scandir(c["path"]) if e.is_file())
         state = "complete" if c["complete"] else "incomplete"
         mark = "  <- latest" if c["name"] == latest else ""
-        print(f"{c['name']}  step {c['global_step']:>10}  {size:>14} bytes  {state}{mark}")
+        print(f"{c['name']}  step {c['global_step']:>10}  {size:>14} bytes  {state}"
+              f"{_kind(c)}{mark}")
     return 0
+
+
+def _kind(info):
+    """Return how ``ls`` says what a complete checkpoint is: full, or a delta and its base."""
+    if not info["complete"]:
+        return ""
+    try:
+        delta = read_manifest(info["path"]).get("delta")
+    except CheckpointError:
+        return ", unreadable manifest"
+    if not delta:
+        return ", full"
+    return f", delta on {delta['base']} (chain {', '.join(delta['chain'])})"
 
 
 def cmd_show(root, step=None):
@@ -189,19 +215,21 @@ def cmd_verify(root_or_ckpt_dir):
     return 1 if bad else 0
 
 
-def cmd_export(root, out_npz, step=None):
+def cmd_export(root, out_npz, step=None, write=None):
     """Write every variable, buffer and table of a checkpoint to ``out_npz`` by name.
 
-    A table is one entry ``<table>`` of rows x dim, assembled from every ps's shard.
-    A torch model's variables and buffers are its ``state_dict()`` keys. Returns the exit
-    code.
+    A table is one entry ``<table>`` of rows x dim, assembled from every ps's shard (a
+    delta checkpoint's with its chain); a table that grows is ``<table>`` (its rows, ids
+    ascending) and ``<table>/ids``. A torch model's variables and buffers are its
+    ``state_dict()`` keys. ``write(arrays, path)`` writes another format (the torch
+    state_dict of :mod:`mpitf.torch.export`); None: an ``.npz``. Returns the exit code.
     """
     try:
         path = _choose(root, step)
         manifest = read_manifest(path)
         variables = read_variables(path, manifest)
         buffers = read_buffers(path, manifest)
-        tables = read_tables(path, manifest)
+        tables = read_whole_tables(path, manifest)
     except CheckpointError as e:
         return _fail(e)
     clash = sorted((set(variables) & set(tables)) | (set(buffers) & (set(variables)
@@ -211,11 +239,7 @@ def cmd_export(root, out_npz, step=None):
                      "npz entry holds one of them")
     tmp = out_npz + ".tmp"
     try:
-        # np.savez(**variables) would clash with a variable named "file".
-        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
-            for name, value in {**variables, **buffers, **tables}.items():
-                with z.open(name + ".npy", "w", force_zip64=True) as f:
-                    np.lib.format.write_array(f, value)
+        (write or _write_npz)({**variables, **buffers, **tables}, tmp)
         commit_file(tmp, out_npz)
     except OSError as e:
         return _fail(f"cannot write {out_npz} ({e})")

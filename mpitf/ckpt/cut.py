@@ -29,12 +29,12 @@ from ..runtime import ulfm
 from ..wire import protocol as P
 from .buffers import FILE as BUFFERS
 from .buffers import write_buffers
+from .deltas import load_chain_tables
 from .files import writing
 from .lock import acquire
 from .names import MANIFEST, checkpoint_name, read_manifest, shard_name
 from .restore import load_shard
 from .slots import check_optimizer_state  # noqa: F401 - the restore check, for the session
-from .tables import load_tables
 from .verify import find_restorable
 from .write import prepare_save, set_aside_newer, write_manifest, write_shard
 
@@ -58,17 +58,19 @@ def _lost_in_cut(exc, whose, peer, step=None):
                      f"cuts, not in one: resume from the latest checkpoint", **peer)
 
 
-def request(root, step, send_control):
+def request(root, step, send_control, delta=False):
     """Chief: ask every ps for a cut expected at ``step``; False if it is already saved.
 
-    Checkpoints newer than the restored one were set aside at the start, so the only
-    checkpoint that can stand at ``step`` is the restored one itself (a run resumed at its
-    last step): then nothing is sent. A leftover directory is cleared first.
+    ``delta``: the ps tasks write only the table rows changed since the last checkpoint
+    (``FLAG_DELTA``; :mod:`~mpitf.ckpt.deltas`). Checkpoints newer than the restored one
+    were set aside at the start, so the only checkpoint that can stand at ``step`` is the
+    restored one itself (a run resumed at its last step): then nothing is sent. A leftover
+    directory is cleared first.
     """
     with writing(f"{root}/{checkpoint_name(step)}", "checkpoint directory"):
         if not prepare_save(root, step):
             return False
-    send_control(P.SAVE)
+    send_control(P.SAVE, P.FLAG_DELTA if delta else 0)
     return True
 
 
@@ -115,13 +117,14 @@ def collect(comm, ps_ranks, deadline, host_of):
     return reports
 
 
-def commit(root, reports, variables, layout, max_to_keep, buffers=None):
+def commit(root, reports, variables, layout, max_to_keep, buffers=None, delta=None):
     """Chief: check the shards, write the manifest, move ``latest``, prune; return the step.
 
     ``variables`` is ``[(name, shape, dtype)]``; ``layout`` is as
     :func:`~mpitf.ckpt.write.write_manifest` takes it. The data positions are the ones the
     ps tasks recorded with the pushes they applied. ``buffers`` (name -> array, the chief's
-    untrained state) are written beside the shards, before the manifest.
+    untrained state) are written beside the shards, before the manifest. ``delta``: the
+    manifest's entry of a delta checkpoint (:func:`~mpitf.ckpt.deltas.delta_entry`).
     """
     steps = {r["global_step"] for r in reports}
     if len(steps) > 1:
@@ -134,8 +137,9 @@ def commit(root, reports, variables, layout, max_to_keep, buffers=None):
     with writing(f"{root}/{checkpoint_name(step)}/{MANIFEST}", "checkpoint manifest"):
         path = write_manifest(root, step, [r["entry"] for r in reports], variables, layout,
                               reports[0]["positions"], max_to_keep=max_to_keep,
-                              buffers=entry)
-    print(f"checkpoint {path} at step {step}", flush=True)
+                              buffers=entry, delta=delta)
+    kind = f" (delta on {delta['base']})" if delta else ""
+    print(f"checkpoint {path} at step {step}{kind}", flush=True)
     return step
 
 
@@ -222,7 +226,7 @@ def restore_shard(ckpt_dir, slices, backend, params, slots, average=None, tables
     host_average = None if average is None else host(average)
     loaded = load_shard(ckpt_dir, manifest, slices, host_params, host_slots, host_average)
     if tables:
-        load_tables(ckpt_dir, manifest, tables)
+        load_chain_tables(ckpt_dir, manifest, tables)
     if gpu:
         backend.to_device(host_params, out=params)
         for k, v in host_slots.items():

@@ -78,7 +78,8 @@ def check_tables(f, manifest, counts):
             counts[name] = counts.get(name, 0) + len(ids)
             for key in ["rows"] + [f"slots/{k}" for k in g.get("slots", {}).keys()] \
                     + [f"state/{k}" for k in g.get("state", {}).keys()] \
-                    + [f"pending/{k}" for k in g.get("pending", {}).keys()]:
+                    + [f"pending/{k}" for k in g.get("pending", {}).keys()] \
+                    + (["evicted"] if "evicted" in g else []):
                 data = _read(g[key], f"{GROUP}/{name}/{key}")
                 if not key.startswith(("rows", "slots")):
                     continue

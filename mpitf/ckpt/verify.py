@@ -11,6 +11,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from .buffers import check_buffers
+from .deltas import chain_of
 from .files import sha256
 from .names import MANIFEST, list_checkpoints, read_latest, read_manifest
 from .pieces import cover, read_piece, walk
@@ -40,11 +41,13 @@ def _check_shard(f, entry, manifest, variables, found):
     return pieces
 
 
-def verify_checkpoint(ckpt_dir):
+def verify_checkpoint(ckpt_dir, chain=True):
     """Return the problems of the checkpoint in ``ckpt_dir``; an empty list means it is whole.
 
     Checks the manifest, every shard's sha256, every dataset's crc32 and attributes, that
     the pieces of every variable cover it exactly once, and the buffers file if any.
+    A delta checkpoint (:mod:`~mpitf.ckpt.deltas`) is whole only with its chain: each base
+    is verified too (``chain``), and a problem of one is named by its base.
     """
     import h5py
 
@@ -74,9 +77,18 @@ def verify_checkpoint(ckpt_dir):
             found.append("sha256 mismatch")
         problems += [f"{fname}: {p}" for p in found]
     problems += check_buffers(ckpt_dir, manifest)
+    if chain and manifest.get("delta"):
+        problems += _chain_problems(ckpt_dir, manifest)
     if lost:
         return problems  # checking coverage would only repeat that a shard is gone
-    problems += check_counts(manifest, rows)
+    if not manifest.get("delta"):  # a delta holds the rows that changed
+        problems += check_counts(manifest, rows)
+    return problems + _coverage_problems(pieces, variables)
+
+
+def _coverage_problems(pieces, variables):
+    """Return a problem for each variable (params, slot, average) its pieces do not tile."""
+    problems = []
     groups = defaultdict(list)
     for p in pieces:
         groups[(p.kind, p.slot, p.var)].append(p)
@@ -90,6 +102,16 @@ def verify_checkpoint(ckpt_dir):
                 where = "/".join(x for x in (kind, slot, var) if x)
                 problems.append(f"{where}: slices do not cover the variable ({wrong})")
     return problems
+
+
+def _chain_problems(ckpt_dir, manifest):
+    """Return the problems of a delta checkpoint's bases, each named by its base."""
+    try:
+        links = chain_of(ckpt_dir, manifest)
+    except CheckpointError as e:
+        return [str(e)]
+    return [f"base {os.path.basename(path)} of this delta checkpoint: {p}"
+            for path, _ in links[:-1] for p in verify_checkpoint(path, chain=False)]
 
 
 def find_restorable(root, log=print):

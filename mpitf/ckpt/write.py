@@ -134,7 +134,7 @@ def _set_aside(path):
 
 
 def write_manifest(root, global_step, shard_entries, variables, layout, workers, extra=None,
-                   max_to_keep=5, buffers=None):
+                   max_to_keep=5, buffers=None, delta=None):
     """Check the shards, write ``manifest.json``, move ``latest``, prune; return the dir.
 
     ``shard_entries`` are what every ps's :func:`write_shard` returned; ``variables`` is
@@ -143,6 +143,7 @@ def write_manifest(root, global_step, shard_entries, variables, layout, workers,
     worker task to its data position ``{"epoch", "cursor", ...}``; ``extra`` is any
     JSON-able dict. ``max_to_keep`` complete checkpoints are kept (None or 0 keeps all).
     ``buffers`` is the entry :func:`~mpitf.ckpt.buffers.write_buffers` returned, or None.
+    ``delta``: a delta's entry (:func:`~mpitf.ckpt.deltas.delta_entry`), its chain complete.
     """
     ckpt_dir = os.path.join(root, checkpoint_name(global_step))
     entries = sorted((dict(e) for e in shard_entries), key=lambda e: e["ps_task"])
@@ -171,6 +172,7 @@ def write_manifest(root, global_step, shard_entries, variables, layout, workers,
     }
     if buffers:
         manifest["buffers"] = dict(buffers)
+    _add_delta(root, manifest, delta)
     write_text(os.path.join(ckpt_dir, MANIFEST), json.dumps(manifest, indent=1) + "\n")
     latest = os.path.join(root, LATEST)
     if os.path.isdir(latest) and not os.path.islink(latest):  # garbage; never deleted
@@ -178,6 +180,19 @@ def write_manifest(root, global_step, shard_entries, variables, layout, workers,
     write_text(latest, checkpoint_name(global_step) + "\n")
     _prune(root, checkpoint_name(global_step), max_to_keep)
     return ckpt_dir
+
+
+def _add_delta(root, manifest, delta):
+    """Put a delta's entry in its manifest once every base is complete.
+
+    ``latest`` then always names something whole.
+    """
+    for name in (delta or {}).get("chain", []):
+        if not os.path.isfile(os.path.join(root, name, MANIFEST)):
+            raise CheckpointError(f"{checkpoint_name(manifest['global_step'])}: base {name} of "
+                                  "this delta checkpoint is not complete")
+    if delta:
+        manifest["delta"] = dict(delta)
 
 
 def _variable_dict(v):
@@ -205,6 +220,9 @@ def _prune(root, current, max_to_keep):
     step = int(CKPT_RE.match(current)[1])
     complete = [c["name"] for c in found if c["complete"] and c["global_step"] <= step]
     keep = set(complete[-max_to_keep:] if max_to_keep else complete) | {current}
+    best = {"path": os.path.join(root, "best")}  # ckpt/best.py's copy: a delta's bases stay
+    keep |= {base for c in found + [best] if c is best or (c["name"] in keep and c["complete"])
+             for base in _chain(c)}  # a kept delta keeps its bases
     newest = max((c["global_step"] for c in found if c["complete"]), default=step)
     for c in found:
         if c["name"] in keep or c["global_step"] > step:
@@ -213,6 +231,13 @@ def _prune(root, current, max_to_keep):
             _remove(c["path"])
         elif not c["complete"] and c["global_step"] < newest:
             _remove(c["path"])
+
+
+def _chain(info):
+    try:
+        return (read_manifest(info["path"]).get("delta") or {}).get("chain", [])
+    except CheckpointError:
+        return []
 
 
 def _identified(info):

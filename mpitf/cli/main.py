@@ -218,7 +218,20 @@ def cmd_ckpt(args):
         return ckpt_commands.cmd_show(args.dir, step=args.step)
     if args.action == "verify":
         return ckpt_commands.cmd_verify(args.dir)
-    return ckpt_commands.cmd_export(args.dir, args.out, step=args.step)
+    return ckpt_commands.cmd_export(args.dir, args.out, step=args.step,
+                                    write=_export_writer(args.format, args.out))
+
+
+def _export_writer(fmt, out):
+    """Return the writer of ``--format`` (None: an .npz); torch's is mpitf.torch's."""
+    if (fmt or ("torch" if out.endswith((".pt", ".pth")) else "npz")) == "npz":
+        return None
+    try:  # by name: only mpitf.torch imports torch, and only when asked for
+        return importlib.import_module("mpitf.torch.export").write_state_dict
+    except ImportError as e:
+        raise ConfigurationError(f"--format torch writes with torch, which does not import "
+                                 f"here ({e}): install the torch extra, or use --format "
+                                 "npz") from None
 
 
 # --- bench ------------------------------------------------------------------------------
@@ -371,9 +384,15 @@ def build_parser():
     c.add_argument("--step", type=int, default=None, help="global step of the checkpoint")
     c = ckpt.add_parser("verify", help="check every shard's checksums; exit 1 on damage")
     c.add_argument("dir", help="checkpoint directory, or one checkpoint in it")
-    c = ckpt.add_parser("export", help="write a checkpoint's variables to an .npz file")
+    c = ckpt.add_parser("export", help="write a checkpoint's variables, buffers and tables "
+                        "to an .npz file or a torch state_dict")
     c.add_argument("dir", help="checkpoint directory")
-    c.add_argument("--out", required=True, help="output .npz file")
+    c.add_argument("--out", required=True, help="output file (.npz, or .pt/.pth: torch)")
+    c.add_argument("--format", choices=("npz", "torch"), default=None,
+                   help="npz: one entry per name; torch: a torch.save'd state_dict of "
+                   "tensors by state_dict key, each fixed table whole (rows x dim), a table "
+                   "that grows as its rows (ids ascending) and '<key>/ids' (default: torch "
+                   "for .pt/.pth, else npz)")
     c.add_argument("--step", type=int, default=None, help="global step of the checkpoint")
     p.set_defaults(handler=cmd_ckpt)
 

@@ -20,6 +20,8 @@ class Cuts:
         restored = cut.restore_shard(ckpt_dir, shard.slices, self.backend, shard.params,
                                      slots, average,
                                      self.tables.targets() if self.tables else None)
+        if self.tables:
+            self.tables.checkpointed()  # the restored rows are the checkpoint's
         if restored["missing_average"]:
             shard.start_average()
         shard.restored()
@@ -39,8 +41,15 @@ class Cuts:
                        self.assignment.num_ps, self.cut_state.global_step, shard.slices,
                        self.backend, shard.params, shard.saved_slots(), average, state.positions,
                        state.paused, state.counters,
-                       self.tables.saved(state.global_step) if self.tables else None,
-                       peer=self.server.peer)
+                       self._saved_tables(state.global_step), peer=self.server.peer)
+        if self.tables:
+            self.tables.checkpointed()
+
+    def _saved_tables(self, step):
+        """Return this ps's rows of the tables for the cut: all, or the changed (a delta)."""
+        if not self.tables:
+            return None
+        return self.tables.saved(step, delta=self.delta_cut)
 
     def _check_quiescent(self, state):
         """Save (or heal) once every worker is paused or done, then let them go on."""

@@ -100,6 +100,7 @@ class Handlers:
     def _on_save(self, state, worker, request, frame, index, now):
         state.last_push[worker] = None
         self._finish_replies()
+        self.delta_cut = bool(request.flags & P.FLAG_DELTA)  # ps/cuts.py writes it
         state.pausing = True
         self.write_header()
         self._check_quiescent(state)

@@ -71,6 +71,7 @@ class Service(Handlers, Cuts, Losses, Heals):
         if buddy is not None:  # its replies go to workers re-routed to the buddy
             self.pipeline.reply_tag = P.TAG_REPLY_WARD
         self.tables = None  # embedding tables (ps/sparse.py): rows pulled and pushed by id
+        self.delta_cut = False  # the cut asked for is a delta checkpoint (ps/cuts.py)
         if assignment.sparse:
             if self.backend.name != "numpy":
                 raise ConfigurationError("embedding tables need ps tasks on the host for now; "

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import PeerError
 from ..models.embedding import initial_rows
+from ..tables.changes import delta_rows
 from ..tables.dynamic import DynamicShard
 from ..tables.rows import Dedup, segment_sum
 from ..tables.shard import TableShard
@@ -109,9 +110,17 @@ class SparseTables:
         _log.info("ps task %d: a sparse message of %s ids per table, more than the %s its "
                   "buffers held: they grow to %s", self.ps, counts, old, grown)
 
-    def saved(self, step):
-        """Return this ps's rows of every table as a checkpoint writes them (at ``step``)."""
-        return [t.saved(step) for t in self.tables]
+    def saved(self, step, delta=False):
+        """Return this ps's rows of every table as a checkpoint writes them (at ``step``).
+
+        ``delta``: only the rows changed since the last checkpoint (tables/changes.py).
+        """
+        return [delta_rows(t, step) if delta else t.saved(step) for t in self.tables]
+
+    def checkpointed(self):
+        """Forget the changed rows: a checkpoint (or a restore) holds every table now."""
+        for t in self.tables:
+            t.changes.clear()
 
     def targets(self):
         """Return this ps's tables as a restore fills them."""

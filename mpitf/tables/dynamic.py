@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import CheckpointError, PeerError
 from . import dynkernels as K
+from .changes import Changes
 from .hashing import init_key, initial_values
 from .idmap import IdMap
 from .rowkernels import row_words
@@ -48,6 +49,7 @@ class DynamicShard(TableShard):
         self.params = cache_aligned((0, dim), dtype)
         self.slots = {k: cache_aligned((0, dim), dtype) for k in self.slot_start}
         self.ids, self.last_seen, self.uses, self.free = (np.empty(0, np.int64) for _ in range(4))
+        self.changes = Changes(0)  # slots changed since the last checkpoint (delta ones)
         self._grow(START_ROWS)
         self.fit(max_rows, optimizer)
         self.admitted = self.evicted = self.skipped = 0
@@ -83,6 +85,7 @@ class DynamicShard(TableShard):
         free = np.empty(rows, np.int64)
         free[:self.nfree] = self.free[:self.nfree]
         self.free, self.capacity_rows = free, rows
+        self.changes.grow(rows)
 
     def _alloc(self, n):
         """Return ``n`` free slots: evicted ones first, then new ones (storage doubles)."""
@@ -120,11 +123,13 @@ class DynamicShard(TableShard):
             self.last_seen[slots] = values.get("state/last_seen", step)
             self.uses[slots] = values.get("state/uses", 0)
         self.ids[slots] = ids
+        self.changes.mark(slots)
         if self.map.put(ids, slots):
             raise CheckpointError(f"table {self.spec.name!r}: an id is saved twice")
         return slots
 
     def _evict(self, ids, slots):
+        self.changes.evict(ids)
         self.map.delete(ids)
         self.free[self.nfree:self.nfree + len(slots)] = slots
         self.nfree += len(slots)

@@ -10,6 +10,7 @@ over buffers made once.
 import numpy as np
 
 from ..errors import PeerError
+from .changes import Changes
 from .rowkernels import first_outside, local_rows, sgd_rows
 from .rows import cache_aligned, put_rows, take_rows
 
@@ -46,6 +47,7 @@ class TableShard:
                 f"MiB with the optimizer's slots): split the table over more ps tasks "
                 f"(--num-ps)") from None
         self.fit(max_rows, optimizer)
+        self.changes = Changes(n)  # rows changed since the last checkpoint (delta ones)
         self.mod = placement.kind == "mod" and placement.num_ps > 1
         self.lo, self.hi = (0, n) if self.mod else (int(placement.starts[ps]),
                                                     int(placement.starts[ps + 1]))
@@ -105,6 +107,7 @@ class TableShard:
     def apply(self, optimizer, local, grads, step):
         """Apply row gradients ``grads`` of unique local rows ``local`` at global ``step``."""
         u, params = len(local), self.params
+        self.changes.mark(local)
         if optimizer.name == "sgd" and grads.dtype == params.dtype and params.dtype in (
                 np.float32, np.float64):  # no slots: the rows are updated where they lie
             sgd_rows(params, local, grads, params.dtype.type(optimizer.learning_rate(step)))

@@ -66,6 +66,8 @@ FLAG_LEARNING_RATE = 32  # (in push) the header's last word is the learning rate
 FLAG_WARD = 64  # (in requests) for the shard of a lost ps, which its buddy now serves
 FLAG_CLIPPED = 128  # (in replies) the last word is the float64 bits of the norm the ps
 #   clipped the step's mean gradient by (sync mode, whose max_lead is 0)
+FLAG_DELTA = 256  # (in save) a delta checkpoint: each ps writes the table rows changed
+#   since the last checkpoint (ckpt/deltas.py)
 CHIEF_SHIFT = 32  # (in replies) flags >> 32, once the chief died (ULFM): 1 + the replica
 #   index that has its duties now (0: the chief lives)
 

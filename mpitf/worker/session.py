@@ -14,6 +14,7 @@ import time
 import numpy as np
 
 from ..ckpt import cut
+from ..ckpt.deltas import next_delta
 from ..ckpt.tables import table_dicts
 from ..config import JobFacts, TrainingConfig
 from ..errors import ConfigurationError, NonFiniteGradientError
@@ -94,6 +95,7 @@ class TrainingSession:
         self.skips_in_a_row = 0
         self.loss = None  # no step run yet (e.g. resumed at the last step)
         self.committed = []  # chief: the steps of the checkpoints committed by this session
+        self.delta = None  # chief: the manifest's entry of the delta cut asked for, if one
         placement = replica_device_setter(server.cluster, ps_strategy=config.ps_strategy,
                                           partitioner=partitioner)
         self.placement = placement.place(model.variables())
@@ -371,7 +373,10 @@ class TrainingSession:
 
     def _send_save(self, step):
         """Chief: ask every ps for a cut expected at ``step``; False if it is already saved."""
-        return cut.request(self.checkpoint_dir, step, self.client.send_control)
+        self.delta = next_delta(self.checkpoint_dir, self.committed,
+                                self.config.full_checkpoint_every)
+        return cut.request(self.checkpoint_dir, step, self.client.send_control,
+                           delta=self.delta is not None)
 
     def _pause(self, relay=False):
         """Stop for a checkpoint cut; the chief writes the manifest and releases the others.
@@ -405,7 +410,8 @@ class TrainingSession:
             layout["tables"] = table_dicts(self.embeddings.specs)
         buffers = self.buffers.copy() if self.buffers is not None else None
         step = cut.commit(self.checkpoint_dir, reports, self.placement.variables, layout,
-                          max_to_keep=self.config.max_to_keep, buffers=buffers)
+                          max_to_keep=self.config.max_to_keep, buffers=buffers,
+                          delta=self.delta)
         self.committed.append(step)
         if self.saver is not None:
             self.saver.saved(self)

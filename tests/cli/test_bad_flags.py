@@ -33,6 +33,11 @@ def data(digits_file):
     (["--ps-threads", "5000"], "ps_threads (--ps-threads) must be at most 1024, got 5000"),
     (["--wire-dtype", "bfloat16", "--moving-average-decay", "0.9"],
      "wire_dtype bfloat16 (--wire-dtype) does not support moving_average_decay"),
+    (["--full-checkpoint-every", "3"], "full_checkpoint_every (--full-checkpoint-every) "
+     "takes deltas between the checkpoints --checkpoint-every or --checkpoint-secs takes"),
+    (["--full-checkpoint-every", "3", "--checkpoint-every", "2"],
+     "full_checkpoint_every (--full-checkpoint-every) does not support a model without "
+     "embedding tables"),
 ])
 def test_a_bad_flag_ends_every_rank_with_one_message(data, tmp_path, flags, message):
     ckpt = tmp_path / "ckpt"

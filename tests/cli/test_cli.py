@@ -213,14 +213,21 @@ def test_ckpt_calls_checkpoint_commands(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "cmd_show",
                         lambda root, step=None: calls.append(("show", root, step)) or 0)
     monkeypatch.setattr(checkpoint, "cmd_verify", lambda root: calls.append(("verify", root)) or 1)
-    monkeypatch.setattr(checkpoint, "cmd_export",
-                        lambda root, out, step=None: calls.append(("export", root, out, step)) or 0)
+    monkeypatch.setattr(checkpoint, "cmd_export", lambda root, out, step=None, write=None:
+                        calls.append(("export", root, out, step, write)) or 0)
     d = str(tmp_path)
     assert main(["ckpt", "ls", d]) == 0
     assert main(["ckpt", "show", d, "--step", "7"]) == 0
     assert main(["ckpt", "verify", d]) == 1
     assert main(["ckpt", "export", d, "--out", "p.npz"]) == 0
-    assert calls == [("ls", d), ("show", d, 7), ("verify", d), ("export", d, "p.npz", None)]
+    assert calls == [("ls", d), ("show", d, 7), ("verify", d),
+                     ("export", d, "p.npz", None, None)]
+    from mpitf.torch.export import write_state_dict  # .pt, or --format torch: torch's writer
+
+    assert main(["ckpt", "export", d, "--out", "m.pt"]) == 0
+    assert main(["ckpt", "export", d, "--out", "m.bin", "--format", "torch"]) == 0
+    assert calls[-2:] == [("export", d, "m.pt", None, write_state_dict),
+                          ("export", d, "m.bin", None, write_state_dict)]
 
 
 def test_ckpt_missing_directory_exits_2(capsys):

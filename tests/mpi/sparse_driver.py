@@ -113,6 +113,8 @@ def main():
     parser.add_argument("--staleness", type=int, default=1)
     parser.add_argument("--checkpoint-dir")
     parser.add_argument("--save-steps", type=int)
+    parser.add_argument("--full-every", type=int, default=1,
+                        help="full_checkpoint_every: deltas between full checkpoints")
     parser.add_argument("--kill-at", type=int, help="the chief SIGKILLs itself at this step")
     parser.add_argument("--rows-scale", type=int, default=1, help="a model with other rows")
     parser.add_argument("--ps-memory-mb", type=int,
@@ -160,7 +162,8 @@ def main():
         options = dict(mode=args.mode, batch_size=BATCH, seed=3,
                        last_step=args.steps if sync else None,
                        checkpoint_dir=args.checkpoint_dir,
-                       save_checkpoint_steps=args.save_steps)
+                       save_checkpoint_steps=args.save_steps,
+                       full_checkpoint_every=args.full_every)
         if args.mode == "sync":
             options["deterministic"] = args.deterministic
         if args.mode == "ssp":
