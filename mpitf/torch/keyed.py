@@ -170,8 +170,8 @@ def _swap(module, max_ids):
             "(no DistributedModelParallel, sharding plan, feature processor or quantized "
             "tables); mpitf places the tables on the ps")
     if kind is tr.EmbeddingBagCollection:
-        new = _quietly(EmbeddingBagCollection,module.embedding_bag_configs(), module.is_weighted(),
-                                     max_ids=max_ids)
+        new = _quietly(EmbeddingBagCollection, module.embedding_bag_configs(),
+                       module.is_weighted(), max_ids=max_ids)
         old, ours = module.embedding_bags, new.embedding_bags
     elif kind is tr.EmbeddingCollection:
         new = _quietly(EmbeddingCollection, module.embedding_configs(),

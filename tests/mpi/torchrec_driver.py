@@ -1,13 +1,16 @@
 """TorchRec's DLRM through mpitf (1 ps + 1 worker) against plain TorchRec in the worker's process.
 
-``torchrec.models.dlrm.DLRM`` over a TorchRec EmbeddingBagCollection (one table per field
+``torchrec.models.dlrm.DLRM`` (or, without ``--data``, :class:`Mixed`: every kind of TorchRec
+collection on random KeyedJaggedTensors) over a TorchRec EmbeddingBagCollection (one table per field
 of a ``mpitf data synthetic-ctr`` file) is built once under seed 0 and copied: the copy
 trains in plain TorchRec, the model through :func:`mpitf.torch.distribute` and
 DistributedOptimizer, on the same batches in order (deterministic sync). ``--optimizer
 sgd``: torch.optim.SGD on both; ``rowwise``: the tables by row-wise Adagrad
 (``torchrec.optim.RowWiseAdagrad`` on the plain copy) and the dense layers by Adagrad.
 The worker prints each step's two losses' largest relative difference and the ps's
-sparse request counts: ``worker 0: steps S tables T maxrel R pulls P pushes Q``.
+sparse request counts: ``worker 0: steps S fields F maxrel R last L L' tables T moved M
+pulls P pushes Q`` (T: the tables' largest relative difference at the end, read back from
+the ps; M: the least any table's largest change from its start).
 """
 
 from ps_first import serve_if_ps
@@ -18,6 +21,7 @@ import argparse  # noqa: E402 - a ps has served and left before torch is importe
 import copy  # noqa: E402
 import sys  # noqa: E402
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torchrec  # noqa: E402
 from torchrec.models.dlrm import DLRM  # noqa: E402
@@ -56,13 +60,59 @@ def optimizers(model, ref, kind):
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=LR), [torch.optim.SGD(ref.parameters(),
                                                                              lr=LR)]
-    tables = list(ref.sparse_arch.parameters())
+    tables = [p for n, p in ref.named_parameters() if "embedding" in n]
     dense = [p for p in ref.parameters() if all(p is not t for t in tables)]
     return torch.optim.Adagrad(model.parameters(), lr=LR), [
         RowWiseAdagrad(tables, lr=LR), torch.optim.Adagrad(dense, lr=LR)]
 
 
+class Mixed(torch.nn.Module):
+    """Every kind of collection: a shared sum table and a mean one, weighted bags, rows."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        cfg = torchrec.EmbeddingBagConfig
+        self.bags = torchrec.EmbeddingBagCollection(tables=[
+            cfg(name="shared", embedding_dim=DIM, num_embeddings=40, feature_names=["a", "b"]),
+            cfg(name="mean", embedding_dim=3, num_embeddings=30, feature_names=["c"],
+                pooling=torchrec.PoolingType.MEAN)])
+        self.weighted = torchrec.EmbeddingBagCollection(is_weighted=True, tables=[
+            cfg(name="weighted", embedding_dim=DIM, num_embeddings=20, feature_names=["d"])])
+        self.rows = torchrec.EmbeddingCollection(tables=[torchrec.EmbeddingConfig(
+            name="rows", embedding_dim=DIM, num_embeddings=25, feature_names=["e", "f"])])
+        self.out = torch.nn.Linear(5 * DIM + 3, 1)
+
+    def forward(self, kjt, weighted):
+        pooled = [self.bags(kjt).values(), self.weighted(weighted).values()]
+        for name, jt in sorted(self.rows(kjt).items()):  # each example's rows, summed
+            bag = torch.repeat_interleave(torch.arange(len(jt.lengths())), jt.lengths())
+            pooled.append(torch.zeros(len(jt.lengths()), DIM).index_add(0, bag, jt.values()))
+        return self.out(torch.cat(pooled, 1))
+
+
+def mixed_batches(steps):
+    keys, rows = ["a", "b", "c", "e", "f"], [40, 40, 30, 25, 25]
+    for s in range(steps):
+        rng = np.random.default_rng(s)
+        lengths = rng.integers(0, 4, (len(keys), BATCH))
+        values = np.concatenate([rng.integers(0, n, k.sum()) for n, k in zip(rows, lengths)])
+        kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(
+            keys=keys, values=torch.from_numpy(values),
+            lengths=torch.from_numpy(lengths.reshape(-1)))
+        n = rng.integers(1, 4, BATCH)
+        weighted = torchrec.KeyedJaggedTensor.from_lengths_sync(
+            keys=["d"], values=torch.from_numpy(rng.integers(0, 20, n.sum())),
+            lengths=torch.from_numpy(n),
+            weights=torch.from_numpy(rng.uniform(0.5, 1.5, n.sum()).astype(np.float32)))
+        yield kjt, weighted, torch.from_numpy(rng.integers(0, 2, BATCH))
+
+
 def loss_of(model, batch):
+    if isinstance(model, Mixed):
+        kjt, weighted, y = batch
+        return torch.nn.functional.binary_cross_entropy_with_logits(
+            model(kjt, weighted).squeeze(1), y.float())
     dense, kjt, y = batch
     return torch.nn.functional.binary_cross_entropy_with_logits(model(dense, kjt).squeeze(1),
                                                                 y.float())
@@ -70,22 +120,26 @@ def loss_of(model, batch):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--data", required=True)
+    p.add_argument("--data", default=None, help="a click file: DLRM; none: Mixed")
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "rowwise"])
     p.add_argument("--steps", type=int, default=50)
     args = p.parse_args()
     with abort_on_error():
-        _, _, _, rows = load_ctr(args.data, "test", stop=1)
-        fields, dense = len(rows), load_ctr(args.data, "test", stop=1)[1].shape[1]
-        model = build(fields, max(rows), dense)
+        if args.data is None:
+            model, fields, data = Mixed(), 5, mixed_batches(args.steps)
+        else:
+            _, dense, _, rows = load_ctr(args.data, "test", stop=1)
+            fields, data = len(rows), batches(args.data, args.steps)
+            model = build(fields, max(rows), dense.shape[1])
         ref = copy.deepcopy(model)
-        mt.distribute(model, max_ids=BATCH)
+        start = {n: p.detach().clone() for n, p in ref.named_parameters()}
+        mt.distribute(model, max_ids=8 * BATCH)
         opt, ref_opts = optimizers(model, ref, args.optimizer)
         dist = mt.DistributedOptimizer(opt, model, SERVER, deterministic=True,
                                        last_step=args.steps, log_every=0,
                                        rowwise_tables=args.optimizer == "rowwise")
         worst = 0.0
-        for batch in batches(args.data, args.steps):
+        for batch in data:
             dist.zero_grad()
             loss = loss_of(model, batch)
             loss.backward()
@@ -99,8 +153,13 @@ def main():
             a, b = loss.item(), ref_loss.item()
             worst = max(worst, abs(a - b) / abs(b))
         (counters,) = dist.client.ps_counters()
-        sys.stdout.write(f"worker 0: steps {dist.global_step} tables {fields} maxrel {worst:.3g} "
-                         f"last {a:.6f} {b:.6f} pulls "
+        theirs = {n: p.detach() for n, p in ref.named_parameters()}
+        rows = {name: dist.table_rows(name, torch.arange(len(theirs[name])))
+                for name, _ in model.named_parameters() if "embedding" in name}
+        tables = max(float((r - theirs[n]).norm() / theirs[n].norm()) for n, r in rows.items())
+        moved = min(float((r - start[n]).abs().max()) for n, r in rows.items())
+        sys.stdout.write(f"worker 0: steps {dist.global_step} fields {fields} maxrel {worst:.3g} "
+                         f"last {a:.6f} {b:.6f} tables {tables:.3g} moved {moved:.3g} pulls "
                          f"{counters['sparse_pulls']} pushes {counters['sparse_pushes']}\n")
         sys.stdout.flush()
         sys.exit(dist.close())

@@ -1,0 +1,145 @@
+"""TorchRec's collections on mpitf's tables (mpitf.torch.keyed) and row-wise Adagrad on the ps.
+
+The multi-rank runs are 1 ps + 1 worker (tests/mpi/torchrec_driver.py): the worker trains
+a TorchRec model through mpitf.torch.distribute and DistributedOptimizer and a copy of it
+in plain TorchRec on the same batches, and prints the losses' largest relative difference,
+the tables' at the end, and the ps's sparse request counts.
+"""
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+torchrec = pytest.importorskip("torchrec")  # the torchrec extra; run.sh test installs it
+
+import mpitf.torch as mt  # noqa: E402
+from mpitf.data.ctr_synthetic import synthetic_ctr  # noqa: E402
+from mpitf.errors import ConfigurationError  # noqa: E402
+from mpitf.ps.rowwise import RowwiseAdagrad  # noqa: E402
+from mpitf.testing import run_mpi  # noqa: E402
+from tests.support import REPO  # noqa: E402
+
+DRIVER = "tests/mpi/torchrec_driver.py"
+RESULT = re.compile(r"worker 0: steps (\d+) fields (\d+) maxrel (\S+) last \S+ \S+ tables (\S+) "
+                    r"moved (\S+) pulls (\d+) pushes (\d+)")
+
+
+def drive(*args):
+    run = run_mpi(2, [DRIVER, *map(str, args)], timeout=150, cwd=str(REPO))
+    assert not run.timed_out and run.returncode == 0, run.output
+    (found,) = RESULT.findall(run.stdout)
+    steps, fields, maxrel, tables, moved, pulls, pushes = found
+    return int(steps), int(fields), float(maxrel), float(tables), float(moved), int(pulls), \
+        int(pushes)
+
+
+@pytest.fixture(scope="module")
+def clicks(tmp_path_factory):
+    """A planted click file of 26 fields (DLRM's Criteo count), 6,400 training examples."""
+    path = tmp_path_factory.mktemp("ctr") / "ctr.h5"
+    synthetic_ctr(str(path), train=6400, test=100, fields=26, rows=200)
+    return path
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise"])
+def test_torchrec_dlrm_through_mpitf_equals_plain_torchrec_in_one_request_a_step(clicks,
+                                                                              optimizer):
+    steps, fields, maxrel, tables, moved, pulls, pushes = drive("--data", clicks,
+                                                                "--optimizer", optimizer)
+    assert (steps, fields) == (50, 26)
+    assert maxrel < 1e-5 and tables < 1e-5  # each step's loss, and every table at the end
+    assert moved > 1e-5  # every table trained (its rows read back from the ps)
+    assert (pulls, pushes) == (50, 50)  # 26 tables: one pull and one push a step
+
+
+@pytest.mark.mpi
+def test_shared_mean_weighted_and_unpooled_collections_equal_plain_torchrec():
+    steps, _, maxrel, tables, moved, pulls, pushes = drive("--steps", 30)
+    assert maxrel < 1e-5 and tables < 1e-5 and moved > 1e-5
+    assert (pulls, pushes) == (3 * 30, 30)  # a pull per collection, one push for all
+
+
+def _configs():
+    cfg = torchrec.EmbeddingBagConfig
+    return [cfg(name="shared", embedding_dim=3, num_embeddings=20, feature_names=["a", "b"]),
+            cfg(name="mean", embedding_dim=2, num_embeddings=10, feature_names=["c"],
+                pooling=torchrec.PoolingType.MEAN)]
+
+
+def _kjt():
+    return torchrec.KeyedJaggedTensor.from_lengths_sync(
+        keys=["a", "b", "c"], values=torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9]),
+        lengths=torch.tensor([2, 1, 0, 3, 2, 1]))
+
+
+def test_unbound_collections_are_torchrec_s_with_its_values_and_state_dict_keys():
+    torch.manual_seed(0)
+    theirs = torchrec.EmbeddingBagCollection(tables=_configs())
+    torch.manual_seed(0)
+    ours = mt.EmbeddingBagCollection(_configs())
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    assert all(isinstance(m, mt.EmbeddingBag) for m in ours.embedding_bags.values())
+    a, b = theirs(_kjt()), ours(_kjt())
+    assert a.keys() == b.keys() == ["a", "b", "c"]
+    assert torch.equal(a.values(), b.values())
+
+
+def test_distribute_swaps_a_dlrm_s_collection_keeping_its_values_and_the_random_stream():
+    from torchrec.models.dlrm import DLRM
+
+    ebc = torchrec.EmbeddingBagCollection(tables=[torchrec.EmbeddingBagConfig(
+        name=f"t{i}", embedding_dim=3, num_embeddings=10, feature_names=[f"f{i}"])
+        for i in range(2)])
+    model = DLRM(embedding_bag_collection=ebc, dense_in_features=2,
+                 dense_arch_layer_sizes=[3], over_arch_layer_sizes=[4, 1])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(5)
+    assert mt.distribute(model) is model
+    drawn = torch.rand(3)
+    torch.manual_seed(5)
+    assert torch.equal(drawn, torch.rand(3))  # distribute drew nothing from the user's stream
+    swapped = model.sparse_arch.embedding_bag_collection
+    assert isinstance(swapped, mt.EmbeddingBagCollection)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert isinstance(mt.distribute(torchrec.EmbeddingCollection(tables=[
+        torchrec.EmbeddingConfig(name="e", embedding_dim=2, num_embeddings=4)])),
+        mt.EmbeddingCollection)
+
+
+def test_what_the_ps_tables_cannot_hold_is_refused_by_name():
+    half = torchrec.EmbeddingBagConfig(name="half", embedding_dim=2, num_embeddings=4,
+                                       feature_names=["h"], data_type=torchrec.DataType.FP16)
+    with pytest.raises(ConfigurationError, match="'half'.*FP32"):
+        mt.EmbeddingBagCollection([half])
+
+    class ShardedEmbeddingBagCollection(torch.nn.Module):
+        pass
+
+    model = torch.nn.Sequential(ShardedEmbeddingBagCollection())
+    with pytest.raises(ConfigurationError, match="ShardedEmbeddingBagCollection.*unsharded"):
+        mt.distribute(model)
+
+
+def test_rowwise_adagrad_on_rows_is_torchrec_s():
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    rng = np.random.default_rng(0)
+    weight = torch.nn.Parameter(torch.from_numpy(rng.normal(size=(6, 4)).astype(np.float32)))
+    theirs = RowWiseAdagrad([weight], lr=0.1, lr_decay=0.01, eps=1e-8)
+    ours = RowwiseAdagrad(0.1, lr_decay=0.01, eps=1e-8)
+    rows = weight.detach().numpy().copy()
+    slots = ours.make_slots(rows.size, np, rows.dtype)
+    for step in range(3):
+        grad = rng.normal(size=(6, 4)).astype(np.float32)
+        grad[step] = 0  # a row without gradient: TorchRec's moves nothing either
+        weight.grad = torch.from_numpy(grad.copy())
+        theirs.step()
+        ours.apply_rows(rows, grad, slots, step)
+    np.testing.assert_allclose(rows, weight.detach().numpy(), rtol=1e-6, atol=1e-7)
+    acc = slots["sum"].reshape(6, 4)
+    assert np.all(acc == acc[:, :1])  # one accumulator per row, held by each element
