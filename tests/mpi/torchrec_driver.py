@@ -85,7 +85,7 @@ class Mixed(torch.nn.Module):
 
     def forward(self, kjt, weighted):
         pooled = [self.bags(kjt).values(), self.weighted(weighted).values()]
-        for name, jt in sorted(self.rows(kjt).items()):  # each example's rows, summed
+        for _, jt in sorted(self.rows(kjt).items()):  # each example's rows, summed
             bag = torch.repeat_interleave(torch.arange(len(jt.lengths())), jt.lengths())
             pooled.append(torch.zeros(len(jt.lengths()), DIM).index_add(0, bag, jt.values()))
         return self.out(torch.cat(pooled, 1))
