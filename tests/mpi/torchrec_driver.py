@@ -1,21 +1,25 @@
-"""TorchRec's DLRM through mpitf (1 ps + 1 worker) against plain TorchRec in the worker's process.
+"""TorchRec models through mpitf (1 ps + 1 worker) against plain TorchRec in the worker's process.
 
-``torchrec.models.dlrm.DLRM`` (or, without ``--data``, :class:`Mixed`: every kind of TorchRec
-collection on random KeyedJaggedTensors) over a TorchRec EmbeddingBagCollection (one table per field
-of a ``mpitf data synthetic-ctr`` file) is built once under seed 0 and copied: the copy
+``torchrec.models.dlrm.DLRM`` over a TorchRec EmbeddingBagCollection (one table per field
+of the ``mpitf data synthetic-ctr`` file ``--data``), or :class:`Mixed` (every kind of
+TorchRec collection, on random KeyedJaggedTensors), is built under seed 0 and copied: the copy
 trains in plain TorchRec, the model through :func:`mpitf.torch.distribute` and
-DistributedOptimizer, on the same batches in order (deterministic sync). ``--optimizer
-sgd``: torch.optim.SGD on both; ``rowwise``: the tables by row-wise Adagrad
-(``torchrec.optim.RowWiseAdagrad`` on the plain copy) and the dense layers by Adagrad.
-The worker prints each step's two losses' largest relative difference and the ps's
-sparse request counts: ``worker 0: steps S fields F maxrel R last L L' tables T moved M
-pulls P pushes Q`` (T: the tables' largest relative difference at the end, read back from
-the ps; M: the least any table's largest change from its start).
+DistributedOptimizer, on the same batches in order (deterministic sync). ``--runs``, in
+turn in one launch: ``dlrm-sgd`` (torch.optim.SGD on both), ``dlrm-rowwise`` (the tables
+by row-wise Adagrad, ``torchrec.optim.RowWiseAdagrad`` on the plain copy, the dense
+layers by Adagrad), ``mixed`` (SGD). The worker prints, per run, the steps' losses'
+largest relative difference and the ps's sparse request counts: ``worker 0: run N steps S
+fields F maxrel R last L L' tables T moved M pulls P pushes Q`` (T: the tables' largest
+relative difference at the end, read back from the ps; M: the least any table's largest
+change from its start).
 """
 
-from ps_first import serve_if_ps
+from ps_first import flag, serve_if_ps
 
-SERVER = serve_if_ps(deadline=80) if __name__ == "__main__" else None
+RUNS = "dlrm-sgd,dlrm-rowwise,mixed"
+# the ps serves each run in turn (one launch: the worker imports torch once)
+SERVER = serve_if_ps(deadline=80, sessions=len(flag("--runs", RUNS).split(","))) \
+    if __name__ == "__main__" else None
 
 import argparse  # noqa: E402 - a ps has served and left before torch is imported
 import copy  # noqa: E402
@@ -118,51 +122,60 @@ def loss_of(model, batch):
                                                                 y.float())
 
 
+def train(run, args):
+    """Train one run (``dlrm-sgd``, ``dlrm-rowwise`` or ``mixed``) both ways; say how close."""
+    kind = run.split("-")[-1] if run.startswith("dlrm") else "sgd"
+    if run == "mixed":
+        model, fields, data = Mixed(), 5, mixed_batches(args.steps)
+    else:
+        _, dense, _, rows = load_ctr(args.data, "test", stop=1)
+        fields, data = len(rows), batches(args.data, args.steps)
+        model = build(fields, max(rows), dense.shape[1])
+    ref = copy.deepcopy(model)
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    mt.distribute(model, max_ids=8 * BATCH)
+    opt, ref_opts = optimizers(model, ref, kind)
+    dist = mt.DistributedOptimizer(opt, model, SERVER, deterministic=True,
+                                   last_step=args.steps, log_every=0,
+                                   rowwise_tables=kind == "rowwise")
+    worst = 0.0
+    for batch in data:
+        dist.zero_grad()
+        loss = loss_of(model, batch)
+        loss.backward()
+        dist.step(loss)
+        for o in ref_opts:
+            o.zero_grad()
+        ref_loss = loss_of(ref, batch)
+        ref_loss.backward()
+        for o in ref_opts:
+            o.step()
+        a, b = loss.item(), ref_loss.item()
+        worst = max(worst, abs(a - b) / abs(b))
+    (counters,) = dist.client.ps_counters()
+    theirs = {n: p.detach() for n, p in ref.named_parameters()}
+    rows = {name: dist.table_rows(name, torch.arange(len(theirs[name])))
+            for name, _ in model.named_parameters() if "embedding" in name}
+    tables = max(float((r - theirs[n]).norm() / theirs[n].norm()) for n, r in rows.items())
+    moved = min(float((r - start[n]).abs().max()) for n, r in rows.items())
+    sys.stdout.write(f"worker 0: run {run} steps {dist.global_step} fields {fields} maxrel "
+                     f"{worst:.3g} last {a:.6f} {b:.6f} tables {tables:.3g} moved {moved:.3g} "
+                     f"pulls {counters['sparse_pulls']} pushes {counters['sparse_pushes']}\n")
+    sys.stdout.flush()
+    return dist.close()
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--data", default=None, help="a click file: DLRM; none: Mixed")
-    p.add_argument("--optimizer", default="sgd", choices=["sgd", "rowwise"])
+    p.add_argument("--data", default=None, help="a click file (for the dlrm runs)")
+    p.add_argument("--runs", default=RUNS, help="dlrm-sgd, dlrm-rowwise, mixed (commas)")
     p.add_argument("--steps", type=int, default=50)
     args = p.parse_args()
     with abort_on_error():
-        if args.data is None:
-            model, fields, data = Mixed(), 5, mixed_batches(args.steps)
-        else:
-            _, dense, _, rows = load_ctr(args.data, "test", stop=1)
-            fields, data = len(rows), batches(args.data, args.steps)
-            model = build(fields, max(rows), dense.shape[1])
-        ref = copy.deepcopy(model)
-        start = {n: p.detach().clone() for n, p in ref.named_parameters()}
-        mt.distribute(model, max_ids=8 * BATCH)
-        opt, ref_opts = optimizers(model, ref, args.optimizer)
-        dist = mt.DistributedOptimizer(opt, model, SERVER, deterministic=True,
-                                       last_step=args.steps, log_every=0,
-                                       rowwise_tables=args.optimizer == "rowwise")
-        worst = 0.0
-        for batch in data:
-            dist.zero_grad()
-            loss = loss_of(model, batch)
-            loss.backward()
-            dist.step(loss)
-            for o in ref_opts:
-                o.zero_grad()
-            ref_loss = loss_of(ref, batch)
-            ref_loss.backward()
-            for o in ref_opts:
-                o.step()
-            a, b = loss.item(), ref_loss.item()
-            worst = max(worst, abs(a - b) / abs(b))
-        (counters,) = dist.client.ps_counters()
-        theirs = {n: p.detach() for n, p in ref.named_parameters()}
-        rows = {name: dist.table_rows(name, torch.arange(len(theirs[name])))
-                for name, _ in model.named_parameters() if "embedding" in name}
-        tables = max(float((r - theirs[n]).norm() / theirs[n].norm()) for n, r in rows.items())
-        moved = min(float((r - start[n]).abs().max()) for n, r in rows.items())
-        sys.stdout.write(f"worker 0: steps {dist.global_step} fields {fields} maxrel {worst:.3g} "
-                         f"last {a:.6f} {b:.6f} tables {tables:.3g} moved {moved:.3g} pulls "
-                         f"{counters['sparse_pulls']} pushes {counters['sparse_pushes']}\n")
-        sys.stdout.flush()
-        sys.exit(dist.close())
+        for run in args.runs.split(","):
+            code = train(run, args)
+            if code:
+                sys.exit(code)
 
 
 if __name__ == "__main__":

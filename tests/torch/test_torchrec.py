@@ -22,44 +22,29 @@ from mpitf.testing import run_mpi  # noqa: E402
 from tests.support import REPO  # noqa: E402
 
 DRIVER = "tests/mpi/torchrec_driver.py"
-RESULT = re.compile(r"worker 0: steps (\d+) fields (\d+) maxrel (\S+) last \S+ \S+ tables (\S+) "
-                    r"moved (\S+) pulls (\d+) pushes (\d+)")
+RESULT = re.compile(r"worker 0: run (\S+) steps (\d+) fields (\d+) maxrel (\S+) last \S+ \S+ "
+                    r"tables (\S+) moved (\S+) pulls (\d+) pushes (\d+)")
 
 
-def drive(*args):
-    run = run_mpi(2, [DRIVER, *map(str, args)], timeout=150, cwd=str(REPO))
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_torchrec_models_through_mpitf_equal_plain_torchrec_in_one_request_a_step(tmp_path):
+    # a planted click file of 26 fields (DLRM's Criteo count); one launch trains DLRM with
+    # SGD, then with row-wise Adagrad, then every kind of collection (shared, mean, weighted
+    # and unpooled), each through mpitf and in plain TorchRec on the same batches
+    clicks = tmp_path / "ctr.h5"
+    synthetic_ctr(str(clicks), train=6400, test=100, fields=26, rows=200)
+    run = run_mpi(2, [DRIVER, "--data", str(clicks)], timeout=200, cwd=str(REPO))
     assert not run.timed_out and run.returncode == 0, run.output
-    (found,) = RESULT.findall(run.stdout)
-    steps, fields, maxrel, tables, moved, pulls, pushes = found
-    return int(steps), int(fields), float(maxrel), float(tables), float(moved), int(pulls), \
-        int(pushes)
-
-
-@pytest.fixture(scope="module")
-def clicks(tmp_path_factory):
-    """A planted click file of 26 fields (DLRM's Criteo count), 6,400 training examples."""
-    path = tmp_path_factory.mktemp("ctr") / "ctr.h5"
-    synthetic_ctr(str(path), train=6400, test=100, fields=26, rows=200)
-    return path
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("optimizer", ["sgd", "rowwise"])
-def test_torchrec_dlrm_through_mpitf_equals_plain_torchrec_in_one_request_a_step(clicks,
-                                                                              optimizer):
-    steps, fields, maxrel, tables, moved, pulls, pushes = drive("--data", clicks,
-                                                                "--optimizer", optimizer)
-    assert (steps, fields) == (50, 26)
-    assert maxrel < 1e-5 and tables < 1e-5  # each step's loss, and every table at the end
-    assert moved > 1e-5  # every table trained (its rows read back from the ps)
-    assert (pulls, pushes) == (50, 50)  # 26 tables: one pull and one push a step
-
-
-@pytest.mark.mpi
-def test_shared_mean_weighted_and_unpooled_collections_equal_plain_torchrec():
-    steps, _, maxrel, tables, moved, pulls, pushes = drive("--steps", 30)
-    assert maxrel < 1e-5 and tables < 1e-5 and moved > 1e-5
-    assert (pulls, pushes) == (3 * 30, 30)  # a pull per collection, one push for all
+    found = {r[0]: [float(v) for v in r[1:]] for r in RESULT.findall(run.stdout)}
+    assert sorted(found) == ["dlrm-rowwise", "dlrm-sgd", "mixed"], run.output
+    for name, (steps, fields, maxrel, tables, moved, pulls, pushes) in found.items():
+        assert maxrel < 1e-5 and tables < 1e-5, name  # every step's loss; tables at the end
+        assert moved > 1e-5, name  # every table trained (its rows read back from the ps)
+        if name.startswith("dlrm"):  # 26 tables: one pull and one push a step
+            assert (steps, fields, pulls, pushes) == (50, 26, 50, 50), name
+        else:  # three collections: a pull each, and one push of all their tables
+            assert (steps, pulls, pushes) == (50, 3 * 50, 50), name
 
 
 def _configs():
