@@ -19,6 +19,7 @@ from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
 
 from ..errors import ConfigurationError
+from .ids import check_ids
 from .tables import Embedding, EmbeddingBag
 
 __all__ = ["EmbeddingBagCollection", "EmbeddingCollection", "distribute"]
@@ -45,9 +46,18 @@ def _feature(features, name, table):
     return features[name]
 
 
-def _joined(features, names, table, weighted):
-    """Return one table's (ids, offsets with the last, weights) over its ``names`` features."""
-    parts = [_feature(features, n, table) for n in names]
+def _joined(features, names, module, weighted):
+    """Return one table's (ids, offsets with the last, weights, bags per feature).
+
+    The table's features ``names`` one after another; each feature's ids are checked
+    first, so a refusal names the feature, the id and its position in that feature.
+    """
+    parts = [_feature(features, n, module.table_name) for n in names]
+    for name, part in zip(names, parts):
+        try:
+            check_ids(module.table_name, module.num_embeddings, part.values(), bag=False)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"feature {name!r}: {exc}") from None
     ids = torch.cat([p.values() for p in parts]) if len(parts) > 1 else parts[0].values()
     lengths = torch.cat([p.lengths() for p in parts]) if len(parts) > 1 else parts[0].lengths()
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
@@ -95,14 +105,17 @@ class EmbeddingBagCollection(tr.EmbeddingBagCollection):
         front = _bound(modules)
         if front is None:
             return super().forward(features)
-        calls, counts = [], []
-        for module, names in zip(modules, self._feature_names):
-            ids, offsets, weights, sizes = _joined(features, names, module.table_name,
-                                                   self._is_weighted)
-            calls.append((module, (ids, offsets, weights)))
-            counts.append(sizes)
+        counts = []
+
+        def calls():  # run inside tables_forward: a refusal here ends every rank too
+            for module, names in zip(modules, self._feature_names):
+                ids, offsets, weights, sizes = _joined(features, names, module,
+                                                       self._is_weighted)
+                counts.append(sizes)
+                yield module, (ids, offsets, weights)
+
         pooled = []
-        for out, sizes in zip(front.tables_forward(calls), counts):
+        for out, sizes in zip(front.tables_forward(calls()), counts):
             pooled.extend(out.split(sizes) if len(sizes) > 1 else (out,))
         return KeyedTensor(keys=self._embedding_names, values=torch.cat(pooled, 1),
                            length_per_key=self._lengths_per_embedding)
@@ -132,13 +145,16 @@ class EmbeddingCollection(tr.EmbeddingCollection):
         front = _bound(modules)
         if front is None:
             return super().forward(features)
-        calls, parts = [], []
-        for module, names in zip(modules, self._feature_names):
-            ids, _, _, _ = _joined(features, names, module.table_name, False)
-            calls.append((module, (ids,)))
-            parts.append([_feature(features, n, module.table_name) for n in names])
+        parts = []
+
+        def calls():  # run inside tables_forward: a refusal here ends every rank too
+            for module, names in zip(modules, self._feature_names):
+                ids, _, _, _ = _joined(features, names, module, False)
+                parts.append([features[n] for n in names])
+                yield module, (ids,)
+
         out = {}
-        for rows, jts, names in zip(front.tables_forward(calls), parts,
+        for rows, jts, names in zip(front.tables_forward(calls()), parts,
                                     self._embedding_names_by_table):
             cuts = rows.split([len(jt.values()) for jt in jts]) if len(jts) > 1 else (rows,)
             for name, jt, values in zip(names, jts, cuts):

@@ -170,11 +170,12 @@ class DistributedOptimizer(SessionFrontEnd):
 
     @ends_the_job
     def tables_forward(self, calls):
-        """Run several tables' bound forwards (``[(module, args)]``), pulling once per ps.
+        """Run tables' bound forwards (``[(module, args)]``, or a generator), one pull per ps.
 
-        Every call's ids are checked first (a refusal ends every rank, naming the table),
+        Every call's ids are checked first (a refusal, the generator's too, ends all ranks),
         then all the tables' rows come in one sparse request per ps; returns the outputs.
         """
+        calls = list(calls)
         for module, args in calls:
             module.check(*args)
         found = self.lookup_tables({m.table_name: args[0].numpy() for m, args in calls},

@@ -95,12 +95,14 @@ class Mixed(torch.nn.Module):
         return self.out(torch.cat(pooled, 1))
 
 
-def mixed_batches(steps):
+def mixed_batches(steps, bad=False):
     keys, rows = ["a", "b", "c", "e", "f"], [40, 40, 30, 25, 25]
     for s in range(steps):
         rng = np.random.default_rng(s)
         lengths = rng.integers(0, 4, (len(keys), BATCH))
         values = np.concatenate([rng.integers(0, n, k.sum()) for n, k in zip(rows, lengths)])
+        if bad and s == 3:  # feature b's third id: past its table's 40 rows
+            values[lengths[0].sum() + 2] = 40
         kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(
             keys=keys, values=torch.from_numpy(values),
             lengths=torch.from_numpy(lengths.reshape(-1)))
@@ -126,7 +128,7 @@ def train(run, args):
     """Train one run (``dlrm-sgd``, ``dlrm-rowwise`` or ``mixed``) both ways; say how close."""
     kind = run.split("-")[-1] if run.startswith("dlrm") else "sgd"
     if run == "mixed":
-        model, fields, data = Mixed(), 5, mixed_batches(args.steps)
+        model, fields, data = Mixed(), 5, mixed_batches(args.steps, args.bad)
     else:
         _, dense, _, rows = load_ctr(args.data, "test", stop=1)
         fields, data = len(rows), batches(args.data, args.steps)
@@ -170,6 +172,7 @@ def main():
     p.add_argument("--data", default=None, help="a click file (for the dlrm runs)")
     p.add_argument("--runs", default=RUNS, help="dlrm-sgd, dlrm-rowwise, mixed (commas)")
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--bad", action="store_true", help="mixed: an id out of range at step 3")
     args = p.parse_args()
     with abort_on_error():
         for run in args.runs.split(","):

@@ -15,6 +15,7 @@ import torch
 torchrec = pytest.importorskip("torchrec")  # the torchrec extra; run.sh test installs it
 
 import mpitf.torch as mt  # noqa: E402
+from mpitf.torch import keyed  # noqa: E402
 from mpitf.data.ctr_synthetic import synthetic_ctr  # noqa: E402
 from mpitf.errors import ConfigurationError  # noqa: E402
 from mpitf.ps.rowwise import RowwiseAdagrad  # noqa: E402
@@ -45,6 +46,21 @@ def test_torchrec_models_through_mpitf_equal_plain_torchrec_in_one_request_a_ste
             assert (steps, fields, pulls, pushes) == (50, 26, 50, 50), name
         else:  # three collections: a pull each, and one push of all their tables
             assert (steps, pulls, pushes) == (50, 3 * 50, 50), name
+
+
+@pytest.mark.mpi
+def test_an_id_out_of_its_table_ends_every_rank_naming_the_feature_and_the_id():
+    run = run_mpi(2, [DRIVER, "--runs", "mixed", "--bad"], timeout=120, cwd=str(REPO))
+    assert not run.timed_out and run.returncode == 2, run.output
+    assert "feature 'b': table 'bags.embedding_bags.shared.weight': id 40 at position 2 is " \
+           "outside [0, 40)" in run.output, run.output
+    assert "Traceback" not in run.output, run.output
+
+
+def test_a_missing_feature_is_refused_by_name():
+    ebc = mt.EmbeddingBagCollection(_configs())
+    with pytest.raises(ConfigurationError, match="no feature 'zz'.*'a', 'b', 'c'"):
+        keyed._joined(_kjt(), ["a", "zz"], ebc.embedding_bags["shared"], False)
 
 
 def _configs():
