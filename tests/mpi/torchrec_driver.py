@@ -124,6 +124,17 @@ def loss_of(model, batch):
                                                                 y.float())
 
 
+def step_plain(ref, ref_opts, batch):
+    """Train the plain TorchRec copy one step; return its loss."""
+    for o in ref_opts:
+        o.zero_grad()
+    loss = loss_of(ref, batch)
+    loss.backward()
+    for o in ref_opts:
+        o.step()
+    return loss.item()
+
+
 def train(run, args):
     """Train one run (``dlrm-sgd``, ``dlrm-rowwise`` or ``mixed``) both ways; say how close."""
     kind = run.split("-")[-1] if run.startswith("dlrm") else "sgd"
@@ -139,20 +150,18 @@ def train(run, args):
     opt, ref_opts = optimizers(model, ref, kind)
     dist = mt.DistributedOptimizer(opt, model, SERVER, deterministic=True,
                                    last_step=args.steps, log_every=0,
-                                   rowwise_tables=kind == "rowwise")
-    worst = 0.0
-    for batch in data:
+                                   rowwise_tables=kind == "rowwise",
+                                   checkpoint_dir=args.checkpoint_dir)
+    worst, a, b = 0.0, float("nan"), float("nan")
+    for s, batch in enumerate(data):
+        if s < dist.global_step:  # restored past it: the plain copy catches up
+            step_plain(ref, ref_opts, batch)
+            continue
         dist.zero_grad()
         loss = loss_of(model, batch)
         loss.backward()
         dist.step(loss)
-        for o in ref_opts:
-            o.zero_grad()
-        ref_loss = loss_of(ref, batch)
-        ref_loss.backward()
-        for o in ref_opts:
-            o.step()
-        a, b = loss.item(), ref_loss.item()
+        a, b = loss.item(), step_plain(ref, ref_opts, batch)
         worst = max(worst, abs(a - b) / abs(b))
     (counters,) = dist.client.ps_counters()
     theirs = {n: p.detach() for n, p in ref.named_parameters()}
@@ -173,6 +182,7 @@ def main():
     p.add_argument("--runs", default=RUNS, help="dlrm-sgd, dlrm-rowwise, mixed (commas)")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--bad", action="store_true", help="mixed: an id out of range at step 3")
+    p.add_argument("--checkpoint-dir", default=None, help="checkpoint at the end, resume")
     args = p.parse_args()
     with abort_on_error():
         for run in args.runs.split(","):

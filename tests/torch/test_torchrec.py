@@ -15,11 +15,11 @@ import torch
 torchrec = pytest.importorskip("torchrec")  # the torchrec extra; run.sh test installs it
 
 import mpitf.torch as mt  # noqa: E402
-from mpitf.torch import keyed  # noqa: E402
 from mpitf.data.ctr_synthetic import synthetic_ctr  # noqa: E402
 from mpitf.errors import ConfigurationError  # noqa: E402
 from mpitf.ps.rowwise import RowwiseAdagrad  # noqa: E402
 from mpitf.testing import run_mpi  # noqa: E402
+from mpitf.torch import keyed  # noqa: E402
 from tests.support import REPO  # noqa: E402
 
 DRIVER = "tests/mpi/torchrec_driver.py"
@@ -46,6 +46,23 @@ def test_torchrec_models_through_mpitf_equal_plain_torchrec_in_one_request_a_ste
             assert (steps, fields, pulls, pushes) == (50, 26, 50, 50), name
         else:  # three collections: a pull each, and one push of all their tables
             assert (steps, pulls, pushes) == (50, 3 * 50, 50), name
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_row_wise_adagrad_resumes_its_accumulators_from_a_checkpoint(tmp_path):
+    # 25 steps, checkpointed at the end; a second launch restores them and trains to 50:
+    # the tables still equal plain TorchRec's 50 steps (fresh accumulators would not)
+    clicks = tmp_path / "ctr.h5"
+    synthetic_ctr(str(clicks), train=6400, test=100, fields=26, rows=200)
+    args = [DRIVER, "--data", str(clicks), "--runs", "dlrm-rowwise", "--checkpoint-dir",
+            str(tmp_path / "ckpt")]
+    for steps in (25, 50):
+        run = run_mpi(2, [*args, "--steps", str(steps)], timeout=150, cwd=str(REPO))
+        assert not run.timed_out and run.returncode == 0, run.output
+        ((_, done, _, maxrel, tables, moved, _, _),) = RESULT.findall(run.stdout)
+        assert int(done) == steps and float(maxrel) < 1e-5 and float(tables) < 1e-5
+    assert "restored" in run.stdout and "at step 25" in run.stdout, run.output
 
 
 @pytest.mark.mpi
