@@ -40,6 +40,10 @@ def _check_config(config, pooled):
 
 def _feature(features, name, table):
     """Return feature ``name`` of a KeyedJaggedTensor as a JaggedTensor, or refuse it."""
+    if features.variable_stride_per_key():
+        raise ConfigurationError("a KeyedJaggedTensor of a batch size per feature "
+                                 "(stride_per_key_per_rank) is not supported: give every "
+                                 "feature the same batch")
     if name not in features.keys():
         raise ConfigurationError(f"the KeyedJaggedTensor has no feature {name!r} (table "
                                  f"{table!r} reads it): its keys are {features.keys()}")
