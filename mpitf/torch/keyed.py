@@ -204,6 +204,13 @@ def _swap(module, max_ids):
         if weight.device.type != "cpu":
             raise ConfigurationError(f"table {name!r} is on {weight.device}: build the "
                                      "TorchRec model on the CPU before distribute()")
+        fused = getattr(weight, "_optimizer_classes", None)
+        if fused:  # apply_optimizer_in_backward: its optimizer would step a local copy
+            raise ConfigurationError(
+                f"table {name!r} has an optimizer applied in backward "
+                f"({fused[0].__name__}): the ps updates the tables; leave out "
+                "apply_optimizer_in_backward and give DistributedOptimizer "
+                "torch.optim.Adagrad with rowwise_tables=True (row-wise Adagrad), or SGD")
         with torch.no_grad():
             ours[name].weight.copy_(weight)
         ours[name].weight.requires_grad_(weight.requires_grad)

@@ -142,6 +142,14 @@ def test_what_the_ps_tables_cannot_hold_is_refused_by_name():
     with pytest.raises(ConfigurationError, match="ShardedEmbeddingBagCollection.*unsharded"):
         mt.distribute(model)
 
+    from torch.distributed.optim import _apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    fused = torchrec.EmbeddingBagCollection(tables=_configs())
+    _apply_optimizer_in_backward(RowWiseAdagrad, fused.parameters(), {"lr": 0.1})
+    with pytest.raises(ConfigurationError, match="'shared'.*RowWiseAdagrad.*rowwise_tables"):
+        mt.distribute(fused)
+
 
 def test_rowwise_adagrad_on_rows_is_torchrec_s():
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
