@@ -11,7 +11,8 @@ layers by Adagrad), ``mixed`` (SGD). The worker prints, per run, the steps' loss
 largest relative difference and the ps's sparse request counts: ``worker 0: run N steps S
 fields F maxrel R last L L' tables T moved M pulls P pushes Q`` (T: the tables' largest
 relative difference at the end, read back from the ps; M: the least any table's largest
-change from its start).
+change from its start; P, Q: each ps's, by commas). ``--num-ps 2``: the tables' rows split
+over two ps.
 """
 
 from ps_first import flag, serve_if_ps
@@ -163,7 +164,7 @@ def train(run, args):
         dist.step(loss)
         a, b = loss.item(), step_plain(ref, ref_opts, batch)
         worst = max(worst, abs(a - b) / abs(b))
-    (counters,) = dist.client.ps_counters()
+    counters = dist.client.ps_counters()
     theirs = {n: p.detach() for n, p in ref.named_parameters()}
     rows = {name: dist.table_rows(name, torch.arange(len(theirs[name])))
             for name, _ in model.named_parameters() if "embedding" in name}
@@ -171,7 +172,8 @@ def train(run, args):
     moved = min(float((r - start[n]).abs().max()) for n, r in rows.items())
     sys.stdout.write(f"worker 0: run {run} steps {dist.global_step} fields {fields} maxrel "
                      f"{worst:.3g} last {a:.6f} {b:.6f} tables {tables:.3g} moved {moved:.3g} "
-                     f"pulls {counters['sparse_pulls']} pushes {counters['sparse_pushes']}\n")
+                     f"pulls {','.join(str(c['sparse_pulls']) for c in counters)} pushes "
+                     f"{','.join(str(c['sparse_pushes']) for c in counters)}\n")
     sys.stdout.flush()
     return dist.close()
 
@@ -181,6 +183,7 @@ def main():
     p.add_argument("--data", default=None, help="a click file (for the dlrm runs)")
     p.add_argument("--runs", default=RUNS, help="dlrm-sgd, dlrm-rowwise, mixed (commas)")
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--num-ps", type=int, default=1, help="(read by serve_if_ps)")
     p.add_argument("--bad", action="store_true", help="mixed: an id out of range at step 3")
     p.add_argument("--checkpoint-dir", default=None, help="checkpoint at the end, resume")
     args = p.parse_args()

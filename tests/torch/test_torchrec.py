@@ -24,7 +24,7 @@ from tests.support import REPO  # noqa: E402
 
 DRIVER = "tests/mpi/torchrec_driver.py"
 RESULT = re.compile(r"worker 0: run (\S+) steps (\d+) fields (\d+) maxrel (\S+) last \S+ \S+ "
-                    r"tables (\S+) moved (\S+) pulls (\d+) pushes (\d+)")
+                    r"tables (\S+) moved (\S+) pulls ([\d,]+) pushes ([\d,]+)")
 
 
 @pytest.mark.mpi
@@ -37,15 +37,30 @@ def test_torchrec_models_through_mpitf_equal_plain_torchrec_in_one_request_a_ste
     synthetic_ctr(str(clicks), train=6400, test=100, fields=26, rows=200)
     run = run_mpi(2, [DRIVER, "--data", str(clicks)], timeout=200, cwd=str(REPO))
     assert not run.timed_out and run.returncode == 0, run.output
-    found = {r[0]: [float(v) for v in r[1:]] for r in RESULT.findall(run.stdout)}
+    found = {r[0]: [float(v) for v in r[1:-2]] + list(r[-2:]) for r in
+             RESULT.findall(run.stdout)}
     assert sorted(found) == ["dlrm-rowwise", "dlrm-sgd", "mixed"], run.output
     for name, (steps, fields, maxrel, tables, moved, pulls, pushes) in found.items():
+        pulls, pushes = int(pulls), int(pushes)  # one ps
         assert maxrel < 1e-5 and tables < 1e-5, name  # every step's loss; tables at the end
         assert moved > 1e-5, name  # every table trained (its rows read back from the ps)
         if name.startswith("dlrm"):  # 26 tables: one pull and one push a step
             assert (steps, fields, pulls, pushes) == (50, 26, 50, 50), name
         else:  # three collections: a pull each, and one push of all their tables
             assert (steps, pulls, pushes) == (50, 3 * 50, 50), name
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_two_ps_answer_one_pull_each_for_all_of_dlrm_s_tables(tmp_path):
+    clicks = tmp_path / "ctr.h5"
+    synthetic_ctr(str(clicks), train=2560, test=100, fields=26, rows=200)
+    run = run_mpi(3, [DRIVER, "--data", str(clicks), "--runs", "dlrm-rowwise", "--num-ps", "2",
+                      "--steps", "20"], timeout=150, cwd=str(REPO))
+    assert not run.timed_out and run.returncode == 0, run.output
+    ((_, steps, fields, maxrel, tables, _, pulls, pushes),) = RESULT.findall(run.stdout)
+    assert float(maxrel) < 1e-5 and float(tables) < 1e-5
+    assert (steps, fields, pulls, pushes) == ("20", "26", "20,20", "20,20")  # per ps
 
 
 @pytest.mark.mpi
