@@ -6,7 +6,10 @@ in plain TorchRec on the same batches, and prints the losses' largest relative d
 the tables' at the end, and the ps's sparse request counts.
 """
 
+import json
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -78,6 +81,24 @@ def test_row_wise_adagrad_resumes_its_accumulators_from_a_checkpoint(tmp_path):
         ((_, done, _, maxrel, tables, moved, _, _),) = RESULT.findall(run.stdout)
         assert int(done) == steps and float(maxrel) < 1e-5 and float(tables) < 1e-5
     assert "restored" in run.stdout and "at step 25" in run.stdout, run.output
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_the_peer_benchmark_runs_torchrec_and_mpitf_in_turn(tmp_path):
+    clicks = tmp_path / "ctr.h5"
+    synthetic_ctr(str(clicks), train=20000, test=1000)
+    out = tmp_path / "tp.json"
+    run = subprocess.run(
+        [sys.executable, "benchmarks/torchrec_peer.py", "--data", str(clicks), "--quick",
+         "--systems", "torchrec,mpitf-1+1", "--json", str(out)],
+        cwd=str(REPO), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    results = json.loads(out.read_text())["results"]
+    for system, roles in (("torchrec", {"rank0"}), ("mpitf-1+1", {"ps", "worker0"})):
+        (speed,), (auc,), (rss,) = (results[system][k] for k in ("examples_s", "auc",
+                                                                 "rss_mib"))
+        assert speed > 0 and 0.5 < auc <= 1 and set(rss) == roles, results
 
 
 @pytest.mark.mpi
