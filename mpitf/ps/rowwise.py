@@ -33,4 +33,6 @@ class RowwiseAdagrad(TorchAdagrad):
         std = np.sqrt(acc[:, :1])
         std += self.eps
         clr = self.learning_rate(step) / (1.0 + step * self.lr_decay)
-        rows -= (clr * grads / std).astype(rows.dtype, copy=False)
+        move = np.divide(grads, std)  # addcdiv's order: g / std, then times the rate
+        move *= -clr
+        rows += move
