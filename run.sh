@@ -33,6 +33,22 @@ frameworks() {
     echo "torch${cpu:+==$cpu}" "jax==0.10.2" "jaxlib==0.10.2"
 }
 
+torchrec_set() {
+    # TorchRec for mpitf.torch's TorchRec collections (tests/torch/test_torchrec.py): the
+    # release that loads with the installed torch, beside fbgemm's CPU build. TorchRec's
+    # metadata asks for the CUDA fbgemm-gpu, so the set goes in with --no-deps: with torch
+    # 2.13, 8.9 MB of wheels (fbgemm-gpu-cpu 6.0, torchrec 1.1, tensordict 0.9, torchmetrics
+    # 0.7). Another torch: no TorchRec, and its tests skip (saying why).
+    # fbgemm-gpu-cpu 1.9 fails to load under torch 2.13 (an undefined torch symbol).
+    case "$(.venv/bin/python -c 'import torch; print(".".join(torch.__version__.split(".")[:2]))')" in
+        2.13) echo "torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0" ;;
+        2.14) echo "torchrec==1.9.2 fbgemm-gpu-cpu==1.9.0" ;;
+        *) return 0 ;;
+    esac
+    echo "tensordict==0.15.3 pyvers==0.2.3 torchmetrics==1.0.3 lightning-utilities==0.15.3" \
+        "tqdm pyre-extensions==0.0.32 typing-inspect==0.9.0 mypy-extensions"
+}
+
 case "${1:-}" in
     train)
         shift
@@ -55,6 +71,9 @@ case "${1:-}" in
         fi
         # shellcheck disable=SC2046  # frameworks prints one requirement per word
         install $(frameworks) -e ".[mpich,data,test,bench,torch,jax,docs]"
+        rec=$(torchrec_set)
+        # shellcheck disable=SC2086  # one requirement per word
+        [ -z "$rec" ] || install --no-deps $rec
         exec .venv/bin/python -m pytest "$@"
         ;;
     docs)

@@ -39,6 +39,12 @@ setup(
         # has one (`pip install 'torch==X+cpu'`, as run.sh picks it), and this extra keeps it.
         # README.md "Installing torch: the CPU build".
         "torch": ["torch>=2.1"],
+        # mpitf.torch's TorchRec collections: TorchRec's dependencies with fbgemm's CPU build.
+        # torchrec itself asks for the CUDA fbgemm-gpu, so it goes in after, with --no-deps,
+        # at the release that loads with your torch (torch 2.13: torchrec==1.8.0 with
+        # fbgemm-gpu-cpu==1.8.0; run.sh's torchrec_set); docs/torch.md "TorchRec models".
+        "torchrec": ["fbgemm-gpu-cpu", "tensordict", "torchmetrics==1.0.3", "tqdm",
+                     "pyre-extensions"],
         # mpitf.jax; jaxlib from the package index is the CPU build (run.sh pins it).
         "jax": ["jax>=0.4.30", "jaxlib>=0.4.30"],
     },

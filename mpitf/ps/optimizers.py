@@ -345,9 +345,11 @@ def make_optimizer(name, learning_rate=0.01, groups=None, **kwargs):
             of range.
     """
     from .ftrl import Ftrl  # in a module of its own: this one is at its size limit
+    from .rowwise import RowwiseAdagrad
     from .torch_optimizers import TORCH_OPTIMIZERS
 
-    classes = {**_OPTIMIZERS, Ftrl.name: Ftrl, **TORCH_OPTIMIZERS}
+    classes = {**_OPTIMIZERS, Ftrl.name: Ftrl, **TORCH_OPTIMIZERS,
+               RowwiseAdagrad.name: RowwiseAdagrad}
     key = name.lower() if isinstance(name, str) else name
     if key not in classes:
         raise ConfigurationError(

@@ -38,6 +38,7 @@ class SparseInbox:
         s, tables = self.service, self.tables
         message = s.pool[index].bytes
         describe = s.describe_worker(worker, P.KIND_NAMES[kind])
+        s.state.counters["sparse_pushes" if kind == P.SPARSE_PUSH else "sparse_pulls"] += 1
         if kind == P.SPARSE_PUSH:
             s.state.counters["bytes_in"] += tables.stash(worker, message, describe)
             self._lend(worker, index)

@@ -31,7 +31,8 @@ class ServiceState:
         last_push: when each worker last pushed (None: not since start-up or a pause).
         next_check: when the silence check is due next.
         counters: what the reply headers and ``COUNTERS`` carry (global_step,
-            pushes_applied, stale_dropped, ..., bytes_in, bytes_out, the fan-in's).
+            pushes_applied, stale_dropped, ..., bytes_in, bytes_out, the sparse pulls and
+            pushes received (one each per worker's step, for all its tables), the fan-in's).
         chunked_workers: the workers that stage through host memory, in chunks.
     """
 
@@ -56,7 +57,8 @@ class ServiceState:
         self.next_check = 0.0
         self.counters = dict(global_step=0, pushes_applied=0, stale_dropped=0,
                              nonfinite_skipped=0, staleness_histogram={}, max_staleness=0,
-                             max_lead=0, bytes_in=0, bytes_out=0, **fan_in_counters)
+                             max_lead=0, bytes_in=0, bytes_out=0, sparse_pulls=0,
+                             sparse_pushes=0, **fan_in_counters)
         self.chunked_workers = set()
 
     @property

@@ -118,7 +118,10 @@ class TableShard:
             if k in self.slots:
                 take_rows(self.slots[k], local, buf[:u])
             slots[k] = buf[:u].reshape(-1)
-        optimizer.apply(p.reshape(-1), grads.reshape(-1), slots, step)
+        if hasattr(optimizer, "apply_rows"):  # a rule per row (row-wise Adagrad)
+            optimizer.apply_rows(p, grads, slots, step)
+        else:
+            optimizer.apply(p.reshape(-1), grads.reshape(-1), slots, step)
         put_rows(self.params, local, p)
         for k in self.slots:
             put_rows(self.slots[k], local, self.gathered[k][:u])

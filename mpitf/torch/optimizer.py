@@ -105,6 +105,10 @@ class DistributedOptimizer(SessionFrontEnd):
             lines; ``log_stream`` (a file) takes them instead of stdout.
         lr_scheduler: a torch LR scheduler of ``optimizer``, stepped once per step by the
             loop: on restore it is advanced to the restored ``global_step``.
+        rowwise_tables: with a torch.optim.Adagrad, train the tables by row-wise Adagrad
+            (TorchRec's default fused optimizer: one accumulator per row, the mean of the
+            squared gradient over the row; ``torchrec.optim.RowWiseAdagrad``), the dense
+            parameters by torch's Adagrad (:mod:`mpitf.ps.rowwise`).
     """
 
     ONCE_PER_STEP = ("call each mpitf.torch table once per step (give a table that several "
@@ -112,7 +116,8 @@ class DistributedOptimizer(SessionFrontEnd):
                      "torch.no_grad() after step(), not between forward and step()")
 
     @ends_the_job
-    def __init__(self, optimizer, model, server, lr_scheduler=None, **session_options):
+    def __init__(self, optimizer, model, server, lr_scheduler=None, rowwise_tables=False,
+                 **session_options):
         self._server = server
         self.optimizer, self.model = optimizer, model
         refuse_wrapped(model, optimizer)
@@ -123,9 +128,9 @@ class DistributedOptimizer(SessionFrontEnd):
         tables = table_modules(model)
         self._named = trainable(model, optimizer, tables)
         names = {id(p): name for name, p in self._named}
-        self.ps_optimizer = translate(optimizer, names)
+        self.ps_optimizer = translate(optimizer, names, rowwise_tables)
         if tables:
-            check_table_rule(optimizer, list(tables))
+            check_table_rule(optimizer, list(tables), rowwise_tables)
         check_model(model, self._named + [(n, m.weight) for n, m in tables.items()])
         self._options = [group_options(g) for g in optimizer.param_groups]
         # several param groups: each one's rate travels (a RATES request), else one rate
@@ -159,10 +164,23 @@ class DistributedOptimizer(SessionFrontEnd):
                                               [v[3] for v in self._views], tables)
         claim(model, optimizer)  # a wrapping refused above leaves them free
 
-    @ends_the_job
     def table_forward(self, module, *args):
         """Run a table module's bound forward; bad ids end every rank, naming the table."""
-        return module.remote(self._pull, *args)
+        return self.tables_forward([(module, args)])[0]
+
+    @ends_the_job
+    def tables_forward(self, calls):
+        """Run tables' bound forwards (``[(module, args)]``, or a generator), one pull per ps.
+
+        Every call's ids are checked first (a refusal, the generator's too, ends all ranks),
+        then all the tables' rows come in one sparse request per ps; returns the outputs.
+        """
+        calls = list(calls)
+        for module, args in calls:
+            module.check(*args)
+        found = self.lookup_tables({m.table_name: args[0].numpy() for m, args in calls},
+                                   train=torch.is_grad_enabled())
+        return [module.run(lambda m, _: found[m.table_name], *args) for module, args in calls]
 
     @ends_the_job
     def table_rows(self, name, ids):
@@ -173,7 +191,8 @@ class DistributedOptimizer(SessionFrontEnd):
                                      f"tables are {sorted(self._variables.table_modules)}")
         ids = torch.as_tensor(ids)
         with torch.no_grad():  # an Embedding's lookup, on any table module
-            return Embedding.remote(module, self._pull, ids).clone()
+            Embedding.check(module, ids)
+            return Embedding.run(module, self._pull, ids).clone()
 
     def _pull(self, module, ids):
         """Pull the rows of table ``module``'s ``ids`` now; step() pushes their gradients.

@@ -88,12 +88,18 @@ class _RowTable(torch.nn.Module):
 
         Called by DistributedOptimizer once every ps holds the rows: the local weight is
         emptied (the worker never holds the table), its Parameter kept for the optimizer.
-        ``front.table_forward(module, *args)`` runs :meth:`remote` (with the front end's
-        ``pull(module, ids)``, which returns the ids' Lookup) where a refusal ends every rank.
+        ``front.table_forward(module, *args)`` runs :meth:`check` and :meth:`run` (with the
+        front end's ``pull(module, ids)``, which returns the ids' Lookup) where a refusal
+        ends every rank; ``front.tables_forward`` does so for several tables, one pull.
         """
         self.table_name, self._front = name, front
         self.weight.data = torch.empty((0, self.embedding_dim), dtype=self.weight.dtype)
         rowgrad.warm_up()  # numba, for the backward: now, not in the first step
+
+    def remote(self, pull, *args):
+        """Check the ids, pull their rows (``pull``) and run torch's op (the bound forward)."""
+        self.check(*args)
+        return self.run(pull, *args)
 
     def _local(self):
         """Refuse a forward of a table that grows before a DistributedOptimizer binds it."""
@@ -177,13 +183,16 @@ class EmbeddingBag(_RowTable):
                                    padding_idx=self.padding_idx)
         return self._front.table_forward(self, input, offsets, per_sample_weights)
 
-    def remote(self, pull, input, offsets=None, per_sample_weights=None):
-        """Check the ids, pull their rows (``pull``) and bag them (the bound forward)."""
+    def check(self, input, offsets=None, per_sample_weights=None):
+        """Refuse ids, offsets or weights torch would reject (naming the table and value)."""
         check_ids(self.table_name, self.num_embeddings, input, offsets, per_sample_weights,
                   self.include_last_offset)
         if per_sample_weights is not None and self.mode != "sum":
             raise ConfigurationError(f"table {self.table_name!r}: per_sample_weights needs "
                                      f"mode='sum', not {self.mode!r} (as torch)")
+
+    def run(self, pull, input, offsets=None, per_sample_weights=None):
+        """Pull the checked ids' rows (``pull``) and bag them."""
         rows, inverse, pad, lookup = self._rows(input, pull, accumulate=self.mode == "max")
 
         def run(r, w):
@@ -217,9 +226,12 @@ class Embedding(_RowTable):
             return F.embedding(input, self.weight, self.padding_idx)
         return self._front.table_forward(self, input)
 
-    def remote(self, pull, input):
-        """Check the ids, pull their rows (``pull``) and gather them (the bound forward)."""
+    def check(self, input):
+        """Refuse ids torch would reject (naming the table, the id and its position)."""
         check_ids(self.table_name, self.num_embeddings, input, bag=False)
+
+    def run(self, pull, input):
+        """Pull the checked ids' rows (``pull``) and gather them."""
         rows, inverse, pad, lookup = self._rows(input, pull)
         if not rows.requires_grad:
             return F.embedding(inverse, rows, pad)

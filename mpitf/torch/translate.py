@@ -83,13 +83,14 @@ def _rule(kind, group):
     return _RULES[kind](options)
 
 
-def translate(optimizer, names=None):
+def translate(optimizer, names=None, rowwise_tables=False):
     """Return the ps optimizer (``make_optimizer``) that runs ``optimizer``'s update exactly.
 
     One param group is one rule. Several are one rule with options per group
     (:mod:`mpitf.ps.groups`): each group's variables (``names`` maps a parameter's ``id``
     to its name; parameters it lacks, frozen ones, are left out) with that group's
     options and learning rate; group ``k``'s rate is the ``k``-th of ``rate_groups``.
+    ``rowwise_tables``: an Adagrad's tables train row-wise (:mod:`mpitf.ps.rowwise`).
     Raises ConfigurationError naming the optimizer or option the ps cannot run.
     """
     kind = type(optimizer)
@@ -98,8 +99,13 @@ def translate(optimizer, names=None):
         supported = ", ".join(sorted(k.__name__ for k in _RULES))
         raise ConfigurationError(
             f"mpitf.torch cannot run {name} on the ps: use one of torch.optim's {supported}")
+    if rowwise_tables and kind is not torch.optim.Adagrad:
+        raise ConfigurationError(f"rowwise_tables=True (row-wise Adagrad on the tables) "
+                                 f"goes with torch.optim.Adagrad, not {name}")
     groups = optimizer.param_groups
     rules = [_rule(kind, group) for group in groups]
+    if rowwise_tables:
+        rules = [("rowwise_adagrad", options) for _, options in rules]
     rule, kwargs = rules[0]
     if len(groups) == 1:
         return make_optimizer(rule, learning_rate(groups[0]), **kwargs)
@@ -127,7 +133,7 @@ def rate_groups(optimizer, names):
             if any(id(p) in names for p in group["params"])]
 
 
-def check_table_rule(optimizer, tables):
+def check_table_rule(optimizer, tables, rowwise_tables=False):
     """Refuse an update of ``tables``' rows (names) that torch would not run sparsely.
 
     The ps updates a table's present rows by the optimizer's rule, as torch updates a
@@ -142,7 +148,7 @@ def check_table_rule(optimizer, tables):
             f"({', '.join(tables)}), which train with one: give the optimizer one group")
     options = group_options(groups[0])
     check_sparse_rule(
-        translate(optimizer), tables,
+        translate(optimizer, rowwise_tables=rowwise_tables), tables,
         label=f"{name}({', '.join(f'{k}={v}' for k, v in sorted(options.items()) if v)})",
         fix="torch.optim.SGD without momentum or weight_decay, or torch.optim.Adagrad "
             "without weight_decay, as torch updates a sparse gradient (Adam, AdamW and "

@@ -17,7 +17,7 @@ __all__ = ["SPARSE_RULES", "SessionFrontEnd", "check_sparse_rule", "ends_the_job
 # (the sparse update) to equal the dense one
 SPARSE_RULES = {"sgd": (), "adagrad": (),
                 "torch_sgd": ("momentum", "weight_decay"),
-                "torch_adagrad": ("weight_decay",)}
+                "torch_adagrad": ("weight_decay",), "rowwise_adagrad": ("weight_decay",)}
 
 
 def check_sparse_rule(optimizer, tables, label=None, fix=None):
@@ -76,12 +76,20 @@ class SessionFrontEnd:
         Each table is looked up once per step; ``train=False`` (an evaluation's lookup)
         leaves them out of the push. Returns the table's lookup.
         """
+        return self.lookup_tables({name: ids}, train)[name]
+
+    def lookup_tables(self, ids, train=True):
+        """Pull the rows of several tables' ``ids`` ({table: ids}) in one request per ps.
+
+        As :meth:`lookup_rows`, for every table named; returns {table: lookup}.
+        """
         session = self.session
-        if name in session.table_lookups:
-            raise ConfigurationError(
-                f"table {name!r} was looked up twice before step() at step "
-                f"{session.global_step}: {self.ONCE_PER_STEP}")
-        return session.lookup({name: ids}, push=train)[name]
+        for name in ids:
+            if name in session.table_lookups:
+                raise ConfigurationError(
+                    f"table {name!r} was looked up twice before step() at step "
+                    f"{session.global_step}: {self.ONCE_PER_STEP}")
+        return session.lookup(ids, push=train)
 
     @property
     def global_step(self):
