@@ -49,8 +49,8 @@ def build(fields, rows, dense):
                 dense_arch_layer_sizes=[8, DIM], over_arch_layer_sizes=[8, 1])
 
 
-def batches(path, steps):
-    ids, dense, y, _ = load_ctr(path, "train", stop=steps * BATCH)
+def batches(path, steps, split="train"):
+    ids, dense, y, _ = load_ctr(path, split, stop=steps * BATCH)
     fields = ids.shape[1]
     for s in range(steps):
         lo = s * BATCH
@@ -164,6 +164,10 @@ def train(run, args):
         dist.step(loss)
         a, b = loss.item(), step_plain(ref, ref_opts, batch)
         worst = max(worst, abs(a - b) / abs(b))
+    if args.predictions and run.startswith("dlrm"):  # the first test batch, for an export
+        dense, kjt, _ = next(batches(args.data, 1, "test"))
+        with torch.no_grad():
+            np.save(args.predictions, model(dense, kjt).numpy())
     counters = dist.client.ps_counters()
     theirs = {n: p.detach() for n, p in ref.named_parameters()}
     rows = {name: dist.table_rows(name, torch.arange(len(theirs[name])))
@@ -186,6 +190,8 @@ def main():
     p.add_argument("--num-ps", type=int, default=1, help="(read by serve_if_ps)")
     p.add_argument("--bad", action="store_true", help="mixed: an id out of range at step 3")
     p.add_argument("--checkpoint-dir", default=None, help="checkpoint at the end, resume")
+    p.add_argument("--predictions", default=None,
+                   help="dlrm: save the model's outputs on the first test batch (.npy)")
     args = p.parse_args()
     with abort_on_error():
         for run in args.runs.split(","):

@@ -18,6 +18,7 @@ import torch
 torchrec = pytest.importorskip("torchrec")  # the torchrec extra; run.sh test installs it
 
 import mpitf.torch as mt  # noqa: E402
+from mpitf.data.ctr import load_ctr  # noqa: E402
 from mpitf.data.ctr_synthetic import synthetic_ctr  # noqa: E402
 from mpitf.errors import ConfigurationError  # noqa: E402
 from mpitf.ps.rowwise import RowwiseAdagrad  # noqa: E402
@@ -71,16 +72,36 @@ def test_two_ps_answer_one_pull_each_for_all_of_dlrm_s_tables(tmp_path):
 def test_row_wise_adagrad_resumes_its_accumulators_from_a_checkpoint(tmp_path):
     # 25 steps, checkpointed at the end; a second launch restores them and trains to 50:
     # the tables still equal plain TorchRec's 50 steps (fresh accumulators would not)
-    clicks = tmp_path / "ctr.h5"
-    synthetic_ctr(str(clicks), train=6400, test=100, fields=26, rows=200)
+    clicks, ckpt, preds = tmp_path / "ctr.h5", tmp_path / "ckpt", tmp_path / "mpitf.npy"
+    synthetic_ctr(str(clicks), train=6400, test=200, fields=26, rows=200)
     args = [DRIVER, "--data", str(clicks), "--runs", "dlrm-rowwise", "--checkpoint-dir",
-            str(tmp_path / "ckpt")]
+            str(ckpt), "--predictions", str(preds)]
     for steps in (25, 50):
         run = run_mpi(2, [*args, "--steps", str(steps)], timeout=150, cwd=str(REPO))
         assert not run.timed_out and run.returncode == 0, run.output
         ((_, done, _, maxrel, tables, moved, _, _),) = RESULT.findall(run.stdout)
         assert int(done) == steps and float(maxrel) < 1e-5 and float(tables) < 1e-5
     assert "restored" in run.stdout and "at step 25" in run.stdout, run.output
+    # export for serving: the checkpoint as a state_dict that TorchRec's DLRM, built
+    # without mpitf, loads whole and predicts with as mpitf did
+    out = tmp_path / "model.pt"
+    export = run_mpi(1, ["-m", "mpitf.cli.main", "ckpt", "export", str(ckpt), "--out",
+                         str(out)], timeout=60, cwd=str(REPO))
+    assert export.returncode == 0, export.output
+    sys.path.insert(0, str(REPO / "tests" / "mpi"))
+    try:
+        from torchrec_driver import batches, build
+    finally:
+        sys.path.pop(0)
+    _, dense, _, _ = load_ctr(str(clicks), "test", stop=1)
+    plain = build(26, 200, dense.shape[1])
+    plain.load_state_dict(torch.load(out))  # strict: TorchRec's keys, every shape
+    dense, kjt, _ = next(batches(str(clicks), 1, "test"))
+    with torch.no_grad():
+        z = plain(dense, kjt).numpy()
+    want = np.load(preds)
+    assert z.shape == want.shape and float(np.abs(want).max()) > 0
+    assert float(np.abs(z - want).max()) <= 1e-6
 
 
 @pytest.mark.mpi
