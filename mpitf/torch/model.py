@@ -13,7 +13,8 @@ from ..models.embedding import EmbeddingTable
 from .buffers import buffer_views
 from .tables import _RowTable
 
-__all__ = ["TorchVariables", "refuse_sparse", "sparse_message", "table_modules", "trainable"]
+__all__ = ["TorchVariables", "examples_in", "refuse_sparse", "sparse_message", "table_modules",
+           "trainable"]
 
 
 class TorchVariables:
@@ -115,3 +116,14 @@ def sparse_message(name):
             "push: use mpitf.torch.EmbeddingBag or mpitf.torch.Embedding (torch's "
             "arguments), whose rows live on the ps and are updated sparsely, or build it "
             "with sparse=False (a dense gradient: the whole table every step)")
+
+
+def examples_in(first):
+    """Return the examples in a forward's first input (0 for anything unknown).
+
+    A tensor's first dimension, or a TorchRec KeyedJaggedTensor's batch size (``stride()``).
+    """
+    if isinstance(first, torch.Tensor):
+        return first.shape[0] if first.dim() > 0 else 0
+    stride = getattr(first, "stride", None)
+    return stride() if callable(stride) and hasattr(first, "lengths") else 0

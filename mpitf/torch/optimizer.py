@@ -32,7 +32,7 @@ from ..worker.frontend import SessionFrontEnd, ends_the_job
 from ..worker.session import TrainingSession
 from .buffers import check_model
 from .clipping import Clipping
-from .model import TorchVariables, sparse_message, table_modules, trainable
+from .model import TorchVariables, examples_in, sparse_message, table_modules, trainable
 from .position import data_position
 from .tables import Embedding
 from .translate import check_table_rule, group_options, learning_rate, rate_groups, translate
@@ -264,10 +264,9 @@ class DistributedOptimizer(SessionFrontEnd):
             scheduler.step()
 
     def _count_examples(self, module, args):
-        """Forward pre-hook: add the first input's first dimension to this step's examples."""
-        if torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor) \
-                and args[0].dim() > 0:
-            self._examples += args[0].shape[0]
+        """Forward pre-hook: add the first input's examples to this step's (``examples_in``)."""
+        if torch.is_grad_enabled() and args:
+            self._examples += examples_in(args[0])
 
     @ends_the_job
     def _refuse_torch_step(self, optimizer, args, kwargs):

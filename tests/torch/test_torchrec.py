@@ -226,3 +226,13 @@ def test_rowwise_adagrad_on_rows_is_torchrec_s():
     np.testing.assert_allclose(rows, weight.detach().numpy(), rtol=1e-6, atol=1e-7)
     acc = slots["sum"].reshape(6, 4)
     assert np.all(acc == acc[:, :1])  # one accumulator per row, held by each element
+
+
+def test_a_keyed_jagged_tensor_first_counts_its_batch_as_the_step_s_examples():
+    from mpitf.torch.model import examples_in
+
+    kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(
+        keys=["a", "b"], values=torch.arange(6), lengths=torch.ones(6, dtype=torch.int32))
+    assert examples_in(kjt) == 3  # 2 features x 3 examples
+    assert examples_in(torch.zeros(5, 2)) == 5 and examples_in(torch.tensor(1.0)) == 0
+    assert examples_in([1, 2]) == 0
