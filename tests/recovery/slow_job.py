@@ -1,6 +1,7 @@
 """jobs/mnist_mlp.py with every worker step slowed down, so a test can hit it mid-run.
 
-Run it exactly like jobs/mnist_mlp.py (same flags). ``MPITF_TEST_STEP_SLEEP`` (seconds,
+Run it exactly like jobs/mnist_mlp.py (same flags), or like another job of jobs/ named by
+``MPITF_TEST_JOB`` (``ctr.py``: its flags). ``MPITF_TEST_STEP_SLEEP`` (seconds,
 default 0) is slept by every worker before each step's computation; it changes no value, so
 a deterministic run gives the same parameters as an unslowed one. Each worker rank also
 writes its pid to ``$MPITF_TEST_PID_DIR/rank<R>-<job>-<task>.pid`` when that is set, so a
@@ -84,5 +85,5 @@ def _patch():
 
 if __name__ == "__main__":
     _patch()
-    sys.argv[0] = str(REPO / "jobs" / "mnist_mlp.py")
+    sys.argv[0] = str(REPO / "jobs" / os.environ.get("MPITF_TEST_JOB", "mnist_mlp.py"))
     runpy.run_path(sys.argv[0], run_name="__main__")

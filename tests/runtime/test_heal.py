@@ -164,6 +164,7 @@ def test_a_killed_ps_is_replaced_and_its_pair_survives_a_second_loss(tmp_path,
     assert len(worker_lost) == 2 and len(worker_replaced) == 2, out
     assert all(int(at) >= 220 for at in worker_lost), out
     for at, since, took, back in worker_replaced:
+        assert int(at) >= min(int(a) for a in worker_lost), out
         assert float(since) >= float(took) > 0 and back == BACK[mode], out
     takes_over = re.search(TAKES_OVER.format(**names), out)
     assert takes_over and (int(takes_over.group(2)), int(takes_over.group(3))) != (0, 0), out

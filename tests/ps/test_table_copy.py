@@ -1,0 +1,67 @@
+"""ps/table_copy.py: a ps's tables written into its copy and read back by another ps's."""
+
+import numpy as np
+
+from mpitf.models.embedding import EmbeddingTable
+from mpitf.ps import table_copy
+from mpitf.ps.optimizers import make_optimizer
+from mpitf.ps.sparse import SparseTables
+from mpitf.tables.growth import Growth
+
+SPECS = [EmbeddingTable("fixed", 50, 4),
+         EmbeddingTable("grows", None, 3, dynamic=Growth(admit_min_count=2,
+                                                         evict_after_steps=3, evict_every=2))]
+
+
+def _tables():
+    return SparseTables({"tables": SPECS, "batch_size": 8}, 0, 1, make_optimizer("adagrad", 0.1),
+                        7, 2)
+
+
+def _train(tables, seed, steps, start=1):
+    """Apply ``steps`` steps of random row gradients to both tables."""
+    rng = np.random.default_rng(seed)
+    opt = tables.optimizer
+    for step in range(start, start + steps):
+        fixed, grows = tables.tables
+        ids = np.unique(rng.integers(0, 50, 12)).astype(np.int64)
+        fixed.apply(opt, ids, rng.standard_normal((len(ids), 4)).astype(np.float32), step)
+        ids = np.unique(rng.integers(-40, 40, 12) * 1_000_003).astype(np.int64)
+        grows.apply(opt, ids, rng.standard_normal((len(ids), 3)).astype(np.float32), step)
+
+
+def _state(tables, step):
+    saved = tables.saved(step)
+    out = [saved[0]["rows"].copy(), *(v.copy() for v in saved[0]["slots"].values())]
+    grows = saved[1]
+    out += [grows["ids"], grows["rows"], *grows["slots"].values(), *grows["extra"].values()]
+    return out, tables.stats()
+
+
+def _same(a, b, step):
+    (xs, sa), (ys, sb) = _state(a, step), _state(b, step)
+    assert sa == sb
+    assert len(xs) == len(ys) and all(np.array_equal(x, y) for x, y in zip(xs, ys))
+
+
+def test_a_copy_read_by_another_ps_holds_the_same_rows_slots_ages_and_counts():
+    a, b = _tables(), _tables()
+    _train(a, 1, 9)
+    buffer = np.empty(table_copy.nbytes(a), np.uint8)
+    assert table_copy.write(a, buffer) == len(buffer)
+    table_copy.read(b, buffer)
+    _same(a, b, 9)
+    # both go on alike: the id map the reader rebuilt finds every row, the free list reused
+    _train(a, 2, 6, start=10)
+    _train(b, 2, 6, start=10)
+    _same(a, b, 15)
+
+
+def test_a_copy_replaces_what_the_reader_held_and_grows_its_storage():
+    a, b = _tables(), _tables()
+    _train(b, 3, 5)  # b served a copy before (an earlier adoption) and moved on
+    _train(a, 4, 40)  # a grew past b's storage
+    assert a.tables[1].capacity_rows >= b.tables[1].capacity_rows
+    table_copy.read(b, table_copy.snapshot(a))
+    _same(a, b, 40)
+    assert table_copy.nbytes(None) == 0 and table_copy.write(None, None) == 0
