@@ -24,12 +24,13 @@ from tests.support import FINAL, JOB, REPO, openmpi_mpiexec
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 STEPS, KILL_AT = 200, 80
-# AUC and log loss. Measured (sync runs repeat to the bit here): a lost ps moved them by at
-# most 1.9e-4 from the uninterrupted run (one step of its shard lost: the copy of step 79
-# adopted at step 80); with its tables not carried (the buddy serving initial rows from
-# step 80, the copy's dense part alone) by 8.5e-4 to 2.6e-3 (AUC) and 1.7e-3 to 2.1e-3
-# (log loss), in each of the three cases below.
-TOLERANCE = 5e-4
+# Measured against the uninterrupted run (which repeats to the bit here), 18 runs with a
+# ps lost at step 80 (the three cases below, and ps 0 with fixed tables): test AUC moved by
+# at most 2.0e-4 and log loss by 5.2e-4 (the step the loss lands in varies: the copy of
+# step 79 adopted, step 80's pushes re-sent to it or not); with the tables left out of the
+# copy (the buddy serving initial rows from step 80, the dense part alone) by 8.5e-4 to
+# 2.6e-3 (AUC) and 1.7e-3 to 2.1e-3 (log loss) in each of the three cases.
+TOLERANCE = {"test_auc": 5e-4, "test_logloss": 1e-3}
 GROWTH = ["--dynamic-tables", "--admit-min-count", "2", "--evict-after-steps", "30",
           "--evict-every", "10"]  # ids admitted by count: the counts travel in the copy too
 PS_LOST = re.compile(r"lost ps rank (\d) \(/job:ps/task:(\d) on \S+\) at step (\d+): "
@@ -93,5 +94,5 @@ def test_a_lost_ps_with_tables_is_adopted_and_replaced(tmp_path, data, dynamic, 
     assert [(int(r), int(b)) for r, _, _, _, _, b in replaced] == \
         ([(victim, 1 - victim)] if heal else []), out
     assert summary["step"] == STEPS and summary["workers"] == 2, summary
-    for key in ("test_auc", "test_logloss"):
-        assert abs(summary[key] - whole[key]) <= TOLERANCE, (key, summary, whole)
+    for key, tolerance in TOLERANCE.items():
+        assert abs(summary[key] - whole[key]) <= tolerance, (key, summary, whole)
