@@ -4,6 +4,7 @@ import numpy as np
 
 from mpitf.models.embedding import EmbeddingTable
 from mpitf.ps import table_copy
+from mpitf.ps.copies import Image
 from mpitf.ps.optimizers import make_optimizer
 from mpitf.ps.sparse import SparseTables
 from mpitf.tables.growth import Growth
@@ -65,3 +66,25 @@ def test_a_copy_replaces_what_the_reader_held_and_grows_its_storage():
     table_copy.read(b, table_copy.snapshot(a))
     _same(a, b, 40)
     assert table_copy.nbytes(None) == 0 and table_copy.write(None, None) == 0
+
+
+def test_an_image_is_made_once_and_grows_only_with_its_tables():
+    tables = _tables()
+    dense = [np.arange(10, dtype=np.float32), np.ones(3)]
+    image = Image(dense, tables)  # made for the tables as they are: no rows admitted yet
+    made = image.buffer
+    assert image.take(dense, 0) == len(made) and image.buffer is made
+    _train(tables, 5, 3)  # rows admitted: the buffer doubles once
+    used = image.take(dense, 3)
+    grown = image.buffer
+    assert grown is not made and len(grown) == 2 * len(made)
+    assert used == 8 + 64 + table_copy.nbytes(tables) <= len(grown)
+    for step in range(4, 8):  # copies of tables that hold as many rows: the same buffer
+        assert image.take(dense, step) == used and image.buffer is grown
+    other, theirs = _tables(), [np.empty(10, np.float32), np.empty(3)]
+    received = Image(theirs)  # a ward's: its tail grows to the copy received
+    received.fit(used)
+    received.buffer[:used] = grown[:used]
+    assert received.give(theirs, other) == 7
+    assert all(np.array_equal(a, b) for a, b in zip(dense, theirs))
+    _same(tables, other, 7)
