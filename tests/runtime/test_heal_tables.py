@@ -40,6 +40,9 @@ PS_REPLACED = re.compile(r"replaced rank (\d) \(/job:ps/task:(\d)\) by a spawned
                          r"shard of [\d.e-]+ MiB handed over by /job:ps/task:(\d) in [\d.]+ s\)")
 
 
+_WHOLE = {}  # dynamic -> the uninterrupted run's summary (--heal changes none of its values)
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("ctr") / "ctr.h5")
@@ -80,7 +83,9 @@ def ctr_run(tmp_path, data, kills="", extra=(), dynamic=False, timeout=150):
 ])
 def test_a_lost_ps_with_tables_is_adopted_and_replaced(tmp_path, data, dynamic, heal, victim):
     extra = ["--heal"] if heal else []
-    whole, _ = ctr_run(tmp_path / "whole", data, extra=extra, dynamic=dynamic)
+    if dynamic not in _WHOLE:
+        _WHOLE[dynamic] = ctr_run(tmp_path / "whole", data, extra=extra, dynamic=dynamic)[0]
+    whole = _WHOLE[dynamic]
     summary, out = ctr_run(tmp_path / "lost", data, f"rank{victim}@{KILL_AT}", extra,
                            dynamic)
     lost = PS_LOST.findall(out)
