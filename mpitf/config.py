@@ -249,8 +249,8 @@ class TrainingConfig:
         0, "--ps-replication-steps", check=integer(0),
         label="ps_replication_steps (--ps-replication-steps)",
         help="under Open MPI with ULFM: every K applies each ps sends its shard (parameters "
-             "and optimizer slots) to its buddy, the next ps, which serves it if the ps dies "
-             "(at most K-1 of its steps lost; 0: off)")
+             "and optimizer slots, its embedding tables' rows) to its buddy, the next ps, "
+             "which serves it if the ps dies (at most K-1 of its steps lost; 0: off)")
     heal: bool = option(
         False, "--heal",
         help="under Open MPI with ULFM: a lost worker or ps (with --ps-replication-steps) "

@@ -114,9 +114,8 @@ def check_job(config, facts):
                 f"{_REPLICATION} keeps a copy of each ps's shard on another ps, but the "
                 f"job has {facts.num_ps} ps task: give it 2 or more, or drop the option")
         _refuse(_REPLICATION, (
-            (facts.tables, "embedding tables (their rows are not replicated yet)"),
             (gpu, f"the {gpu} backend (frames and copies move through host memory)",
-             "use --device cpu or drop the option")), "drop the option")
+             "use --device cpu or drop the option"),), "drop the option")
     _refuse(_DELTAS, ((config.full_checkpoint_every > 1 and not facts.tables, _NO_TABLES),),
             "drop the option")
     if config.heal and not facts.ulfm:

@@ -276,7 +276,8 @@ def start_job(args, config, check_cluster=None, check_data=None, tables=False):
     server = Server(cluster, deadline=config.deadline, fixed_deadline=config.fixed_deadline)
     if server.replacement is not None:  # spawned for a lost rank: the job's checks passed
         setup_backend(args, server, MPI.COMM_SELF)
-        return server, check_inputs(config, MPI.COMM_SELF, chief=None)
+        return server, check_inputs(config, MPI.COMM_SELF, chief=None,  # the job's own check
+                                    num_shards=server.num_replicas, check_data=check_data)
     check_roles(args, server)
     if args.log_device_placement:
         server.describe()  # rank 0 prints the rank -> task -> host table

@@ -94,13 +94,14 @@ class Heals:
         lost_at = replica.lost_at.pop(replica.ward_task)
         start = time.monotonic()
         state = replica.ward.state
-        shard = dict(arrays=replica.hand_over(), global_step=state.global_step,
+        arrays, tables = replica.hand_over()
+        shard = dict(arrays=arrays, tables=tables, global_step=state.global_step,
                      done=state.done - replaced, lost=state.lost - replaced, chief=state.chief,
                      chief_flags=state.chief_flags, positions=dict(state.positions),
                      counters=dict(state.counters))
         self.comm.send(shard, dest=rank, tag=P.TAG_CONTROL)  # after the chief's configuration
         now = time.monotonic()
-        size = sum(a.nbytes for a in shard["arrays"]) / 2**20
+        size = (sum(a.nbytes for a in arrays) + (0 if tables is None else tables.nbytes)) / 2**20
         peer = self.server.peer(rank, "")
         _log.warning("replaced rank %d (/job:ps/task:%d) by a spawned process on %s at step %d, "
                      "%.2f s after its loss (the heal %.2f s, its shard of %.3g MiB handed over "
@@ -117,11 +118,14 @@ class Heals:
 
     def take_shard(self, shard):
         """A replacement ps: serve from ``shard`` (its buddy's), where the lost ps left off."""
-        from .replica import state_arrays
+        from . import table_copy
+        from .copies import state_arrays
 
         state = self.state
         for mine, theirs in zip(state_arrays(self.shard), shard["arrays"]):
             mine[...] = theirs
+        if shard.get("tables") is not None:
+            table_copy.read(self.tables, shard["tables"])
         self.shard.restored()
         state.global_step = shard["global_step"]
         state.counters.update(shard["counters"])

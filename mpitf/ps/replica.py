@@ -16,47 +16,15 @@ dead ps's frame there (:mod:`mpitf.worker.handles`). The updates applied after t
 import logging
 import time
 
-import numpy as np
 from mpi4py import MPI
 
 from ..errors import DeadlineError, PeerError
 from ..runtime import ulfm
 from ..wire import protocol as P
+from . import table_copy
+from .copies import Image, state_arrays
 
 _log = logging.getLogger("mpitf")
-
-
-def state_arrays(shard):
-    """Return the arrays a copy of ``shard`` holds, in a fixed order (host arrays)."""
-    arrays = [shard.params] + [shard.slots[k] for k in sorted(shard.slots)]
-    if shard.average_frame is not None:
-        arrays.append(shard.average_frame.payload)
-    return arrays
-
-
-class Image:
-    """One buffer holding a global step and a shard's arrays, back to back (made once)."""
-
-    def __init__(self, arrays):
-        sizes = [a.nbytes for a in arrays]
-        self.buffer = np.empty(8 + sum(sizes), np.uint8)
-        self.step = self.buffer[:8].view(np.int64)
-        self.views, offset = [], 8
-        for a, n in zip(arrays, sizes):
-            self.views.append(self.buffer[offset:offset + n].view(a.dtype))
-            offset += n
-
-    def take(self, arrays, step):
-        """Copy ``arrays`` and ``step`` in."""
-        self.step[0] = step
-        for view, a in zip(self.views, arrays):
-            view[...] = a.ravel()
-
-    def give(self, arrays):
-        """Copy the image out into ``arrays``; return its step."""
-        for view, a in zip(self.views, arrays):
-            a.ravel()[...] = view
-        return int(self.step[0])
 
 
 class Replication:
@@ -76,12 +44,12 @@ class Replication:
         self.buddy_rank, self.ward_rank = ps_ranks[self.buddy_task], ps_ranks[self.ward_task]
         self.ps_ranks = set(ps_ranks)
         self.mine = state_arrays(svc.shard)
-        self.out = Image(self.mine)
+        self.out = Image(self.mine, svc.tables)
         self.sending = None  # the copy in flight to the buddy
         self.sent_step = None  # the step of the last copy sent
         self.buddy_alive = True
         self.theirs = state_arrays(ward.shard)
-        self.images = [Image(self.theirs), Image(self.theirs)]
+        self.images = [Image(self.theirs), Image(self.theirs)]  # tables: given at adoption
         self.current = None  # the image holding the ward's last whole copy
         self.adopted = False
         self.copy_step = None  # the adopted copy's step
@@ -113,8 +81,8 @@ class Replication:
         if not self.buddy_alive:  # it died while the last copy was under way: none follows
             return
         svc.pipeline.finish(svc.stall.steady, svc.describe_reply)  # replies read the params
-        self.out.take(self.mine, svc.state.global_step)
-        self.sending = svc.comm.Isend([self.out.buffer, MPI.BYTE], self.buddy_rank,
+        used = self.out.take(self.mine, svc.state.global_step)
+        self.sending = svc.comm.Isend([self.out.buffer[:used], MPI.BYTE], self.buddy_rank,
                                       P.TAG_REPLICA)
         self.sent_step = svc.state.global_step
 
@@ -125,6 +93,8 @@ class Replication:
         self.sending = None
         if self.adopted:
             self.ward._finish_replies()
+            if self.ward.sparse is not None:
+                self.ward.sparse.flush()
 
     def after_heal(self, lost):
         """The job healed: a replaced buddy gets copies again (the next apply sends one)."""
@@ -135,13 +105,20 @@ class Replication:
             self.lost_ps.discard(self.buddy_task)
 
     def hand_over(self):
-        """Return copies of the ward's arrays for its replacement, and serve them no more."""
+        """Return copies of the ward's arrays and tables for its replacement; serve them no more.
+
+        The tables come as one buffer (:func:`~mpitf.ps.table_copy.snapshot`), or None.
+        """
+        ward = self.ward
+        if ward.sparse is not None:
+            ward.sparse.flush()  # its last step's rows
         arrays = [a.copy() for a in self.theirs]
+        tables = None if ward.tables is None else table_copy.snapshot(ward.tables)
         self.adopted = False
         self.current = None  # its copies are of a shard that moved on
         self.lost_ps.discard(self.ward_task)
         self.pending_log = None
-        return arrays
+        return arrays, tables
 
     # -- receiving ---------------------------------------------------------------------------
 
@@ -183,7 +160,9 @@ class Replication:
             if message is None:
                 return
             slot = 0 if self.current is None else 1 - self.current
-            message.Recv([self.images[slot].buffer, MPI.BYTE])
+            image = self.images[slot]
+            image.fit(self.status.Get_count(MPI.BYTE))  # the tables grew: so does the image
+            message.Recv([image.buffer, MPI.BYTE])
             self.current = slot
 
     # -- a lost ps ---------------------------------------------------------------------------
@@ -209,7 +188,7 @@ class Replication:
             raise PeerError(f"died before its first copy reached its buddy "
                             f"/job:ps/task:{svc.ps_task}: its shard is lost",
                             **svc.server.peer(rank, "training"))
-        self.copy_step = self.images[self.current].give(self.theirs)
+        self.copy_step = self.images[self.current].give(self.theirs, self.ward.tables)
         self.ward.adopt()
         self.adopted = True
         peer = svc.server.peer(rank, "")

@@ -85,7 +85,9 @@ class Service(Handlers, Cuts, Losses, Heals):
         capacity = senders.capacity(self.tables.capacity if self.tables else None)
         capacity = max(capacity or 0, self.shard.rules.rates_bytes) or None  # RATES fit
         pool_size = size  # a lost ward's pushes land in its buddy's frames too (FLAG_WARD)
-        if config.ps_replication_steps and assignment.ward is not None:
+        if buddy is not None:  # its sparse inbox's spares join the buddy's pool
+            pool_size = max(size, buddy.assignment.shard_size)
+        elif config.ps_replication_steps and assignment.ward is not None:
             pool_size = max(size, assignment.ward.shard_size)
         frames = self.policy.receive_buffers(self.num_workers, self.pipeline.bucketed)
         self.pool = buddy.pool if buddy is not None else receive_pool(  # a ward's: FLAG_WARD
@@ -93,7 +95,7 @@ class Service(Handlers, Cuts, Losses, Heals):
                         for _ in range(frames)], P.TAG_REQUEST, self.worker_ranks,
             bool(config.ps_replication_steps), server.ulfm,
             self._grown_frame if self.tables else None)
-        self.sparse = SparseInbox(self, size, wire, capacity) if self.tables else None
+        self.sparse = SparseInbox(self, pool_size, wire, capacity) if self.tables else None
         self.frames_grown = 0  # receive frames made larger for a request (tables)
         # Stall detection: the gaps between a worker's pushes are its steps; a worker with
         # no push since start-up or a pause (state.last_push None) gets the whole deadline.

@@ -31,6 +31,8 @@ class SparseInbox:
                        for _ in range(service.num_workers)]
         self.lent = [None] * service.num_workers  # worker -> the frame of its sparse push
         self.deferred = None  # (workers, step) of the apply to run at the next flush
+        # a lost ps's rows, served by its buddy (a ward), go back on a tag of their own
+        self.reply_tag = P.TAG_SPARSE_REPLY_WARD if service.is_ward else P.TAG_SPARSE_REPLY
 
     def handle(self, worker, kind, index):
         """Answer a pull, or keep a push for the policy's apply; return True (frame free)."""
@@ -47,7 +49,7 @@ class SparseInbox:
             tables.layout.ids_end(tables.layout.counts(message).tolist())
         view = tables.pull(worker, message, s.state.global_step, describe)
         s.pipeline.add([P.frame_op(s.comm.Isend, view, s.worker_ranks[worker],
-                                   P.TAG_SPARSE_REPLY)], worker, Pipeline.WHOLE)
+                                   self.reply_tag)], worker, Pipeline.WHOLE)
         s.state.counters["bytes_out"] += view.nbytes
         return True
 

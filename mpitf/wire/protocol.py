@@ -33,6 +33,7 @@ TAG_PROGRESS = 17  # never sent: a worker probes it to drive MPI while backward 
 TAG_REPLY_WARD = 18  # ps -> worker: a reply for the shard a buddy serves for a lost ps
 TAG_REPLICA = 19  # ps -> its buddy ps: a copy of its shard (--ps-replication-steps)
 TAG_REPLICA_END = 20  # ps -> its buddy ps: no copy follows (the end of training)
+TAG_SPARSE_REPLY_WARD = 21  # ps -> worker: rows of a lost ps's tables, which its buddy serves
 TAG_REPLY_BUCKET = 16  # ps -> worker: a bucket's parameters without a header (buckets in
 #   push order; the last one, which starts the shard, comes as a frame on TAG_REPLY)
 CHUNK_TAG_OFFSET = 100  # continuation chunks of a staged frame: TAG_REQUEST/TAG_REPLY + 100

@@ -28,6 +28,7 @@ from ..tables.rows import Dedup, all_finite, segment_sum, take_rows
 from ..wire import header as H
 from ..wire import protocol as P
 from ..wire.sparse import SparseLayout
+from .sparse_routes import wait_each
 
 _log = logging.getLogger("mpitf")
 
@@ -161,6 +162,9 @@ class Embeddings:
         self.lookups = {}  # this step's, until the push
         self.packed = True  # the requests hold every table's ids (one lookup of them all)
         self.bytes_sent = self.bytes_received = 0
+        self.ends = [0] * num_ps  # per ps, the bytes of its last sparse request
+        if link.replicated:  # a lost ps's push goes again to its buddy (sparse_routes.py)
+            link.on_reroute.append(self._rerouted)
 
     def _make_messages(self):
         """Make the sparse messages' layout and buffers for the tables' sizes."""
@@ -235,17 +239,20 @@ class Embeddings:
                 if table in chosen:
                     table.ids_to(p, dest)
             H.pack_sparse_pull(lay.header(buf), link.steps[p], link.worker, int(counts.sum()),
-                               link.flags)
-            end = lay.ids_end(counts)
+                               link.flags | link.ward_flags[p])
+            end = self.ends[p] = lay.ids_end(counts)
             receives.append(P.frame_op(link.comm.Irecv, self.replies[p], rank,
-                                       P.TAG_SPARSE_REPLY))
+                                       link.sparse_tag(p)))
             sends.append(P.frame_op(link.comm.Isend, buf[:end], rank, P.TAG_REQUEST))
             self.bytes_sent += end
         for table in chosen:
             table.number()
         nps = len(link.ranks)
-        P.wait_all(receives + sends, link.deadline,
-                   lambda i: link.describe(i % nps, "sparse pull"))
+        if link.replicated:  # a lost ps's pull is asked again at its buddy
+            wait_each(link, receives, sends, "sparse pull", self._resend_pull)
+        else:
+            P.wait_all(receives + sends, link.deadline,
+                       lambda i: link.describe(i % nps, "sparse pull"))
         self.packed = whole  # the requests hold every looked-up table's ids
         for p in range(nps):
             reply = self.replies[p]
@@ -306,16 +313,34 @@ class Embeddings:
                     if len(dest):
                         dest[...] = table.grads[table.offsets[p]:table.offsets[p + 1]]
             H.pack_sparse_push(lay.header(buf), link.steps[p], link.worker, int(counts.sum()),
-                               link.flags)
-            end = lay.end(counts)
+                               link.flags | link.ward_flags[p])
+            end = self.ends[p] = lay.end(counts)
             self.sends.append(P.frame_op(link.comm.Isend, buf[:end], rank, P.TAG_REQUEST))
             self.bytes_sent += end
         self.lookups, self.packed = {}, False  # a push without a lookup sends no rows
 
     def _wait_sends(self):
         if self.sends:
-            link = self.link
+            link, sends = self.link, self.sends
+            self.sends = []  # answered or not, this push is not sent again
+            if link.replicated:
+                wait_each(link, None, sends, "sparse push")
+                return
             nps = len(link.ranks)
-            P.wait_all(self.sends, link.deadline,
-                       lambda i: link.describe(i % nps, "sparse push"))
-            self.sends = []
+            P.wait_all(sends, link.deadline, lambda i: link.describe(i % nps, "sparse push"))
+
+    def _resend(self, p):
+        """Send ps ``p``'s last sparse request again, marked, to its (new) rank."""
+        link, buf = self.link, self.requests[p]
+        H.mark_ward(self.layout.header(buf))
+        return P.frame_op(link.comm.Isend, buf[:self.ends[p]], link.ranks[p], P.TAG_REQUEST)
+
+    def _resend_pull(self, p):
+        link = self.link
+        receive = P.frame_op(link.comm.Irecv, self.replies[p], link.ranks[p], link.sparse_tag(p))
+        return receive, self._resend(p)
+
+    def _rerouted(self, p):
+        """(The link's hook) ps ``p`` was lost: this step's push to it goes to its buddy."""
+        if self.sends:
+            self.sends[p] = self._resend(p)

@@ -51,6 +51,7 @@ class PsLink:
     home: list = field(default=None)  # the ps ranks as started
     ward_flags: list = field(default=None)  # per ps: FLAG_WARD once its buddy serves it
     reply_tags: list = field(default=None)  # per ps: the tag its replies come on
+    on_reroute: list = field(default_factory=list)  # callables of p, run as p is re-routed
 
     def __post_init__(self):
         self.home = list(self.ranks)
@@ -78,6 +79,8 @@ class PsLink:
         self.ranks[p] = self.home[buddy]
         self.ward_flags[p] = P.FLAG_WARD
         self.reply_tags[p] = P.TAG_REPLY_WARD
+        for rerouted in self.on_reroute:  # before the caller sends its request again
+            rerouted(p)
         if self.worker == 0:
             _log.warning("ps task %d (rank %d) was lost at step %d: its shard is served by "
                          "/job:ps/task:%d from its copy", p, self.home[p], self.steps[p], buddy)
@@ -90,6 +93,10 @@ class PsLink:
                 self.ranks[p] = home
                 self.ward_flags[p] = 0
                 self.reply_tags[p] = P.TAG_REPLY
+
+    def sparse_tag(self, p):
+        """Return the tag ps ``p``'s sparse replies come on (its buddy's own, once lost)."""
+        return P.TAG_SPARSE_REPLY_WARD if self.ward_flags[p] else P.TAG_SPARSE_REPLY
 
     @property
     def chunked(self):

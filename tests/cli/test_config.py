@@ -291,12 +291,12 @@ def test_replication_is_checked_against_the_job_facts_once():
     """Every refusal of --ps-replication-steps comes from check_job (or the options alone)."""
     config = TrainingConfig(ps_replication_steps=2)
     config.check_job(JobFacts(num_ps=2, num_replicas=2, ulfm=True))  # what it needs: fine
+    config.check_job(JobFacts(2, 2, ulfm=True, tables=True))  # tables' rows are copied too
     replication = "ps_replication_steps (--ps-replication-steps)"
     for facts, message in [
             (JobFacts(2, 2, ulfm=False), "which needs Open MPI with ULFM"),
             (JobFacts(1, 2, ulfm=True), "the job has 1 ps task: give it 2 or more, or drop the "
                                         "option"),
-            (JobFacts(2, 2, ulfm=True, tables=True), "does not support embedding tables"),
             (JobFacts(2, 2, ulfm=True, backends=("cupy", "numpy")),
              "does not support the cupy backend (frames and copies move through host memory); "
              "use --device cpu or drop the option")]:

@@ -1,6 +1,7 @@
 """jobs/mnist_mlp.py with every worker step slowed down, so a test can hit it mid-run.
 
-Run it exactly like jobs/mnist_mlp.py (same flags). ``MPITF_TEST_STEP_SLEEP`` (seconds,
+Run it exactly like jobs/mnist_mlp.py (same flags), or like another job of jobs/ named by
+``MPITF_TEST_JOB`` (``ctr.py``: its flags). ``MPITF_TEST_STEP_SLEEP`` (seconds,
 default 0) is slept by every worker before each step's computation; it changes no value, so
 a deterministic run gives the same parameters as an unslowed one. Each worker rank also
 writes its pid to ``$MPITF_TEST_PID_DIR/rank<R>-<job>-<task>.pid`` when that is set, so a
@@ -11,7 +12,11 @@ N (a worker before its step's compute, a ps once it has applied and answered ste
 rank of the launch at its first step at or past the first N, however late it started (in
 async mode the chief may be past N before worker 1's first step); a replacement spawned for
 rank R (``--heal``, ``MPITF_REPLACES`` set) at step 310 only at an N past that, so it lives
-on past ``rank2@300`` and dies at ``rank2@500``. The kill lands at a step, not at a time.
+on past ``rank2@300`` and dies at ``rank2@500``. The kill lands at a step, not at a time;
+a ps's at the first such step at which every worker has pushed since the last pause or
+heal: a worker's replacement still starting when a ps dies is a fault of its own (async,
+under load, the chief can run 70 steps while it starts), not one a test of losses one
+after another meant.
 """
 
 import os
@@ -65,7 +70,8 @@ def _patch():
             apply_and_reply(self, grad, workers, bucket, steps, **kwargs)
             first = self.__dict__.setdefault("_first_step",
                                              _started(self.state.global_step - steps))
-            _die_at(self.server.rank, first, self.state.global_step)
+            if all(last is not None for last in self.state.last_push):  # all train now
+                _die_at(self.server.rank, first, self.state.global_step)
 
         service.Service.apply_and_reply = apply_and_maybe_die
     if PID_DIR:
@@ -84,5 +90,5 @@ def _patch():
 
 if __name__ == "__main__":
     _patch()
-    sys.argv[0] = str(REPO / "jobs" / "mnist_mlp.py")
+    sys.argv[0] = str(REPO / "jobs" / os.environ.get("MPITF_TEST_JOB", "mnist_mlp.py"))
     runpy.run_path(sys.argv[0], run_name="__main__")

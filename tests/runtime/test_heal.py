@@ -122,6 +122,7 @@ def test_a_killed_worker_is_replaced_and_the_job_ends_at_full_strength(tmp_path,
         assert latest_step(ckpt) == STEPS and cli_verify(ckpt).returncode == 0, out
 
 
+WORKER_KILL = "rank3@225"  # worker 1 (rank 3), between the two ps losses
 PS_LOST = re.compile(r"lost ps rank (\d) \(/job:ps/task:(\d) on \S+\) at step (\d+): "
                      r"/job:ps/task:(\d) serves its shard from its copy")
 PS_REPLACED = re.compile(r"replaced rank (\d) \(/job:ps/task:(\d)\) by a spawned process on \S+ "
@@ -134,9 +135,10 @@ PS_TAKES_OVER = re.compile(r"^\[rank (\d)\] WARNING /job:ps/task:(\d) replaces t
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,kills", [
-    # ps task 1 killed, then its replacement; ps task 0 (rank 0), then its buddy
-    ("sync", "rank1@150,rank1@300"),
-    ("async", "rank0@150,rank1@300"),
+    # ps task 1 killed, then worker 1 (rank 3), then ps 1's replacement; ps task 0 (rank 0),
+    # then worker 1, then ps 0's buddy
+    ("sync", "rank1@150,rank3@225,rank1@300"),
+    ("async", "rank0@150,rank3@225,rank1@300"),
 ])
 def test_a_killed_ps_is_replaced_and_its_pair_survives_a_second_loss(tmp_path,
                                                                      tmp_path_factory, mode,
@@ -147,7 +149,7 @@ def test_a_killed_ps_is_replaced_and_its_pair_survives_a_second_loss(tmp_path,
                     extra=DECAY + HEAL + REPLICATE)
     out = run.output
     assert run.returncode == 0, out
-    victims = [int(k.split("@")[0][4:]) for k in kills.split(",")]
+    victims = [int(k.split("@")[0][4:]) for k in kills.split(",") if k != WORKER_KILL]
     lost, replaced = PS_LOST.findall(out), PS_REPLACED.findall(out)
     assert [int(r) for r, *_ in lost] == victims, out
     assert [int(r) for r, *_ in replaced] == victims, out
@@ -155,6 +157,17 @@ def test_a_killed_ps_is_replaced_and_its_pair_survives_a_second_loss(tmp_path,
         # each ps's buddy served it, then handed its shard to the replacement
         assert int(buddy) == (int(task) + 1) % 2 and int(rank) == int(task), out
         assert int(at) >= int(lost_at) and float(since) >= float(took) > 0, out
+    # worker 1 lost and replaced too, each ps saying so with its cost
+    names = dict(r=3, t=1)
+    worker_lost = re.findall(LOST.format(**names), out)
+    worker_replaced = re.findall(REPLACED.format(**names), out)
+    assert len(worker_lost) == 2 and len(worker_replaced) == 2, out
+    assert all(int(at) >= 220 for at in worker_lost), out
+    for at, since, took, back in worker_replaced:
+        assert int(at) >= min(int(a) for a in worker_lost), out
+        assert float(since) >= float(took) > 0 and back == BACK[mode], out
+    takes_over = re.search(TAKES_OVER.format(**names), out)
+    assert takes_over and (int(takes_over.group(2)), int(takes_over.group(3))) != (0, 0), out
     taken = PS_TAKES_OVER.findall(out)
     assert [(int(r), int(t)) for r, t, _ in taken] == [(v, v) for v in victims], out
     summary = final_summary(run)
