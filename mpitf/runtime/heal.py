@@ -15,19 +15,23 @@ none of ``mpiexec -x``'s variables, so the library mpi4py must load is named on 
 command line (:func:`spawn_command`).
 """
 
+import contextlib
 import ctypes
 import os
 import sys
+import threading
 import time
 
 from mpi4py import MPI
 
 from . import ulfm
+from .exits import EXIT_ERROR
 
 __all__ = ["generation", "healed", "parent", "world_size", "shrink_and_spawn",
-           "join_as_replacement", "repoint", "spawn_command", "NoFreeSlot"]
+           "join_as_replacement", "repoint", "spawn_command", "within_deadline", "NoFreeSlot"]
 
 REPLACES = "MPITF_REPLACES"  # a replacement's environment: the rank it replaces
+DEADLINE = "MPITF_HEAL_DEADLINE"  # seconds a heal or a join may take (default 120)
 generation = 0  # how many heals this process took part in (or came from)
 healed = False  # a rank of this job died and was replaced: leave without MPI_Finalize
 
@@ -63,6 +67,34 @@ def spawn_command(rank):
     settings = [f"{k}={os.environ[k]}" for k in ("MPI4PY_LIBMPI", "OMPI_MCA_mpi_ft_enable")
                 if k in os.environ]
     return "/usr/bin/env", [*settings, f"{REPLACES}={rank}", *argv]
+
+
+@contextlib.contextmanager
+def within_deadline(what, rank):
+    """End this process, saying so, if ``what`` has not finished within the heal's deadline.
+
+    A rank lost while a replacement joins leaves the others inside Open MPI's agreement on
+    the merged communicator (``NBC_Progress`` retrying a failed peer forever): no MPI call
+    returns, so a timer ends the process; every rank's does, and the job ends named, not
+    hung. ``$MPITF_HEAL_DEADLINE`` seconds (default 120: a spawned Python's start-up took
+    2.5-10 s here).
+    """
+    seconds = float(os.environ.get(DEADLINE, "120"))
+
+    def expire():
+        sys.stderr.write(f"mpitf: error on rank {rank}: {what} did not finish within "
+                         f"{seconds:g} s ({DEADLINE}): a rank lost while a replacement "
+                         "joined, or a replacement that never started; ending the job\n")
+        sys.stderr.flush()
+        os._exit(EXIT_ERROR)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def lost_ranks(comm, shrunk):

@@ -57,7 +57,8 @@ class Server:
         self.replacement = None  # then: what the survivors told it (see heal())
         replacing = spawned is not None
         if replacing:
-            world, self.replacement = heal.join_as_replacement(spawned)
+            with heal.within_deadline("joining the job", os.environ[heal.REPLACES]):
+                world, self.replacement = heal.join_as_replacement(spawned)
         if cluster is None:
             size = world.Get_size()
             cluster = {"ps": 1 if size > 1 else 0, "worker": size - 1 if size > 1 else 1}
@@ -133,7 +134,8 @@ class Server:
         could be spawned (the job goes on without, as before).
         """
         known = dict(roles=self.roles, token=self._token, chief_index=self.chief_index)
-        new, lost, seconds = heal.shrink_and_spawn(self.comm, known)
+        with heal.within_deadline("the heal (shrink, spawn, merge)", self.rank):
+            new, lost, seconds = heal.shrink_and_spawn(self.comm, known)
         heal.repoint(self.comm, new)  # the old communicator (and the dead ranks) are left
         gathered = self.comm.allgather((MPI.Get_processor_name(), os.getpid(), None, None))
         self.hosts = [g[0] for g in gathered]

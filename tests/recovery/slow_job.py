@@ -16,7 +16,8 @@ on past ``rank2@300`` and dies at ``rank2@500``. The kill lands at a step, not a
 a ps's at the first such step at which every worker has pushed since the last pause or
 heal: a worker's replacement still starting when a ps dies is a fault of its own (async,
 under load, the chief can run 70 steps while it starts), not one a test of losses one
-after another meant.
+after another meant. ``MPITF_TEST_JOIN=die`` makes every replacement SIGKILL itself
+before it joins.
 """
 
 import os
@@ -33,6 +34,10 @@ KILLS = {}  # rank -> the steps it dies at
 for entry in filter(None, os.environ.get("MPITF_TEST_KILL", "").split(",")):
     who, _, at = entry.partition("@")
     KILLS.setdefault(int(who.removeprefix("rank")), []).append(int(at))
+
+
+if "MPITF_REPLACES" in os.environ and os.environ.get("MPITF_TEST_JOIN") == "die":
+    os.kill(os.getpid(), signal.SIGKILL)  # a replacement that dies before it joins
 
 
 def _started(step):

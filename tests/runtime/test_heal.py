@@ -51,12 +51,12 @@ BACK = {"sync": "sync steps aggregate 2 gradients again (replicas_to_aggregate 2
 _WHOLE = {}  # mode -> the accuracy of an uninterrupted run
 
 
-def mpitf_run(tmp_path, n, kills, timeout=150, **kw):
+def mpitf_run(tmp_path, n, kills, timeout=150, env=None, **kw):
     """Run the slow job by ``mpitf run`` under Open MPI, ranks dying at ``kills``' steps."""
     mpiexec = openmpi_mpiexec()
     argv = [sys.executable, "-m", "mpitf.cli.main", "run", "--mpiexec", mpiexec, "-n", str(n),
             JOB, *job_args(tmp_path, deterministic=False, **kw)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", MPITF_TEST_KILL=kills)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MPITF_TEST_KILL=kills, **(env or {}))
     session_dir = open_mpi_session_dir(mpiexec, env)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=str(REPO), start_new_session=True,
@@ -227,3 +227,20 @@ def test_heal_refuses_the_options_a_replacement_cannot_join(options, what):
     TrainingConfig(heal=True).check_job(JobFacts(num_ps=1, num_replicas=2, ulfm=True))
     with pytest.raises(ConfigurationError, match=r"^heal \(--heal\) replaces a lost rank "):
         TrainingConfig(heal=True).check_job(JobFacts(num_ps=1, num_replicas=2, ulfm=False))
+
+
+@pytest.mark.slow
+def test_a_replacement_that_dies_before_it_joins_ends_the_job_named_not_hung(tmp_path):
+    """The survivors would wait in the merge forever: the heal's deadline ends every rank,
+    each naming the heal."""
+    run = mpitf_run(tmp_path, 3, f"rank2@{KILL_AT}", timeout=120, mode="sync", steps=STEPS,
+                    extra=DECAY + HEAL, env={"MPITF_TEST_JOIN": "die",
+                                             "MPITF_HEAL_DEADLINE": "20"})
+    out = run.output
+    assert run.returncode != 0, out
+    assert "the heal (shrink, spawn, merge) did not finish within 20 s (MPITF_HEAL_DEADLINE)" \
+        in out, out
+    assert "final:" not in out, out
+    for rank in (0, 1):  # the ps and the chief, each at its own deadline
+        assert f"mpitf: error on rank {rank}: the heal (shrink, spawn, merge) did not " \
+               "finish" in out, out
