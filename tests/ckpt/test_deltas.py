@@ -58,6 +58,7 @@ GROWING = ["--dynamic", "--evict-after-steps", 2, "--evict-every", 1]
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("tables", [[], GROWING], ids=["fixed", "growing-with-evictions"])
+@pytest.mark.slow  # a whole job under mpiexec
 def test_a_job_killed_between_deltas_restores_full_plus_deltas_bit_for_bit(tmp_path, tables):
     a, b = tmp_path / "a", tmp_path / "b"
     common = [*tables, "--save-steps", 2]

@@ -24,6 +24,7 @@ def _driver():
 
 
 @pytest.mark.mpi
+@pytest.mark.slow  # a whole job under mpiexec
 def test_an_exported_state_dict_loads_into_plain_torch_and_predicts_as_mpitf(tmp_path):
     data, ckpt, preds = tmp_path / "ctr.h5", tmp_path / "ck", tmp_path / "mpitf.npy"
     synthetic_ctr(str(data), train=2000, test=200, fields=3, rows=50, dense=2, seed=4)
@@ -54,6 +55,7 @@ def test_an_exported_state_dict_loads_into_plain_torch_and_predicts_as_mpitf(tmp
 
 
 @pytest.mark.mpi
+@pytest.mark.slow  # a whole job under mpiexec
 def test_a_growing_table_exports_as_its_rows_and_their_ids_from_a_delta(tmp_path):
     from mpitf.ckpt.commands import cmd_export
     from mpitf.ckpt.deltas import read_table_state

@@ -123,6 +123,7 @@ def test_the_peer_benchmark_runs_torchrec_and_mpitf_in_turn(tmp_path):
 
 
 @pytest.mark.mpi
+@pytest.mark.slow  # a whole job under mpiexec
 def test_an_id_out_of_its_table_ends_every_rank_naming_the_feature_and_the_id():
     run = run_mpi(2, [DRIVER, "--runs", "mixed", "--bad"], timeout=120, cwd=str(REPO))
     assert not run.timed_out and run.returncode == 2, run.output
