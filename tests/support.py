@@ -13,6 +13,8 @@ runs things and reads what they wrote.
   ``stop_and_wait``, ``names_stopped_rank``, ``process_gone``, the log-line patterns
   (``RESTORED``, ``CHECKPOINT``, ``FINAL``), ``final_summary``, ``latest_step``,
   ``cli_verify``, ``tree_digests``, ``load_npz``, ``assert_bitwise_equal``.
+- ``mpitf_run_open_mpi``: ``mpitf run --mpiexec <Open MPI's>`` with a deadline, its
+  session directory removed after (the heal tests).
 """
 
 import functools
@@ -34,6 +36,7 @@ import pytest
 from mpitf.ckpt.names import LATEST
 from mpitf.runtime.launch import mpiexec_command
 from mpitf.testing import (
+    MPIRun,
     children,
     hydra_topology_files,
     kill_group,
@@ -313,3 +316,28 @@ def assert_bitwise_equal(got, want):
         assert got[name].dtype == want[name].dtype, name
         assert np.array_equal(got[name], want[name]), f"{name} differs"
         assert got[name].tobytes() == want[name].tobytes(), f"{name} differs in its bits"
+
+
+def mpitf_run_open_mpi(args, env=None, timeout=150):
+    """Run ``mpitf run --mpiexec <Open MPI's> ARGS``; a hang past ``timeout`` s fails the test.
+
+    Returns an :class:`~mpitf.testing.MPIRun` (no timing). The job's Open MPI session
+    directory, which a killed rank's job leaves behind, is removed after.
+    """
+    mpiexec = openmpi_mpiexec()
+    argv = [sys.executable, "-m", "mpitf.cli.main", "run", "--mpiexec", mpiexec, *args]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    session_dir = open_mpi_session_dir(mpiexec, env)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=str(REPO), start_new_session=True,
+                            stdin=subprocess.DEVNULL)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
+        pytest.fail(f"hung, killed after {timeout} s:\n{out}{err}")
+    finally:
+        if session_dir:
+            shutil.rmtree(session_dir, ignore_errors=True)
+    return MPIRun(proc.returncode, out, err, 0.0, False)

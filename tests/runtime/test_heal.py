@@ -10,7 +10,6 @@ uninterrupted run.
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -20,7 +19,6 @@ import pytest
 from mpitf.config import JobFacts, TrainingConfig
 from mpitf.errors import ConfigurationError
 from mpitf.runtime.launch import openmpi_libmpi
-from mpitf.testing import MPIRun, kill_group, open_mpi_session_dir
 from tests.support import (
     FINAL,
     JOB,
@@ -29,6 +27,7 @@ from tests.support import (
     final_summary,
     job_args,
     latest_step,
+    mpitf_run_open_mpi,
     openmpi_mpiexec,
     run_job,
 )
@@ -53,24 +52,9 @@ _WHOLE = {}  # mode -> the accuracy of an uninterrupted run
 
 def mpitf_run(tmp_path, n, kills, timeout=150, env=None, **kw):
     """Run the slow job by ``mpitf run`` under Open MPI, ranks dying at ``kills``' steps."""
-    mpiexec = openmpi_mpiexec()
-    argv = [sys.executable, "-m", "mpitf.cli.main", "run", "--mpiexec", mpiexec, "-n", str(n),
-            JOB, *job_args(tmp_path, deterministic=False, **kw)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", MPITF_TEST_KILL=kills, **(env or {}))
-    session_dir = open_mpi_session_dir(mpiexec, env)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=str(REPO), start_new_session=True,
-                            stdin=subprocess.DEVNULL)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        out, err = proc.communicate()
-        pytest.fail(f"hung, killed after {timeout} s:\n{out}{err}")
-    finally:
-        if session_dir:
-            shutil.rmtree(session_dir, ignore_errors=True)
-    return MPIRun(proc.returncode, out, err, 0.0, False)
+    return mpitf_run_open_mpi(["-n", str(n), JOB, *job_args(tmp_path, deterministic=False,
+                                                             **kw)],
+                              dict(env or {}, MPITF_TEST_KILL=kills), timeout)
 
 
 def whole_run_accuracy(tmp_path_factory, mode, mpiexec, num_ps=1):

@@ -10,16 +10,12 @@ tolerance of the uninterrupted run's.
 """
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from mpitf.data.ctr import synthetic_ctr
-from mpitf.testing import kill_group
-from tests.support import FINAL, JOB, REPO, openmpi_mpiexec
+from tests.support import FINAL, JOB, mpitf_run_open_mpi
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -52,25 +48,15 @@ def data(tmp_path_factory):
 
 def ctr_run(tmp_path, data, kills="", extra=(), dynamic=False, timeout=150):
     """Run the ctr job by ``mpitf run`` under Open MPI on 4 ranks (2 ps, 2 workers)."""
-    argv = [sys.executable, "-m", "mpitf.cli.main", "run", "--mpiexec", openmpi_mpiexec(),
-            "-n", "4", JOB, "--data", data, "--num-ps", "2", "--steps", str(STEPS),
+    argv = ["-n", "4", JOB, "--data", data, "--num-ps", "2", "--steps", str(STEPS),
             "--batch-size", "128", "--mode", "sync", "--eval-every", "0",
             "--ps-replication-steps", "1", "--run-dir", str(tmp_path / "run"), *extra]
     if dynamic:
         argv += GROWTH
-    env = dict(os.environ, PYTHONUNBUFFERED="1", MPITF_TEST_KILL=kills,
-               MPITF_TEST_JOB="ctr.py")
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=str(REPO), start_new_session=True,
-                            stdin=subprocess.DEVNULL)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        out, err = proc.communicate()
-        pytest.fail(f"hung, killed after {timeout} s:\n{out}{err}")
-    output = out + err
-    assert proc.returncode == 0, output
+    run = mpitf_run_open_mpi(argv, dict(MPITF_TEST_KILL=kills, MPITF_TEST_JOB="ctr.py"),
+                             timeout)
+    out, output = run.stdout, run.output
+    assert run.returncode == 0, output
     finals = FINAL.findall(out)
     assert finals, output
     return json.loads(finals[-1]), output
