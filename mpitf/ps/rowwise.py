@@ -22,17 +22,30 @@ class RowwiseAdagrad(TorchAdagrad):
     """torch.optim.Adagrad on dense variables, row-wise Adagrad on table rows."""
 
     name = "rowwise_adagrad"
+    _scratch = None  # (u x dim, u x 1) buffers of the row update, grown, kept between steps
+
+    def _buffers(self, rows):
+        """Return a (u x dim) and a (u x 1) scratch for ``rows``: made once, doubling."""
+        u, dim = rows.shape
+        have = self._scratch
+        if have is None or have[0].dtype != rows.dtype or have[0].shape[1] != dim \
+                or have[0].shape[0] < u:
+            n = max(u, 2 * have[0].shape[0] if have is not None else 0)
+            have = self._scratch = (np.empty((n, dim), rows.dtype), np.empty((n, 1), rows.dtype))
+        return have[0][:u], have[1][:u]
 
     def apply_rows(self, rows, grads, slots, step):
         """Update ``rows`` (u x dim, in place) from ``grads`` row-wise; ``slots`` flat views."""
         acc = slots["sum"].reshape(rows.shape)
         if self.weight_decay:
             grads = grads + self.weight_decay * rows
-        mean = np.square(grads).mean(axis=1, keepdims=True, dtype=rows.dtype)
-        np.add(acc, mean, out=acc)
-        std = np.sqrt(acc[:, :1])
-        std += self.eps
+        work, per_row = self._buffers(rows)
+        np.square(grads, out=work)
+        np.mean(work, axis=1, keepdims=True, dtype=rows.dtype, out=per_row)
+        np.add(acc, per_row, out=acc)
+        np.sqrt(acc[:, :1], out=per_row)
+        per_row += self.eps
         clr = self.learning_rate(step) / (1.0 + step * self.lr_decay)
-        move = np.divide(grads, std)  # addcdiv's order: g / std, then times the rate
-        move *= -clr
-        rows += move
+        np.divide(grads, per_row, out=work)  # addcdiv's order: g / std, then times the rate
+        work *= -clr
+        rows += work
