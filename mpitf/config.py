@@ -66,11 +66,10 @@ DEFAULT_MAX_NONFINITE_SKIPS = 100
 DEFAULT_BUCKET_BYTES = 2 << 20
 # Where ps and workers span nodes: before the first reply can leave, a round of buckets, one
 # per ps, crosses each worker's link, and the last round's replies cross after the push, so
-# a step costs about (model + ps x bucket) / link: with 4-8 ps, 1 MiB buckets cost 25-50 %
-# of a 16 MiB model. 256 KiB buckets were faster at every multi-ps point of the scaling
-# grid (4 + 4 ps, 16 MiB, 200 Mbit/s: 785 ms against 1,090; 1 ps over 1 Gbit/s: 512 KiB
-# 1.045 x the ideal, 1 MiB 1.06; benchmarks/README.md, "Across nodes", "Scaling over links").
-LINK_BUCKET_BYTES = 256 << 10
+# a step costs about (model + ps x bucket) / link. 128 KiB buckets were as fast as 256 KiB or
+# faster at every point measured over 200 Mbit/s and 1 Gbit/s links, 1 to 8 ps (8 + 8 ps,
+# 16 MiB, 200 Mbit/s: 873 ms against 1,075-1,141; benchmarks/README.md, "Scaling over links").
+LINK_BUCKET_BYTES = 128 << 10
 WIRE_DTYPES = ("float32", "bfloat16", "float16")  # --wire-dtype (wire/dtypes.py maps them)
 # Global steps between TensorBoard histograms (--summary-every); see docs/design.md for the cost.
 DEFAULT_SUMMARY_EVERY = 100

@@ -16,7 +16,7 @@ rest workers. For each size B, interleaved in rounds so drift affects every figu
   passes; one thread), both timed on ps task 0 on private buffers;
 * per bucket size of ``--bucket-bytes K1,K2,...``: mpitf per optimizer with the push cut
   in buckets of about K bytes per ps (0: one bucket); by default the bucket size training
-  uses first (``DEFAULT_BUCKET_BYTES``, 2 MiB; ``LINK_BUCKET_BYTES``, 256 KiB, where the ranks
+  uses first (``DEFAULT_BUCKET_BYTES``, 2 MiB; ``LINK_BUCKET_BYTES``, 128 KiB, where the ranks
   span nodes), then one bucket beside it. With buckets the
   model is made of ``--variable-bytes`` variables (buckets are cut between variables),
   the one-bucket figures on the same ones.

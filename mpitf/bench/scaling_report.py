@@ -36,13 +36,15 @@ def plots(results, out):
     rows = results["points"]
     names = []
     for size in results["sizes"]:
-        for compute in sorted({r["compute_s"] for r in rows if r["bytes"] == size}):
-            sel = [r for r in rows if r["bytes"] == size and r["compute_s"] == compute]
+        for with_compute in (False, True):  # joined runs' computes differ by their fabric
+            sel = [r for r in rows if r["bytes"] == size and (r["compute_s"] > 0) == with_compute]
             if not sel:
                 continue
-            tag = f"{size >> 20}mib-{'c0' if compute == 0 else 'cpp'}"
+            compute = max(r["compute_s"] for r in sel)
+            tag = f"{size >> 20}mib-{'cpp' if with_compute else 'c0'}"
+            computes = sorted({f"{r['compute_s'] * 1e3:.0f}" for r in sel})
             what = (f"{_mib(size)}, {EMULATED}: "
-                    f"{'none' if compute == 0 else f'{compute * 1e3:.0f} ms'}")
+                    f"{'/'.join(computes) + ' ms' if with_compute else 'none'}")
             fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
             for placement, style in (("own", "-"), ("beside", ":")):
                 for ps in sorted({r["num_ps"] for r in sel}):

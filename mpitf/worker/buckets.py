@@ -23,8 +23,9 @@ from .handles import PushPullHandle
 
 # How often a progress thread probes while buckets travel to a ps on another node.
 REMOTE_PROGRESS_US = 500
-# Across nodes, how many of a worker's buckets to one ps may travel unanswered.
-REMOTE_WINDOW = 2
+# Across nodes, how many of a worker's buckets may travel unanswered, over all its ps (at
+# least one per ps).
+REMOTE_IN_FLIGHT = 2
 
 
 def progress_seconds(link, environ=os.environ):
@@ -52,11 +53,13 @@ def push_window(link, environ=os.environ):
     workers' streams into one ps are not fair (TCP incast): one worker's whole push landed
     while another's first buckets waited, and the answers bunched at the end of the
     step, after the pushes instead of during them (4 workers on 1 ps at 200 Mbit/s: 1.7 x
-    the link's time). With at most REMOTE_WINDOW buckets unanswered per ps, a worker
-    ahead waits for its replies and leaves the ps's link to the others, so bucket k's
-    answer goes out while bucket k + 1 arrives (benchmarks/README.md, "Scaling over
-    links"). On one node nothing queues on a link: no limit. ``$MPITF_PUSH_WINDOW``
-    sets it either way (0: none).
+    the link's time). With few buckets unanswered, a worker ahead waits for its replies and
+    leaves the ps's link to the others, so bucket k's answer goes out while bucket k + 1
+    arrives. REMOTE_IN_FLIGHT over all ps keeps one ps's link busy (2 with one ps); with
+    several ps, one each already keeps the worker's link busy, and a second only queues
+    at the ps's switch port (8 + 8 ps, 16 MiB, 200 Mbit/s: 763 ms with one, 873 with two;
+    benchmarks/README.md, "Scaling over links"). On one node nothing queues on a link: no
+    limit. ``$MPITF_PUSH_WINDOW`` sets it either way (0: none).
     """
     given = number_from_environment("MPITF_PUSH_WINDOW", "buckets", environ=environ)
     if given is not None:
@@ -64,7 +67,9 @@ def push_window(link, environ=os.environ):
     if link.chunked:
         return 0
     here = link.host_of(link.comm.Get_rank())
-    return REMOTE_WINDOW if any(link.host_of(rank) != here for rank in link.ranks) else 0
+    if all(link.host_of(rank) == here for rank in link.ranks):
+        return 0
+    return max(1, REMOTE_IN_FLIGHT // len(link.ranks))
 
 
 def buckets_for_links(config, server):

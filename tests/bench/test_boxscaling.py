@@ -17,7 +17,7 @@ from mpitf.bench import boxscaling as bs
 from mpitf.bench import costmodel as cm
 from mpitf.bench import linkfigures as lf
 from mpitf.errors import ConfigurationError
-from mpitf.worker.buckets import REMOTE_WINDOW, push_window
+from mpitf.worker.buckets import push_window
 from tests.support import REPO
 
 MPITF = [sys.executable, "-m", "mpitf.cli.main", "bench", "--suite", "scaling"]
@@ -67,11 +67,14 @@ def test_the_cost_model_projects_allreduce_and_ps_beside_the_workers():
 
 def test_a_worker_limits_its_unanswered_buckets_only_across_nodes():
     def link(hosts, chunked=False):
-        return SimpleNamespace(chunked=chunked, ranks=[1, 2], host_of=hosts.__getitem__,
+        return SimpleNamespace(chunked=chunked, ranks=list(range(1, len(hosts))),
+                               host_of=hosts.__getitem__,
                                comm=SimpleNamespace(Get_rank=lambda: 0))
 
     assert push_window(link(["a", "a", "a"]), environ={}) == 0
-    assert push_window(link(["a", "b", "a"]), environ={}) == REMOTE_WINDOW
+    assert push_window(link(["a", "b"]), environ={}) == 2  # one ps: two in flight
+    assert push_window(link(["a", "b", "a"]), environ={}) == 1  # two ps: one each
+    assert push_window(link(["a"] + ["b"] * 8), environ={}) == 1
     assert push_window(link(["a", "b", "a"], chunked=True), environ={}) == 0
     assert push_window(link(["a", "a", "a"]), environ={"MPITF_PUSH_WINDOW": "3"}) == 3
 
