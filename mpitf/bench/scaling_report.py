@@ -26,6 +26,14 @@ def _fmt(value, spec=".2f"):
     return "" if value is None else format(value, spec)
 
 
+def _series(r):
+    """Return a point's line in the plots: its ps count, or "N" for one ps per worker beside.
+
+    Beside the workers the grid's ps count grows with them (P = N), one point per count.
+    """
+    return "N" if r["placement"] == "beside" and r["num_ps"] == r["workers"] else r["num_ps"]
+
+
 def plots(results, out):
     """Draw the plots; return their file names."""
     import matplotlib
@@ -47,10 +55,10 @@ def plots(results, out):
                     f"{'/'.join(computes) + ' ms' if with_compute else 'none'}")
             fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
             for placement, style in (("own", "-"), ("beside", ":")):
-                for ps in sorted({r["num_ps"] for r in sel}):
+                for ps in sorted({_series(r) for r in sel}, key=str):
                     pts = _best_bucket([r for r in sel if r["system"] == "mpitf"
                                         and r["placement"] == placement
-                                        and r["num_ps"] == ps])
+                                        and _series(r) == ps])
                     if len(pts) < 1:
                         continue
                     xs = [r["workers"] for r in pts]
