@@ -318,6 +318,29 @@ def assert_bitwise_equal(got, want):
         assert got[name].tobytes() == want[name].tobytes(), f"{name} differs in its bits"
 
 
+def group_processes(pgid):
+    """Return a line per live process of group ``pgid``: pid, state, kernel wait, rank, argv.
+
+    What a hung job's failure shows, so that a rare hang names the rank that stayed.
+    """
+    lines = []
+    for status in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = status.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid:  # after the state and the parent: the group
+                continue
+            pid = status.parent
+            environ = dict(v.split("=", 1) for v in (pid / "environ").read_text().split("\0")
+                           if "=" in v)
+            argv = (pid / "cmdline").read_text().replace("\0", " ")[:160]
+            wchan = (pid / "wchan").read_text()
+        except (OSError, IndexError, ValueError):
+            continue  # it ended meanwhile
+        rank = environ.get("OMPI_COMM_WORLD_RANK", "-")
+        lines.append(f"  {pid.name} {fields[0]} {wchan} rank {rank}: {argv}")
+    return "\n".join(sorted(lines)) or "  (none)"
+
+
 def mpitf_run_open_mpi(args, env=None, timeout=150):
     """Run ``mpitf run --mpiexec <Open MPI's> ARGS``; a hang past ``timeout`` s fails the test.
 
@@ -334,9 +357,10 @@ def mpitf_run_open_mpi(args, env=None, timeout=150):
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        left = group_processes(proc.pid)
         kill_group(proc)
         out, err = proc.communicate()
-        pytest.fail(f"hung, killed after {timeout} s:\n{out}{err}")
+        pytest.fail(f"hung, killed after {timeout} s; its processes then:\n{left}\n{out}{err}")
     finally:
         if session_dir:
             shutil.rmtree(session_dir, ignore_errors=True)
