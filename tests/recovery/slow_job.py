@@ -10,7 +10,8 @@ test can signal one rank without guessing from the process tree.
 ``MPITF_TEST_KILL=rank2@300,rank0@500`` makes rank R SIGKILL itself once its step reaches
 N (a worker before its step's compute, a ps once it has applied and answered step N): a
 rank of the launch at its first step at or past the first N, however late it started (in
-async mode the chief may be past N before worker 1's first step); a replacement spawned for
+async mode a launch's workers take their first step together, so the chief is not past N
+before worker 1's first step); a replacement spawned for
 rank R (``--heal``, ``MPITF_REPLACES`` set) at step 310 only at an N past that, so it lives
 on past ``rank2@300`` and dies at ``rank2@500``. The kill lands at a step, not at a time;
 a ps's at the first such step at which every worker has pushed since the last pause or
@@ -51,6 +52,17 @@ def _die_at(rank, first, step):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _start_together(session):
+    """Async, a launch's workers take their first step together (a test's kill lands mid-run).
+
+    Async waits for no worker: under load the chief ran all 400 steps of a heal test before
+    worker 1's first, so a kill meant for step 150 came at the last. Sync needs nothing:
+    its first step waits for every worker's push.
+    """
+    if session.mode == "async" and "MPITF_REPLACES" not in os.environ:
+        session.server.replica_comm.Barrier()
+
+
 def _patch():
     from mpitf.runtime import server
     from mpitf.worker import session
@@ -60,6 +72,8 @@ def _patch():
 
         def slow_run(self, batch=None):
             if KILLS:
+                if "_first_step" not in self.__dict__:
+                    _start_together(self)
                 first = self.__dict__.setdefault("_first_step", _started(self.global_step))
                 _die_at(self.server.rank, first, self.global_step)
             time.sleep(STEP_SLEEP)
