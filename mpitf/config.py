@@ -68,7 +68,8 @@ DEFAULT_BUCKET_BYTES = 2 << 20
 # per ps, crosses each worker's link, and the last round's replies cross after the push, so
 # a step costs about (model + ps x bucket) / link. 128 KiB buckets were as fast as 256 KiB or
 # faster at every point measured over 200 Mbit/s and 1 Gbit/s links, 1 to 8 ps (8 + 8 ps,
-# 16 MiB, 200 Mbit/s: 873 ms against 1,075-1,141; benchmarks/README.md, "Scaling over links").
+# 16 MiB, 200 Mbit/s, alternated in one run: 754 ms against 920; benchmarks/README.md,
+# "Scaling over links").
 LINK_BUCKET_BYTES = 128 << 10
 WIRE_DTYPES = ("float32", "bfloat16", "float16")  # --wire-dtype (wire/dtypes.py maps them)
 # Global steps between TensorBoard histograms (--summary-every); see docs/design.md for the cost.

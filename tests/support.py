@@ -319,17 +319,16 @@ def assert_bitwise_equal(got, want):
 
 
 def group_processes(pgid):
-    """Return a line per live process of group ``pgid``: pid, state, kernel wait, rank, argv.
+    """Return a line per live process under ``pgid``: pid, state, kernel wait, rank, argv.
 
     What a hung job's failure shows, so that a rare hang names the rank that stayed.
     """
-    lines = []
-    for status in Path("/proc").glob("[0-9]*/stat"):
+    lines, pids = [], [pgid]
+    for leader in pids:  # the group's leader and its descendants, breadth first
+        pids += children(leader)
+    for pid in map(Path, (f"/proc/{p}" for p in pids)):
         try:
-            fields = status.read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) != pgid:  # after the state and the parent: the group
-                continue
-            pid = status.parent
+            state = (pid / "stat").read_text().rsplit(")", 1)[1].split()[0]
             environ = dict(v.split("=", 1) for v in (pid / "environ").read_text().split("\0")
                            if "=" in v)
             argv = (pid / "cmdline").read_text().replace("\0", " ")[:160]
@@ -337,7 +336,7 @@ def group_processes(pgid):
         except (OSError, IndexError, ValueError):
             continue  # it ended meanwhile
         rank = environ.get("OMPI_COMM_WORLD_RANK", "-")
-        lines.append(f"  {pid.name} {fields[0]} {wchan} rank {rank}: {argv}")
+        lines.append(f"  {pid.name} {state} {wchan} rank {rank}: {argv}")
     return "\n".join(sorted(lines)) or "  (none)"
 
 

@@ -48,7 +48,6 @@ def plots(results, out):
             sel = [r for r in rows if r["bytes"] == size and (r["compute_s"] > 0) == with_compute]
             if not sel:
                 continue
-            compute = max(r["compute_s"] for r in sel)
             tag = f"{size >> 20}mib-{'cpp' if with_compute else 'c0'}"
             computes = sorted({f"{r['compute_s'] * 1e3:.0f}" for r in sel})
             what = (f"{_mib(size)}, {EMULATED}: "
@@ -65,7 +64,7 @@ def plots(results, out):
                     label = f"mpitf, {ps} ps {'on own nodes' if placement == 'own' else 'beside'}"
                     line, = ax1.plot(xs, [r["step_s"] * 1e3 for r in pts], style, marker="o",
                                      label=label)
-                    if compute > 0:
+                    if with_compute:
                         ax2.plot(xs, [r["efficiency"] or math.nan for r in pts], style,
                                  marker="o", color=line.get_color(), label=label)
                     if placement == "own":
@@ -81,7 +80,7 @@ def plots(results, out):
                 ax1.plot(xs, [s * 1e3 for s in steps], "k--", marker="s",
                          label="MPI_Iallreduce (MPICH), same workers")
                 ax1.plot(xs, [peer[x][0]["projected_s"] * 1e3 for x in xs], "k+")
-                if compute > 0:
+                if with_compute:
                     ax2.plot(xs, [max(p["efficiency"] or 0 for p in peer[x]) for x in xs],
                              "k--", marker="s", label="MPI_Iallreduce")
             ax1.set_xlabel("workers (one node each)")
@@ -89,7 +88,7 @@ def plots(results, out):
             ax1.set_xscale("log", base=2)
             ax1.set_title(f"step time: {what}", fontsize=9)
             ax1.legend(fontsize=7)
-            if compute == 0:
+            if not with_compute:
                 ax2.text(0.5, 0.5, "no compute: one worker's rate is its link's alone,\n"
                          "so efficiency is not defined", ha="center",
                          transform=ax2.transAxes)

@@ -57,7 +57,8 @@ def push_window(link, environ=os.environ):
     leaves the ps's link to the others, so bucket k's answer goes out while bucket k + 1
     arrives. REMOTE_IN_FLIGHT over all ps keeps one ps's link busy (2 with one ps); with
     several ps, one each already keeps the worker's link busy, and a second only queues
-    at the ps's switch port (8 + 8 ps, 16 MiB, 200 Mbit/s: 763 ms with one, 873 with two;
+    at the ps's switch port (8 + 8 ps, 16 MiB, 200 Mbit/s, one run each: 763 ms with one,
+    873 with two;
     benchmarks/README.md, "Scaling over links"). On one node nothing queues on a link: no
     limit. ``$MPITF_PUSH_WINDOW`` sets it either way (0: none).
     """
