@@ -113,6 +113,7 @@ def _run_hosts(args):
 
 def cmd_run(args):
     """Run a job under the installed MPI's mpiexec and return its exit code."""
+    from ..runtime import job_end
     from ..runtime.launch import find_mpiexec
     from ..runtime.proxies import ProxyWatch
 
@@ -145,7 +146,9 @@ def cmd_run(args):
         # how it ended, so a lost node can be named (runtime/proxies.py)
         watch = ProxyWatch(tmp, mpiexec, hosts, args.n, args.launcher) \
             if hosts or args.hostfile else None
-        code = subprocess.call(cmd, env=dict(os.environ, **(watch.env if watch else {})))
+        env = dict(os.environ, **(watch.env if watch else {job_end.FOLDER: tmp}))
+        with subprocess.Popen(cmd, env=env) as launcher:  # on a node of its own, the ranks
+            code = job_end.wait(launcher, args.n, tmp)  # say how they ended (pids seen here)
         lost = watch.lost_node(code) if watch else None
         if lost:
             sys.stderr.write(f"mpitf: {lost}\n")

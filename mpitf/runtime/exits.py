@@ -126,9 +126,11 @@ def run_job(main):
     """Run a job's ``main()`` as its process: an error ends every rank; exit with its code."""
     with abort_on_error():
         code = main()
-        from . import lifeline, ulfm
+        from . import job_end, lifeline, ulfm
 
-        if ulfm.survived_a_loss():  # every survivor leaves without MPI_Finalize (see there)
+        left_without_finalize = ulfm.survived_a_loss()
+        job_end.record(code)
+        if left_without_finalize:  # every survivor leaves without MPI_Finalize (see there)
             watching = lifeline.active()
             if watching is not None:
                 watching.mark_exit()
