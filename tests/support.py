@@ -27,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -349,6 +350,8 @@ def mpitf_run_open_mpi(args, env=None, timeout=150):
     mpiexec = openmpi_mpiexec()
     argv = [sys.executable, "-m", "mpitf.cli.main", "run", "--mpiexec", mpiexec, *args]
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    if env.get("MPITF_TEST_KILL"):  # where tests/recovery/slow_job.py marks its kills
+        env["MPITF_TEST_KILL_DIR"] = tempfile.mkdtemp(prefix="mpitf-kills-")
     session_dir = open_mpi_session_dir(mpiexec, env)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=str(REPO), start_new_session=True,
@@ -363,4 +366,6 @@ def mpitf_run_open_mpi(args, env=None, timeout=150):
     finally:
         if session_dir:
             shutil.rmtree(session_dir, ignore_errors=True)
+        if env.get("MPITF_TEST_KILL_DIR"):
+            shutil.rmtree(env["MPITF_TEST_KILL_DIR"], ignore_errors=True)
     return MPIRun(proc.returncode, out, err, 0.0, False)
