@@ -36,13 +36,13 @@ from .options import check_fields, integer, number, option, values_from_args
 
 __all__ = [
     "DEFAULT_DEADLINE", "DEFAULT_MAX_NONFINITE_SKIPS", "DEFAULT_BUCKET_BYTES",
-    "LINK_BUCKET_BYTES", "default_bucket_bytes",
+    "LINK_BUCKET_BYTES", "LINK_MIN_BUCKETS", "LINK_MIN_BUCKET_BYTES", "default_bucket_bytes",
     "DEFAULT_SUMMARY_EVERY", "MODES", "SERVER_FIRST", "STALL_FACTOR", "STALL_FLOOR",
     "STALL_WARMUP_STEPS", "WIRE_DTYPES", "JobConfig", "JobFacts", "PsAssignment",
     "TrainingConfig",
     "check_batch_size", "check_choice", "check_deadline", "check_int", "check_learning_rate",
     "check_memory_fraction", "check_moving_average_decay", "check_multiple", "check_number",
-    "default_deadline", "stall_allowance",
+    "default_deadline", "shard_bucket_bytes", "stall_allowance",
 ]
 
 DEFAULT_DEADLINE = 300.0  # seconds a rank waits on a silent peer; MPITF_DEADLINE overrides it
@@ -71,6 +71,12 @@ DEFAULT_BUCKET_BYTES = 2 << 20
 # 16 MiB, 200 Mbit/s, alternated in one run: 754 ms against 920; benchmarks/README.md,
 # "Scaling over links").
 LINK_BUCKET_BYTES = 128 << 10
+# And a ps's shard there travels in at least LINK_MIN_BUCKETS buckets (of at least
+# LINK_MIN_BUCKET_BYTES): a sync ps answers its first bucket once every worker's has come,
+# so a round of buckets, one per ps, crosses each worker's link before any answer (8 + 8
+# ps, 4 MiB in 128 KiB buckets: a quarter of the model).
+LINK_MIN_BUCKETS = 16
+LINK_MIN_BUCKET_BYTES = 32 << 10
 WIRE_DTYPES = ("float32", "bfloat16", "float16")  # --wire-dtype (wire/dtypes.py maps them)
 # Global steps between TensorBoard histograms (--summary-every); see docs/design.md for the cost.
 DEFAULT_SUMMARY_EVERY = 100
@@ -117,6 +123,18 @@ def _clients(name, value):
 def default_bucket_bytes(across_nodes):
     """Return the default bucket size: smaller where pushes cross a link between nodes."""
     return LINK_BUCKET_BYTES if across_nodes else DEFAULT_BUCKET_BYTES
+
+
+def shard_bucket_bytes(config, shard_bytes):
+    """Return the bucket size of a ps's shard of ``shard_bytes``: ``config.bucket_bytes``.
+
+    Across nodes, by default, smaller for a small shard, so that it travels in at least
+    LINK_MIN_BUCKETS buckets of at least LINK_MIN_BUCKET_BYTES. Worker and ps cut alike.
+    """
+    given = config.bucket_bytes
+    if not given or not config.across_nodes or "bucket_bytes" not in config.defaulted:
+        return given
+    return min(given, max(LINK_MIN_BUCKET_BYTES, shard_bytes // LINK_MIN_BUCKETS))
 
 
 def _one_frame_or_buckets(config):
@@ -219,7 +237,9 @@ class TrainingConfig:
         help="push gradients per ps in buckets of about this many bytes, last layers first, "
              "pipelined on the ps (0: one frame per ps; default: "
              f"{DEFAULT_BUCKET_BYTES >> 20} MiB, {LINK_BUCKET_BYTES >> 10} KiB where ps and "
-             "workers span nodes; with --aggregate-per-node or --ps-replication-steps: 0)")
+             f"workers span nodes, there down to {LINK_MIN_BUCKET_BYTES >> 10} KiB so that a "
+             f"ps's shard travels in at least {LINK_MIN_BUCKETS}; with --aggregate-per-node "
+             "or --ps-replication-steps: 0)")
     across_nodes: bool = option(
         False, help="the ps tasks and training replicas run on more than one node (the "
                     "session sets it from the cluster's hosts): buckets default to "

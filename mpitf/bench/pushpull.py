@@ -18,8 +18,8 @@ rest workers. For each size B, interleaved in rounds so drift affects every figu
   in buckets of about K bytes per ps (0: one bucket); by default the bucket size training
   uses first (``DEFAULT_BUCKET_BYTES``, 2 MiB; ``LINK_BUCKET_BYTES``, 128 KiB, where the ranks
   span nodes), then one bucket beside it. With buckets the
-  model is made of ``--variable-bytes`` variables (buckets are cut between variables),
-  the one-bucket figures on the same ones.
+  model is made of ``--variable-bytes`` variables (buckets are cut between variables, a
+  variable larger than a bucket into pieces), the one-bucket figures on the same ones.
 
 ``--wire-dtype float32,bfloat16`` measures each optimizer once per wire dtype in the same
 rounds (B is the float32 model's bytes; a 16-bit wire moves half of them, converted on

@@ -12,6 +12,7 @@ import time
 
 from mpi4py import MPI
 
+from ..config import shard_bucket_bytes
 from ..errors import ConfigurationError, DeadlineError, PeerError
 from ..runtime.backend import get_backend
 from ..runtime.exits import EXIT_REQUEUE, CheckpointSignals
@@ -67,7 +68,8 @@ class Service(Handlers, Cuts, Losses, Heals):
         wire = self.shard.wire  # what the frames carry (a 16-bit wire: not the parameters)
         self.policy = make_policy(config, self.num_workers, assignment.total_num_replicas,
                                   senders.weights)
-        self.pipeline = Pipeline(assignment.slices, size, config.bucket_bytes, wire.itemsize)
+        self.pipeline = Pipeline(assignment.slices, size,
+                                 shard_bucket_bytes(config, size * wire.itemsize), wire.itemsize)
         if buddy is not None:  # its replies go to workers re-routed to the buddy
             self.pipeline.reply_tag = P.TAG_REPLY_WARD
         self.tables = None  # embedding tables (ps/sparse.py): rows pulled and pushed by id

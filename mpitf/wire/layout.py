@@ -5,6 +5,7 @@ Between placement (who owns what) and transport (what MPI sends): given a placem
 and hands out the model's variables as views into any buffer of that layout.
 """
 
+from dataclasses import replace
 from itertools import groupby
 
 import numpy as np
@@ -16,8 +17,9 @@ from .header import HEADER_BYTES
 class VariableViews:
     """The model's variables over one flat buffer: views, plus copies for partitioned ones.
 
-    A variable partitioned over several ps is not contiguous in the buffer, so it gets an
-    array of its own; :meth:`gather` and :meth:`scatter` move it from and to its slices.
+    A variable partitioned over several ps, or cut between buckets (a gradient buffer's
+    header slots lie between them), is not contiguous in the buffer, so it gets an array
+    of its own; :meth:`gather` and :meth:`scatter` move it from and to its slices.
     """
 
     def __init__(self, arrays, split):
@@ -66,11 +68,13 @@ def bucket_ranges(slices, size, bucket_bytes, itemsize):
     from the end of the shard, and cut between modules (a variable's name up to its last
     ``.`` or ``/``: a layer's weight and bias are ready together). A bucket closes before
     the module that would take it over ``bucket_bytes`` (0 or None: one bucket); a module
-    larger than that has buckets of its own, cut between its variables (a slice is never
-    split, so every variable stays contiguous). So no bucket waits for a layer that
-    backward reaches after its own, and the last one pushed, whose round trip nothing
-    overlaps, holds one module or at most ``bucket_bytes``. It starts the shard, right
-    behind the header slot, and carries the reply header back.
+    larger than that has buckets of its own, cut between its variables, and a variable
+    larger than a bucket is cut into equal pieces of at most ``bucket_bytes``. So no bucket
+    waits for a layer that backward reaches after its own, and a ps's first answer waits
+    for one bucket, however large its variables (8 ps with 512 KiB each in 128 KiB
+    variables: a quarter of the model crossed before any answer). The last one pushed,
+    whose round trip nothing overlaps, starts the shard, right behind the header slot, and
+    carries the reply header back.
     """
     if not bucket_bytes or size * itemsize <= bucket_bytes:
         return [(0, size)]
@@ -96,11 +100,21 @@ def bucket_ranges(slices, size, bucket_bytes, itemsize):
         for s in module:
             if filled + s.size * itemsize > bucket_bytes:
                 close(s.offset + s.size)
-            filled += s.size * itemsize
+            cuts = _cuts_from_end(s, bucket_bytes, itemsize)
+            for at in cuts:  # a variable larger than a bucket
+                ranges.append((at, hi))
+                hi = at
+            filled = (hi - s.offset) * itemsize if cuts else filled + s.size * itemsize
         close(module[-1].offset)
     if hi > 0:
         ranges.append((0, hi))
     return ranges
+
+
+def _cuts_from_end(s, bucket_bytes, itemsize):
+    """Return where slice ``s`` is cut into equal pieces of at most ``bucket_bytes``, last first."""
+    pieces = -(-s.size * itemsize // bucket_bytes)
+    return [s.offset + s.size - j * s.size // pieces for j in range(1, pieces)]
 
 
 def _module_of(s):
@@ -145,6 +159,16 @@ class FlatLayout:
                 return self._at[(ps, k)] + offset - lo
         raise ValueError(f"offset {offset} is outside the shard of ps {ps}")
 
+    def _pieces(self, s):
+        """Return slice ``s`` cut where its ps's buckets are (one piece: ``s`` itself)."""
+        end = s.offset + s.size
+        cuts = sorted(lo for lo, _ in self.buckets[s.ps_task] if s.offset < lo < end)
+        if not cuts:
+            return [s]
+        bounds = [s.offset, *cuts, end]
+        return [replace(s, start=s.start + a - s.offset, stop=s.start + b - s.offset, offset=a)
+                for a, b in zip(bounds, bounds[1:])]
+
     @property
     def num_elements(self):
         """Return the number of parameter elements (headers excluded)."""
@@ -163,8 +187,9 @@ class FlatLayout:
         for name, shape, dtype in self.placement.variables:
             parts = []
             for s in self.placement.owner(name):
-                at = self.at(s.ps_task, s.offset)
-                parts.append((s, flat[at:at + s.size]))
+                for piece in self._pieces(s):
+                    at = self.at(piece.ps_task, piece.offset)
+                    parts.append((piece, flat[at:at + piece.size]))
             if len(parts) == 1:
                 arrays[name] = parts[0][1].reshape(shape)
             else:

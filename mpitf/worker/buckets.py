@@ -133,12 +133,13 @@ class BucketedPush:
             segment = (a, b, b + hi) if last else (b + lo, b + lo, b + hi)
             self.reply.append(Frame(buffer, segment, chunk_bytes))
             self.tags.append(P.TAG_REPLY if last else P.TAG_REPLY_BUCKET)
-        # per variable, the buckets it lies in; per bucket, how many of its slices are left
+        # per variable, the buckets it lies in (several: one cut between buckets); per
+        # bucket, how many of its slices are left
         self.of_variable = {}
         slices_left = np.zeros(len(self.order), np.int64)
         for s in slices:
             for k, (lo, hi) in enumerate(buckets[s.ps_task]):
-                if lo <= s.offset < hi:
+                if lo <= s.offset < hi or s.offset < lo < s.offset + s.size:
                     i = index[(s.ps_task, k)]
                     slices_left[i] += 1
                     self.of_variable.setdefault(s.name, []).append(i)

@@ -12,7 +12,13 @@ import dataclasses
 
 import numpy as np
 
-from ..config import DEFAULT_DEADLINE, PsAssignment, TrainingConfig, check_multiple
+from ..config import (
+    DEFAULT_DEADLINE,
+    PsAssignment,
+    TrainingConfig,
+    check_multiple,
+    shard_bucket_bytes,
+)
 from ..errors import ConfigurationError
 from ..runtime.backend import get_backend, numpy_backend
 from ..wire import dtypes
@@ -74,8 +80,9 @@ class Client:
         self.segments = self.layout.segments
         wire = dtypes.wire_dtype(config.wire_dtype, placement.dtype)
         itemsize = wire.itemsize  # buckets are cut by the bytes they take on the wire
-        self.buckets = [bucket_ranges(placement.slices_for_ps(p), n, config.bucket_bytes,
-                                      itemsize) for p, n in enumerate(placement.shard_sizes)]
+        self.buckets = [bucket_ranges(placement.slices_for_ps(p), n,
+                                      shard_bucket_bytes(config, n * itemsize), itemsize)
+                        for p, n in enumerate(placement.shard_sizes)]
         self.bucketed = any(len(b) > 1 for b in self.buckets)
         # Gradients: one frame per bucket (a header slot each); parameters: one per ps.
         self.grad_layout = FlatLayout(placement, self.buckets) if self.bucketed else self.layout

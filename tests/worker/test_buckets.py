@@ -13,7 +13,12 @@ import numpy as np
 import pytest
 
 from mpitf.cluster import ClusterSpec
-from mpitf.config import DEFAULT_BUCKET_BYTES, LINK_BUCKET_BYTES, TrainingConfig
+from mpitf.config import (
+    DEFAULT_BUCKET_BYTES,
+    LINK_BUCKET_BYTES,
+    TrainingConfig,
+    shard_bucket_bytes,
+)
 from mpitf.errors import ConfigurationError
 from mpitf.models import build_model
 from mpitf.placement import replica_device_setter
@@ -44,21 +49,31 @@ def test_buckets_are_cut_between_modules_and_pushed_last_layers_first():
     # would take it over, so it is the last one pushed, weights and biases together
     assert bucket_ranges(slices, size, 33 * 1024, 4) == [(8320, 9610), (0, 8320)]
     # 6 KiB: hidden1 is larger than a bucket, so it is cut between its variables into
-    # buckets of its own; its biases do not wait in softmax_linear's bucket for it
-    assert bucket_ranges(slices, size, 6 * 1024, 4) == [(8320, 9610), (8192, 8320),
-                                                        (0, 8192)]
-    ranges = bucket_ranges(slices, size, 64, 4)
-    assert ranges == [(9600, 9610), (8320, 9600), (8192, 8320), (0, 8192)]
-    # every bucket a frame with its own header slot; variables stay contiguous views
+    # buckets of its own (its biases do not wait in softmax_linear's bucket for it), and
+    # its weights (32 KiB) into six equal pieces, pushed from their end
+    ranges = bucket_ranges(slices, size, 6 * 1024, 4)
+    assert ranges == [(8320, 9610), (8192, 8320), (6827, 8192), (5462, 6827), (4096, 5462),
+                      (2731, 4096), (1366, 2731), (0, 1366)]
+    assert all((hi - lo) * 4 <= 6 * 1024 for lo, hi in ranges[2:])
+    # every bucket a frame with its own header slot, in memory from the shard's start
     layout = FlatLayout(placement, [ranges])
     hdr = H.HEADER_BYTES // 4
+    bounds = sorted(lo for lo, _ in ranges) + [size]
     assert [seg for _, _, seg in layout.frames] == [
-        (0, hdr, hdr + 8192), (hdr + 8192, 2 * hdr + 8192, 2 * hdr + 8320),
-        (2 * hdr + 8320, 3 * hdr + 8320, 3 * hdr + 9600),
-        (3 * hdr + 9600, 4 * hdr + 9600, 4 * hdr + 9610)]
-    flat = np.arange(layout.size, dtype=np.float32)
-    views = layout.views(flat).arrays
-    assert views["softmax_linear/biases"].reshape(-1)[0] == 4 * hdr + 9600
+        (i * hdr + lo, (i + 1) * hdr + lo, (i + 1) * hdr + hi)
+        for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
+    flat = np.zeros(layout.size, dtype=np.float32)
+    views = layout.views(flat)
+    # a variable within a bucket is a view; one cut between buckets an array of its own,
+    # scattered piece by piece around the header slots
+    assert [name for name, _ in views.split] == ["hidden1/weights"]
+    views.arrays["softmax_linear/biases"][...] = 7
+    assert np.all(flat[8 * hdr + 9600:8 * hdr + 9610] == 7)
+    views.arrays["hidden1/weights"].reshape(-1)[...] = np.arange(8192)
+    views.scatter()
+    for i, (lo, hi) in enumerate(zip(bounds[:6], bounds[1:7])):
+        assert np.array_equal(flat[(i + 1) * hdr + lo:(i + 1) * hdr + hi], np.arange(lo, hi))
+    assert np.all(flat[:hdr] == 0) and np.all(flat[hdr + 1366:2 * hdr + 1366] == 0)
     assert layout.num_elements == size
 
 
@@ -78,11 +93,13 @@ def test_a_layer_leaves_with_its_bias_and_the_last_bucket_is_the_first_layer():
     # layer's gradients; the first layer, weight and bias, is the last bucket
     assert bucket_ranges(slices, size, DEFAULT_BUCKET_BYTES, 4) == [(first, size), (0, first)]
     # 1 MiB: the second layer (1.05 MB) is larger than a bucket: cut between its weight
-    # and bias, in buckets of its own, the third layer's not waiting for it
+    # (1 MiB, a bucket of its own) and bias, the third layer's not waiting for it; the
+    # first layer's weight (1.53 MiB) in two halves
     second = first + 512 * 512
+    half = 784 * 512 // 2
     assert bucket_ranges(slices, size, 1 << 20, 4) == [
         (second + 512, size), (second, second + 512), (first, second),
-        (784 * 512, first), (0, 784 * 512)]
+        (784 * 512, first), (half, 784 * 512), (0, half)]
 
 
 def test_the_bucket_word_travels_in_the_request_header():
@@ -128,6 +145,21 @@ def test_the_default_bucket_size_follows_the_nodes(ps_hosts, worker_hosts, given
     # still a default: an option that needs one frame resolves it to 0 again
     if given is None:
         assert config.replace(aggregate_per_node=True).bucket_bytes == 0
+
+
+@pytest.mark.parametrize("shard_bytes,across,given,expected", [
+    (16 << 20, True, None, LINK_BUCKET_BYTES),   # 128 buckets of 128 KiB already
+    (2 << 20, True, None, 128 << 10),            # 8 ps of a 16 MiB model: 16 of 128 KiB
+    (1 << 20, True, None, 64 << 10),             # 4 ps of a 4 MiB model: 16 of 64 KiB
+    (512 << 10, True, None, 32 << 10),           # 8 ps of a 4 MiB model: 16 of 32 KiB
+    (64 << 10, True, None, 32 << 10),            # never below 32 KiB
+    (512 << 10, True, 128 << 10, 128 << 10),     # --bucket-bytes given: kept
+    (512 << 10, False, None, DEFAULT_BUCKET_BYTES),  # one node: shared memory, no rounds
+])
+def test_a_small_shard_across_nodes_travels_in_smaller_buckets(shard_bytes, across, given,
+                                                                expected):
+    config = TrainingConfig(bucket_bytes=given, across_nodes=across)
+    assert shard_bucket_bytes(config, shard_bytes) == expected
 
 
 def _train(tmp_path, n, mode, buckets, *extra, name=None, timeout=90):
