@@ -74,8 +74,11 @@ LINK_BUCKET_BYTES = 128 << 10
 # And a ps's shard there travels in at least LINK_MIN_BUCKETS buckets (of at least
 # LINK_MIN_BUCKET_BYTES): a sync ps answers its first bucket once every worker's has come,
 # so a round of buckets, one per ps, crosses each worker's link before any answer (8 + 8
-# ps, 4 MiB in 128 KiB buckets: a quarter of the model).
-LINK_MIN_BUCKETS = 16
+# ps, 4 MiB in 128 KiB buckets: a quarter of the model). 32 KiB buckets were as fast as
+# 128 KiB or faster at every point of the 16-node grid at 200 Mbit/s (8 + 8 ps on their own
+# nodes, alternated in one run: 4 MiB 232 against 305 ms, 16 MiB 975 against 1,037, with
+# compute; benchmarks/README.md, "Scaling over links").
+LINK_MIN_BUCKETS = 64
 LINK_MIN_BUCKET_BYTES = 32 << 10
 WIRE_DTYPES = ("float32", "bfloat16", "float16")  # --wire-dtype (wire/dtypes.py maps them)
 # Global steps between TensorBoard histograms (--summary-every); see docs/design.md for the cost.

@@ -131,16 +131,19 @@ def comm_terms(fabric, work, ps, layout, pushes):
     agg = 0.0
     if pushes < layout.workers and layout.mode in ("sync", "backup"):
         agg = 2.0 * work.model_bytes / ps.shm_bandwidth
+    # the worker's link the busier: a round of buckets goes to the P ps in turn, so the
+    # first answer waits for one ps's bucket, not the round, and so does the last
+    rounds = p if worker_link > ps_link else 1
     return dict(worker_link=worker_link, ps_link=ps_link, messages=messages, apply=apply,
-                latency=2.0 * fabric.latency, aggregate=agg, buckets=nb)
+                latency=2.0 * fabric.latency, aggregate=agg, buckets=nb, round_parts=rounds)
 
 
 def pipelined(terms):
     """Return the ps's in-apply-out time with its buckets pipelined (see the docs)."""
-    nb = terms["buckets"]
+    nb, parts = terms["buckets"], terms.get("round_parts", 1)
     stage_in = max(terms["worker_link"], terms["ps_link"]) + terms["messages"]
     stages = (stage_in, terms["apply"], stage_in)
-    return (sum(stages) + (nb - 1) * max(stages)) / nb
+    return max(stages) + (sum(stages) - max(stages)) / (nb * parts)
 
 
 def project(fabric, work, ps, layout):

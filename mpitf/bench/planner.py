@@ -13,7 +13,7 @@ import re
 from ..errors import ConfigurationError
 from . import costmodel as cm
 
-BUCKETS = (0, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
+BUCKETS = (0, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 _SUFFIX = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
            "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40}
 

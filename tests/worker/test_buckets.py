@@ -149,10 +149,10 @@ def test_the_default_bucket_size_follows_the_nodes(ps_hosts, worker_hosts, given
 
 @pytest.mark.parametrize("shard_bytes,across,given,expected", [
     (16 << 20, True, None, LINK_BUCKET_BYTES),   # 128 buckets of 128 KiB already
-    (2 << 20, True, None, 128 << 10),            # 8 ps of a 16 MiB model: 16 of 128 KiB
-    (1 << 20, True, None, 64 << 10),             # 4 ps of a 4 MiB model: 16 of 64 KiB
-    (512 << 10, True, None, 32 << 10),           # 8 ps of a 4 MiB model: 16 of 32 KiB
-    (64 << 10, True, None, 32 << 10),            # never below 32 KiB
+    (8 << 20, True, None, 128 << 10),            # 2 ps of a 16 MiB model: 64 of 128 KiB
+    (4 << 20, True, None, 64 << 10),             # 4 ps of a 16 MiB model: 64 of 64 KiB
+    (2 << 20, True, None, 32 << 10),             # 8 ps of a 16 MiB model: 64 of 32 KiB
+    (512 << 10, True, None, 32 << 10),           # never below 32 KiB
     (512 << 10, True, 128 << 10, 128 << 10),     # --bucket-bytes given: kept
     (512 << 10, False, None, DEFAULT_BUCKET_BYTES),  # one node: shared memory, no rounds
 ])
