@@ -16,7 +16,7 @@ from . import costmodel as cm
 from . import planner
 
 BATCH = 32  # examples per worker per step (weak scaling): the examples/s the report gives
-# training's buckets across nodes, and the smallest it takes there (a shard under 512 KiB)
+# training's buckets across nodes, and the smallest it takes there (a shard of 2 MiB or less)
 BUCKETS = (LINK_BUCKET_BYTES, LINK_MIN_BUCKET_BYTES)
 LINK_BOUND = 1.8  # at half the rate a link-bound step takes at least this many times as long
 

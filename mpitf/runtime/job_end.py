@@ -2,8 +2,9 @@
 
 Open MPI's launcher (PRRTE's ``prterun``) now and then stays alive after every rank of a
 job that healed has ended: the survivors leave without ``MPI_Finalize`` (see
-:func:`mpitf.runtime.ulfm.survived_a_loss`) and PRRTE misses the job's end (seen here about
-once in 15 healed runs; openpmix/prrte#1839 is an open report of such a hang). Under
+:func:`mpitf.runtime.ulfm.survived_a_loss`) and PRRTE misses the job's end (seen here
+twice: in a whole-suite run, and once in 13 loaded runs of the heal tests;
+openpmix/prrte#1839 is an open report of such a hang). Under
 Slurm that would hold the allocation until its time limit. So each rank of a local run
 records its exit code and pid in ``mpitf run``'s folder (:func:`record`, the rank that a
 replacement replaces under its number), and ``mpitf run`` (:func:`wait`) ends a launcher
