@@ -337,13 +337,18 @@ class Box:
         return [int(p) for p in out.split() if all(w in _cmdline(p) for w in wanted)]
 
     def kill_node(self, node, sig=signal.SIGKILL):
-        """Send ``sig`` to every process on ``node`` (its launcher proxy included)."""
+        """Send ``sig`` to every process on ``node`` (its launcher proxy included).
+
+        SIGKILL goes to processes stopped first, so that none dies of another's death
+        (the proxy of SIGPIPE) before its own signal, as a node losing power does.
+        """
         killed = self.pids(node)
-        for pid in killed:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+        for s in (signal.SIGSTOP, sig) if sig == signal.SIGKILL else (sig,):
+            for pid in killed:
+                try:
+                    os.kill(pid, s)
+                except ProcessLookupError:
+                    pass
         return killed
 
     def cut_link(self, node):

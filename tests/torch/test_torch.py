@@ -65,11 +65,12 @@ def test_two_workers_equal_torch_on_the_mean_gradient_with_and_without_buckets()
     run = drive(3, "--optimizer", "adamw", "--schedule", "--steps", 30)
     maxrels, _ = results(run, 30, 2)
     assert max(maxrels) < 1e-5, run.output
-    # 64 bytes: four buckets, pushed from backward's hooks from the second step on
+    # 64 bytes: 13 buckets (each parameter apart, the weights cut into 64-byte pieces),
+    # pushed from backward's hooks from the second step on
     hooks = drive(3, "--optimizer", "adamw", "--schedule", "--steps", 30, "--bucket-bytes", 64)
     assert results(hooks, 30, 2)[0] == maxrels, hooks.output
-    assert "4 buckets leave as backward produces them" in hooks.stdout, hooks.output
-    assert "buckets pushed during backward: 116" in hooks.stdout  # 4 a step from the 2nd
+    assert "13 buckets leave as backward produces them" in hooks.stdout, hooks.output
+    assert "buckets pushed during backward: 377" in hooks.stdout  # 13 a step from the 2nd
     assert DIGEST.findall(hooks.stdout) == DIGEST.findall(run.stdout) != [], hooks.output
 
 
@@ -79,7 +80,7 @@ def test_gradient_accumulation_with_buckets():
     run = drive(3, "--bucket-bytes", 64, "--accumulate-from", 0, "--steps", 8)
     maxrels, _ = results(run, 8, 2)
     assert max(maxrels) < 1e-5, run.output
-    assert "backward ran 2 times before step() (gradient accumulation): the 4 buckets leave " \
+    assert "backward ran 2 times before step() (gradient accumulation): the 13 buckets leave " \
            "at step()" in run.stdout, run.output
     assert "buckets pushed during backward: 0" in run.stdout, run.output
     # ... but only from step 3: buckets had left, so every rank ends naming the parameter
@@ -92,14 +93,14 @@ def test_gradient_accumulation_with_buckets():
 @pytest.mark.slow
 def test_clip_grad_norm_clips_the_mean_gradient_on_the_ps_with_buckets():
     # torch's clip_grad_norm_ in the loop clips the 2 workers' mean (DDP's meaning), on
-    # the ps: the gradients stay as backward left them, so from step 2 the 4 buckets leave
+    # the ps: the gradients stay as backward left them, so from step 2 the 13 buckets leave
     # during backward and the ps holds them until the last; the reference clips the mean.
     run = drive(3, "--bucket-bytes", 64, "--clip-grad-norm", 0.3, "--optimizer", "sgd",
                 "--steps", 10)
     maxrels, _ = results(run, 10, 2)
     assert max(maxrels) < 1e-6, run.output  # each worker's own clipped: 0.06 apart
-    assert "mpitf.torch: 4 buckets leave as backward produces them" in run.stdout, run.output
-    assert "buckets pushed during backward: 36" in run.stdout, run.output
+    assert "mpitf.torch: 13 buckets leave as backward produces them" in run.stdout, run.output
+    assert "buckets pushed during backward: 117" in run.stdout, run.output
     assert CLIPPED.findall(run.stdout) == ["10 of 10"] * 2, run.output  # the bound bound
     # clipping from step 3 on: step 3's buckets had left unclipped, so every rank ends
     late = drive(3, "--bucket-bytes", 64, "--clip-grad-norm", 0.3, "--clip-from", 3,
@@ -157,14 +158,14 @@ def test_clip_norm_equals_torch_clip_grad_norm(n, num_ps, mode):
 
 @pytest.mark.slow
 def test_no_sync_accumulates_as_ddp_after_buckets_left_during_backward():
-    # 64-byte buckets: 4 of them leave during backward at steps 1 and 2; from step 3 on
+    # 64-byte buckets: 13 of them leave during backward at steps 1 and 2; from step 3 on
     # the first half-batch's backward runs inside dist.no_sync() (refused without it:
     # test_gradient_accumulation_with_buckets), and every step pushes at step().
     run = drive(3, "--accumulate-from", 3, "--no-sync", "--bucket-bytes", 64, "--steps", 8,
                 "--schedule")
     maxrels, _ = results(run, 8, 2)
     assert max(maxrels) < 1e-6, run.output
-    assert "buckets pushed during backward: 8" in run.stdout, run.output
+    assert "buckets pushed during backward: 26" in run.stdout, run.output
     assert run.stdout.count("mpitf.torch: no_sync(): gradients accumulate") == 1, run.output
 
 
