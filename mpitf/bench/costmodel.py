@@ -133,14 +133,14 @@ def comm_terms(fabric, work, ps, layout, pushes):
         agg = 2.0 * work.model_bytes / ps.shm_bandwidth
     # the worker's link the busier: a round of buckets goes to the P ps in turn, so the
     # first answer waits for one ps's bucket, not the round, and so does the last
-    rounds = p if worker_link > ps_link else 1
+    parts = p if worker_link > ps_link else 1
     return dict(worker_link=worker_link, ps_link=ps_link, messages=messages, apply=apply,
-                latency=2.0 * fabric.latency, aggregate=agg, buckets=nb, round_parts=rounds)
+                latency=2.0 * fabric.latency, aggregate=agg, buckets=nb, round_parts=parts)
 
 
 def pipelined(terms):
     """Return the ps's in-apply-out time with its buckets pipelined (see the docs)."""
-    nb, parts = terms["buckets"], terms.get("round_parts", 1)
+    nb, parts = terms["buckets"], terms["round_parts"]
     stage_in = max(terms["worker_link"], terms["ps_link"]) + terms["messages"]
     stages = (stage_in, terms["apply"], stage_in)
     return max(stages) + (sum(stages) - max(stages)) / (nb * parts)

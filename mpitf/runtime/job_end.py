@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 
+from .lifeline import process_alive
+
 FOLDER = "MPITF_EXIT_RECORDS"  # the environment variable naming mpitf run's folder
 GRACE = 20.0  # seconds a launcher may outlive its last rank before mpitf run ends it
 
@@ -37,15 +39,6 @@ def record(code):
         pass  # without it, mpitf run waits for the launcher as it would anyway
 
 
-def _alive(pid):
-    """Return True if process ``pid`` runs (a zombie waits only for its parent's wait)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def ended(folder, ranks):
     """Return every rank's recorded exit code once all ``ranks`` recorded and left, else None."""
     codes = []
@@ -55,7 +48,7 @@ def ended(folder, ranks):
                 code, pid = map(int, f.read().split())
         except (OSError, ValueError):
             return None
-        if _alive(pid):
+        if process_alive(pid):
             return None
         codes.append(code)
     return codes

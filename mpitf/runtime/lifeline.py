@@ -126,7 +126,7 @@ class Lifeline:
         for r, pid in sorted(self.peers.items()):
             if r in self.survivable:  # its death is no error: what failed after it is
                 continue
-            if not _alive(pid) and self._read_marker(r) is None:
+            if not process_alive(pid) and self._read_marker(r) is None:
                 return self._dead(r, pid)
         return None
 
@@ -161,7 +161,7 @@ class Lifeline:
         """Return True if this node's witness runs: it names a killed rank, not this rank."""
         try:
             with open(os.path.join(self.dir, "witness.pid")) as f:
-                return _alive(int(f.read()))
+                return process_alive(int(f.read()))
         except (OSError, ValueError):
             return False
 
@@ -213,7 +213,8 @@ class Lifeline:
                     self._orphaned()
             else:  # no pidfd: look every half second
                 time.sleep(0.5)
-                ready = [r for r, pid in peers.items() if r not in gone and not _alive(pid)]
+                ready = [r for r, pid in peers.items()
+                         if r not in gone and not process_alive(pid)]
             # A rank that failed may linger in MPI_Finalize, waiting for the others: its
             # marker says so before its process ends.
             ready += [r for r in peers if r not in gone and r not in ready
@@ -270,14 +271,14 @@ def _collect_garbage(base, settle=60.0):
                         pids.append(int(f.read() or 0))
                 except (OSError, ValueError):
                     pass
-        if not any(pid > 0 and _alive(pid) for pid in pids):
+        if not any(pid > 0 and process_alive(pid) for pid in pids):
             shutil.rmtree(path, ignore_errors=True)
 
 
 _PF_EXITING = 0x4  # the kernel's flag, in /proc/PID/stat's ninth field, for a task in exit
 
 
-def _alive(pid):
+def process_alive(pid):
     """Return True if ``pid`` runs (a zombie, dead but not yet reaped, does not).
 
     Nor does a process that is exiting: a killed rank's memory is gone (an MPI copy from

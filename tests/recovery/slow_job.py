@@ -87,18 +87,14 @@ def _failed(comm):
     """Return the ranks of ``comm`` this rank knows to have failed (no acknowledgement)."""
     from mpi4py import MPI
 
+    from mpitf.runtime import ulfm
     from mpitf.wire.protocol import TAG_PROGRESS
 
     try:
         comm.Iprobe(MPI.ANY_SOURCE, TAG_PROGRESS)  # lets MPI hear of a failure
     except MPI.Exception:
         pass  # it has: a failure not acknowledged yet
-    failed, group = comm.Get_failed(), comm.Get_group()
-    try:
-        return set(MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())), group))
-    finally:
-        failed.Free()
-        group.Free()
+    return set(ulfm.translate(comm.Get_failed(), comm.Get_group()))
 
 
 def _seen_at_heal(lost):
